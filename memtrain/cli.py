@@ -1,0 +1,122 @@
+"""The ``memtrain`` command: each subcommand parses arguments and calls one library function.
+
+User mistakes (:class:`MemtrainError`) print their message and exit with status 2, without a
+traceback; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from memtrain.errors import MemtrainError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="Fine-tune Hugging Face models under a memory budget.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+Recipe = Annotated[str, typer.Argument(help="Recipe YAML file, or the name of a shipped recipe.")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Overrides like `training.learning_rate=1e-4 data.max_examples=500`."),
+]
+
+
+def user_errors(func: F) -> F:
+    """Turn MemtrainError into a clean message and exit status 2."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except MemtrainError as err:
+            err_console.print(f"[bold red]error:[/] {err}", highlight=False, markup=True)
+            raise typer.Exit(err.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False, show_time=False)],
+        force=True,
+    )
+    logging.getLogger("memtrain").setLevel(logging.INFO)
+
+
+@app.command()
+@user_errors
+def train(recipe: Recipe, overrides: Overrides = None,
+          verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+    """Fine-tune as a recipe says: data, model, adapter, memory techniques, training, saving."""
+    from memtrain.config import load_recipe
+    from memtrain.runner import train as run_training
+
+    _setup_logging(verbose)
+    cfg = load_recipe(recipe, overrides or [])
+    run_training(cfg, console=console)
+
+
+@app.command()
+@user_errors
+def validate(recipe: Recipe, overrides: Overrides = None) -> None:
+    """Check a recipe and print it fully resolved (every default filled in)."""
+    from memtrain.config import dump_recipe, load_recipe
+
+    cfg = load_recipe(recipe, overrides or [])
+    console.print(dump_recipe(cfg), highlight=False, markup=False)
+    err_console.print(f"[green]ok:[/] {recipe} is a valid recipe")
+
+
+@app.command()
+@user_errors
+def recipes() -> None:
+    """List the recipes that ship with memtrain."""
+    import yaml
+
+    from memtrain.config import shipped_recipes_dir
+
+    table = Table("recipe", "description", title=f"recipes in {shipped_recipes_dir()}")
+    for path in sorted(shipped_recipes_dir().glob("*.yaml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        table.add_row(path.stem, str(data.get("description", "")))
+    console.print(table)
+
+
+@app.command()
+@user_errors
+def datasets() -> None:
+    """List the offline datasets built into memtrain (`data.source: builtin:<name>`)."""
+    from memtrain.builtin_data import BUILTINS
+
+    table = Table("source", "description")
+    for name, builder in BUILTINS.items():
+        doc = (builder.__doc__ or "").strip().splitlines()[0]
+        table.add_row(f"builtin:{name}", doc)
+    console.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)

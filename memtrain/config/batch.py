@@ -1,0 +1,50 @@
+"""Batch arithmetic: effective = micro × accumulation × processes, exactly.
+
+The user may state any of the three numbers; the missing ones are derived here. ``auto`` values
+must be decided by the planner before this runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memtrain.config.schema import TrainingConfig
+
+DEFAULT_MICRO_BATCH = 8  # used only when the recipe states no batch size at all
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The batch sizes a run uses."""
+
+    micro: int
+    accumulation: int
+    processes: int = 1
+
+    @property
+    def effective(self) -> int:
+        return self.micro * self.accumulation * self.processes
+
+    def __str__(self) -> str:
+        procs = f" × {self.processes} processes" if self.processes > 1 else ""
+        return f"{self.effective} = {self.micro} per step × {self.accumulation} accumulated{procs}"
+
+
+def resolve_batch(training: TrainingConfig, processes: int = 1) -> Batch:
+    """Derive the missing batch numbers (the schema has already checked they can agree).
+
+    Raises:
+        ValueError: a field is still ``auto`` (the planner must fill it first).
+    """
+    eff, micro, accum = training.effective_batch_size, training.micro_batch_size, training.gradient_accumulation
+    if micro == "auto" or accum == "auto":
+        raise ValueError("micro_batch_size/gradient_accumulation are `auto`: run the planner first")
+    if micro is not None and accum is not None:
+        return Batch(micro, accum, processes)
+    if eff is None:
+        return Batch(micro or DEFAULT_MICRO_BATCH, accum or 1, processes)
+    if micro is not None:
+        return Batch(micro, eff // (micro * processes), processes)
+    if accum is not None:
+        return Batch(eff // (accum * processes), accum, processes)
+    return Batch(eff // processes, 1, processes)

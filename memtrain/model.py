@@ -1,0 +1,184 @@
+"""Load the tokenizer and model a recipe names: dtype, bitsandbytes quantization, task head.
+
+Models come from a hub id, a local folder, a ``pkg:`` folder inside an installed package, or are
+built from a config dict (``model.from_config``) with random weights for offline work. A model
+built from a config and quantized is first saved to a temporary folder and reloaded through
+``from_pretrained``, since bitsandbytes quantizes at load time.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from memtrain import sources
+from memtrain.config import ModelConfig, Problem, RecipeError
+from memtrain.errors import MemtrainError
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_AUTO_CLASSES = {
+    "causal-lm": AutoModelForCausalLM,
+    "sequence-classification": AutoModelForSequenceClassification,
+}
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The recipe's tokenizer, with a padding token (the end-of-sequence token when it has none)."""
+    location = cfg.tokenizer or cfg.name
+    assert location is not None  # guaranteed by the schema
+    tokenizer = _from_pretrained(AutoTokenizer, "model.tokenizer" if cfg.tokenizer else "model.name",
+                                 location, cfg, {})
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def build_config(cfg: ModelConfig, num_labels: int | None = None) -> PretrainedConfig:
+    """The model's architecture config, without weights (used by training and the estimator)."""
+    if cfg.from_config is not None:
+        values = dict(cfg.from_config)
+        model_type = values.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **values)
+        except (ValueError, TypeError) as err:
+            raise RecipeError([Problem("model.from_config", cfg.from_config,
+                                       f"cannot build a config ({err})",
+                                       "use a `model_type` transformers knows and its config keys.")]
+                              ) from None
+    else:
+        assert cfg.name is not None
+        config = _from_pretrained(AutoConfig, "model.name", cfg.name, cfg, {})
+    if num_labels is not None:
+        config.num_labels = num_labels
+    return config
+
+
+def quantization_config(cfg: ModelConfig) -> BitsAndBytesConfig | None:
+    """bitsandbytes settings for ``model.quantization`` (None when not quantized)."""
+    if cfg.quantization in ("none", "auto"):
+        return None
+    if cfg.quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = DTYPES[cfg.compute_dtype or cfg.dtype]
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quantization,
+        bnb_4bit_use_double_quant=cfg.double_quant,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=torch.uint8,
+    )
+
+
+def load_model(
+    cfg: ModelConfig,
+    num_labels: int | None = None,
+    pad_token_id: int | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """Load (or build) the model with the recipe's dtype, quantization and task head.
+
+    Args:
+        cfg: the ``model`` section.
+        num_labels: classes for sequence classification.
+        pad_token_id: the tokenizer's padding id (classification heads need it to find the last
+            token of padded rows).
+        seed: seeds the random initialisation of models built from a config and of new heads.
+    """
+    torch.manual_seed(seed)
+    config = build_config(cfg, num_labels if cfg.task == "sequence-classification" else None)
+    if pad_token_id is not None and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = pad_token_id
+    auto = _AUTO_CLASSES[cfg.task]
+    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.dtype]}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    quant = quantization_config(cfg)
+    if cfg.from_config is not None and quant is None:
+        return auto.from_config(config, **kwargs)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = _device_map()
+    if cfg.from_config is not None:  # quantize a config-built model: save, then load quantized
+        with tempfile.TemporaryDirectory(prefix="memtrain-model-") as tmp:
+            auto.from_config(config, dtype=kwargs["dtype"]).save_pretrained(tmp)
+            model = auto.from_pretrained(tmp, config=config, **kwargs)
+        model.name_or_path = model.config._name_or_path = f"from_config:{config.model_type}"
+    else:
+        assert cfg.name is not None
+        model = _from_pretrained(auto, "model.name", cfg.name, cfg, {"config": config, **kwargs})
+    if quant is not None:
+        keep_4bit_trainable_on_cpu(model)
+    return model
+
+
+def keep_4bit_trainable_on_cpu(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    After a no-grad forward in eval mode, ``bnb.nn.Linear4bit`` on CPU repacks its weight into a
+    layout for fast bf16 inference, after which LoRA gradients silently become None. Turning the
+    repack off on every 4-bit layer keeps training correct; it changes nothing on CUDA.
+
+    Returns:
+        The number of 4-bit layers changed.
+    """
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+def _device_map() -> dict[str, Any]:
+    """Quantized weights are created on their final device: the current GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return {"": torch.cuda.current_device()}
+    return {"": "cpu"}
+
+
+def _from_pretrained(factory: Any, field: str, location: str, cfg: ModelConfig,
+                     kwargs: dict[str, Any]) -> Any:
+    """``factory.from_pretrained`` with recipe-level errors instead of tracebacks."""
+    try:
+        path = sources.resolve(location)
+    except FileNotFoundError as err:
+        raise RecipeError([Problem(field, location, f"cannot be found ({err})",
+                                   "check the path or install the package that ships it.")]) from None
+    try:
+        return factory.from_pretrained(path, revision=cfg.revision,
+                                       trust_remote_code=cfg.trust_remote_code, **kwargs)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MemtrainError(
+            f"`{field}`: could not load {location!r}: {first}\n"
+            "Fix: check the name, your network or HF_HUB_OFFLINE, and access rights (gated models "
+            "need `huggingface-cli login`)."
+        ) from None
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameter counts; 4-bit packed weights count as their logical size."""
+    total = trainable = 0
+    for param in model.parameters():
+        n = param.numel()
+        if hasattr(param, "quant_state") or type(param).__name__ == "Params4bit":
+            n *= 2  # two 4-bit values per stored byte
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return total, trainable

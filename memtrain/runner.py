@@ -1,0 +1,153 @@
+"""``memtrain train``: the whole run, from a validated recipe to a saved adapter and metrics.
+
+Order matters for failing fast: the output folder and the data are checked before the model is
+loaded, so a user mistake costs seconds, not a model download.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from transformers import TrainerCallback, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from memtrain import patches
+from memtrain.config import RunConfig, dump_recipe
+from memtrain.config.batch import Batch, resolve_batch
+from memtrain.data import PreparedData, prepare_data
+from memtrain.errors import MemtrainError
+from memtrain.model import count_parameters, load_model, load_tokenizer
+from memtrain.trainer import add_derived_metrics, build_trainer
+
+log = logging.getLogger(__name__)
+
+RECIPE_FILE, METRICS_FILE = "recipe.yaml", "metrics.json"
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    output_dir: Path
+    metrics: dict[str, float]
+    batch: Batch
+    patches: list[str] = field(default_factory=list)
+
+
+def train(cfg: RunConfig, console: Console | None = None,
+          callbacks: list[TrainerCallback] | None = None) -> TrainResult:
+    """Fine-tune as the recipe says and save the result in ``cfg.output.dir``.
+
+    Raises:
+        MemtrainError: a user-fixable problem (data, output folder, settings), before heavy work.
+    """
+    console = console or Console()
+    out = Path(cfg.output.dir)
+    resume_from = _check_output_dir(cfg, out)
+    set_seed(cfg.training.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    data = prepare_data(cfg, tokenizer)
+    batch = resolve_batch(cfg.training, cfg.distributed.processes)
+    model = load_model(cfg.model, data.num_labels, tokenizer.pad_token_id, cfg.training.seed)
+    if data.label_names:
+        model.config.id2label = dict(enumerate(data.label_names))
+        model.config.label2id = {n: i for i, n in enumerate(data.label_names)}
+    model = patches.apply_patches(model, cfg)
+    _startup_table(console, cfg, model, data, batch)
+    trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), callbacks)
+    train_output = trainer.train(resume_from_checkpoint=resume_from)
+    metrics: dict[str, Any] = dict(train_output.metrics)
+    if data.eval is not None:
+        metrics.update(trainer.evaluate())
+    metrics = add_derived_metrics(metrics, cfg, data)
+    _save_final(trainer, tokenizer, cfg, metrics, out)
+    _summary(console, metrics, out)
+    return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)])
+
+
+def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
+    """Refuse to clobber earlier work; return the checkpoint to resume from, if any."""
+    resume = cfg.training.resume
+    if isinstance(resume, str):
+        path = Path(resume)
+        if not (path / "trainer_state.json").is_file():
+            raise MemtrainError(f"`training.resume`: {resume!r} is not a checkpoint folder (no "
+                                "trainer_state.json). Fix: point it at a `checkpoint-N` folder "
+                                "or use `training.resume=true`.")
+        return str(path)
+    last = get_last_checkpoint(str(out)) if out.is_dir() else None
+    if resume:
+        if last is None:
+            log.warning("training.resume=true but %s holds no checkpoint: starting fresh", out)
+        return last
+    finished = (out / METRICS_FILE).exists()
+    if (last or finished) and not cfg.output.overwrite:
+        what = f"checkpoint {Path(last).name}" if last else "a finished run"
+        raise MemtrainError(
+            f"`output.dir`: {str(out)!r} already holds {what}. Fix: continue it with "
+            "`training.resume=true`, choose another `output.dir`, or set `output.overwrite=true`."
+        )
+    if cfg.output.overwrite and out.is_dir():
+        for old in out.glob("checkpoint-*"):
+            shutil.rmtree(old)
+    return None
+
+
+def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
+                out: Path) -> None:
+    """Write adapter/model, tokenizer, resolved recipe and metrics; atomically per file set."""
+    staging = out / ".final-tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    if cfg.output.save_model:
+        trainer.save_model(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
+    (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+    for item in staging.iterdir():
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        item.replace(target)
+    staging.rmdir()
+
+
+def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedData,
+                   batch: Batch) -> None:
+    total, trainable = count_parameters(model)
+    table = Table(title="memtrain run", show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column()
+    m = cfg.model
+    table.add_row("model", f"{m.name or m.from_config.get('model_type')} ({m.task})")
+    table.add_row("parameters", f"{total:,} total, {trainable:,} trainable ({trainable / total:.2%})")
+    table.add_row("weights", f"{m.dtype}, quantization {m.quantization}")
+    table.add_row("data", f"{cfg.data.source}: {len(data.train):,} train, "
+                  f"{len(data.eval) if data.eval is not None else 0:,} eval examples")
+    table.add_row("batch", str(batch))
+    t = cfg.training
+    length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epoch(s)"
+    table.add_row("optimizer", f"{t.optimizer}, lr {t.learning_rate:g} ({t.lr_scheduler}), {length}")
+    for record in patches.records(model):
+        table.add_row(f"patch: {record.name}", record.detail)
+    table.add_row("output", cfg.output.dir)
+    console.print(table)
+
+
+def _summary(console: Console, metrics: dict[str, Any], out: Path) -> None:
+    keys = [k for k in ("train_loss", "eval_loss", "eval_accuracy", "eval_majority_baseline",
+                        "eval_perplexity", "train_runtime") if k in metrics]
+    table = Table(title="result", show_header=False, title_justify="left")
+    table.add_column(style="bold green")
+    table.add_column()
+    for key in keys:
+        table.add_row(key, f"{metrics[key]:.4f}")
+    table.add_row("saved to", str(out))
+    console.print(table)

