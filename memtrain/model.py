@@ -68,6 +68,22 @@ def build_config(cfg: ModelConfig, num_labels: int | None = None) -> PretrainedC
     return config
 
 
+def model_class(cfg: ModelConfig) -> Any:
+    """The transformers auto class for the recipe's task (causal LM or sequence classification)."""
+    return _AUTO_CLASSES[cfg.task]
+
+
+def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments every model build shares: weight dtype and attention kernel.
+
+    The estimator builds its fake model with the same arguments, so both cannot drift apart.
+    """
+    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.dtype]}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    return kwargs
+
+
 def quantization_config(cfg: ModelConfig) -> BitsAndBytesConfig | None:
     """bitsandbytes settings for ``model.quantization`` (None when not quantized)."""
     if cfg.quantization in ("none", "auto"):
@@ -103,10 +119,8 @@ def load_model(
     config = build_config(cfg, num_labels if cfg.task == "sequence-classification" else None)
     if pad_token_id is not None and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = pad_token_id
-    auto = _AUTO_CLASSES[cfg.task]
-    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.dtype]}
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
+    auto = model_class(cfg)
+    kwargs = model_kwargs(cfg)
     quant = quantization_config(cfg)
     if cfg.from_config is not None and quant is None:
         return auto.from_config(config, **kwargs)

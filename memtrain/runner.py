@@ -24,8 +24,9 @@ from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
+from memtrain.memory.build import build_model
 from memtrain.memory.meter import StepMemory
-from memtrain.model import count_parameters, load_model, load_tokenizer
+from memtrain.model import count_parameters, load_tokenizer
 from memtrain.trainer import add_derived_metrics, build_trainer
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
-    model = load_model(cfg.model, data.num_labels, tokenizer.pad_token_id, cfg.training.seed)
-    if data.label_names:
-        model.config.id2label = dict(enumerate(data.label_names))
-        model.config.label2id = {n: i for i, n in enumerate(data.label_names)}
-    model = patches.apply_patches(model, cfg)
+    model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     _startup_table(console, cfg, model, data, batch)
     meter = MemoryMeterCallback()
     trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), [meter, *(callbacks or [])])

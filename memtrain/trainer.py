@@ -36,9 +36,6 @@ OPTIMIZERS: dict[str, tuple[str, str | None]] = {
 def training_arguments(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: bool) -> TrainingArguments:
     """TrainingArguments for a resolved recipe (no `auto` left)."""
     t = cfg.training
-    if t.optimizer == "auto":
-        raise ValueError("training.optimizer is `auto`: run the planner first")
-    optim, optim_args = OPTIMIZERS[t.optimizer]
     cuda = torch.cuda.is_available()
     if cfg.model.dtype == "fp16" and not cuda:
         raise MemtrainError("`model.dtype`: fp16 training needs a CUDA GPU. Fix: use `bf16` or `fp32` "
@@ -49,15 +46,12 @@ def training_arguments(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: 
         per_device_train_batch_size=batch.micro,
         per_device_eval_batch_size=batch.micro,
         gradient_accumulation_steps=batch.accumulation,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
+        **optimizer_arguments(cfg),
         lr_scheduler_type=t.lr_scheduler,
         warmup_steps=t.warmup if t.warmup < 1 else int(t.warmup),
         num_train_epochs=t.epochs,
         max_steps=t.max_steps or -1,
         max_grad_norm=t.max_grad_norm or 0.0,
-        optim=optim,
-        optim_args=optim_args,
         eval_strategy=eval_strategy,
         eval_steps=t.eval_steps,
         logging_steps=t.logging_steps,
@@ -77,6 +71,20 @@ def training_arguments(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: 
         label_names=["labels"],
         disable_tqdm=False,
     )
+
+
+def optimizer_arguments(cfg: RunConfig) -> dict[str, Any]:
+    """The TrainingArguments that choose and configure the optimizer.
+
+    Shared with :func:`memtrain.memory.build.build_optimizer`, which builds the same optimizer
+    outside a Trainer (estimates, benchmarks).
+    """
+    t = cfg.training
+    if t.optimizer == "auto":
+        raise ValueError("training.optimizer is `auto`: run the planner first")
+    optim, optim_args = OPTIMIZERS[t.optimizer]
+    return {"optim": optim, "optim_args": optim_args, "learning_rate": t.learning_rate,
+            "weight_decay": t.weight_decay}
 
 
 def compute_accuracy(pred: EvalPrediction) -> dict[str, float]:

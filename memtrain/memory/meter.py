@@ -9,6 +9,8 @@ CUDA and under ``FakeTensorMode`` (the estimator traces fake steps with it). mem
 - a *host* bucket: tensors that offload code moved to host memory (:meth:`MemoryMeter.mark_host`)
   are counted apart from the compute device, also on a CPU-only machine where both are RAM;
 - gradient accumulation (the root module runs several times in one step);
+- the quantization constants of bitsandbytes layers (absmax, code books, int8 row scales), which
+  live outside parameters and buffers, counted as ``parameters``;
 - a compact timeline of the step for reports, and CUDA allocator peaks beside the tensor bytes.
 
 On CPU the figures are exact live-tensor bytes; on CUDA they are allocation-rounded tensor bytes,
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+
+from memtrain.memory.quantized import quantization_state_tensors
 
 CATEGORIES: dict[_MemRefType, str] = {
     _MemRefType.PARAM: "parameters",
@@ -185,6 +189,10 @@ class MemoryMeter:
     def __enter__(self) -> MemoryMeter:
         if self._external:
             self._tracker.track_external(*self._external)
+        for obj in self._external:  # bitsandbytes keeps quantization constants outside parameters
+            if isinstance(obj, nn.Module):
+                for tensor in quantization_state_tensors(obj):
+                    self._tracker._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

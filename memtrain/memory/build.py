@@ -1,0 +1,134 @@
+"""Build what a training step holds — model, optimizer, batch — the one way training does it.
+
+Training (:mod:`memtrain.runner`), measurement (the benchmarks) and estimation
+(:mod:`memtrain.memory.estimate`) all build through this module, so they cannot drift apart:
+
+- :func:`build_model` loads the real model (:func:`memtrain.model.load_model`) and applies the
+  recipe's patches; :func:`build_fake_model` builds the same architecture on fake tensors, with
+  the same load arguments, quantized the way loading quantizes, and the same patches.
+- :func:`build_optimizer` is the Trainer's own ``create_optimizer`` (parameter groups, optimizer
+  class from ``training.optimizer``, bitsandbytes embedding overrides), called without a Trainer.
+- :func:`training_step` is what the Trainer does to memory in one optimizer step: forward and
+  backward per micro-batch, gradient clipping, the optimizer step, gradients set to None.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from transformers import PretrainedConfig, TrainingArguments
+
+from memtrain import patches
+from memtrain.config import RunConfig
+from memtrain.model import keep_4bit_trainable_on_cpu, load_model, model_class, model_kwargs
+
+
+def build_model(cfg: RunConfig, num_labels: int | None = None, pad_token_id: int | None = None,
+                label_names: list[str] | None = None) -> nn.Module:
+    """The model a run trains: loaded as the recipe says, with its patches applied.
+
+    Args:
+        cfg: the recipe.
+        num_labels: classes (sequence classification).
+        pad_token_id: the tokenizer's padding id.
+        label_names: class names, stored in the model config for saved models.
+    """
+    model = load_model(cfg.model, num_labels, pad_token_id, cfg.training.seed)
+    if label_names:
+        model.config.id2label = dict(enumerate(label_names))
+        model.config.label2id = {n: i for i, n in enumerate(label_names)}
+    return patches.apply_patches(model, cfg)
+
+
+def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
+    """The same model on fake tensors; call inside :func:`memtrain.memory.fake.fake_tensor_mode`.
+
+    Args:
+        cfg: the recipe (model section for dtype/quantization, the rest for patches).
+        config: the architecture (possibly with fewer layers than the real model).
+    """
+    model = model_class(cfg.model).from_config(config, **model_kwargs(cfg.model))
+    if cfg.model.quantization not in ("none", "auto"):
+        from memtrain.memory.quantized import quantize_fake
+
+        model = quantize_fake(model, cfg.model)
+        if cfg.model.quantization != "int8":
+            keep_4bit_trainable_on_cpu(model)
+    model.eval()  # as from_pretrained leaves it; the step switches to train mode
+    return patches.apply_patches(model, cfg)
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the Trainer would create for ``model`` under ``cfg``.
+
+    Runs :meth:`memtrain.trainer.MemtrainTrainer.create_optimizer` (the stock Trainer's, unless
+    memtrain overrides it) on a subclass that skips the Trainer's constructor, so parameter groups,
+    weight-decay exclusions, the optimizer class and its arguments, and the bitsandbytes
+    embedding overrides are the Trainer's own.
+    """
+    from memtrain.trainer import MemtrainTrainer, optimizer_arguments
+
+    class OptimizerOnly(MemtrainTrainer):
+        def __init__(self, args: TrainingArguments, model: nn.Module) -> None:  # no data, no accelerate
+            self.args, self.model = args, model
+            self.optimizer, self.optimizer_cls_and_kwargs = None, None
+
+    with tempfile.TemporaryDirectory(prefix="memtrain-optim-") as tmp:
+        args = TrainingArguments(output_dir=tmp, use_cpu=not torch.cuda.is_available(),
+                                 report_to="none", **optimizer_arguments(cfg))
+    return OptimizerOnly(args, model).create_optimizer()
+
+
+def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
+                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A worst-case batch: every row ``seq_len`` tokens long, so no padding and no attention mask.
+
+    A full-length attention mask is all ones, which transformers drops before attention, so the
+    step is the same without it (and a fake tensor cannot answer the "all ones?" check).
+    """
+    generator = torch.Generator().manual_seed(0) if torch.device(device).type == "cpu" else None
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator,
+                        device=device)
+    if cfg.model.task == "sequence-classification":
+        labels = torch.randint(0, max(2, config.num_labels), (batch_size,), generator=generator,
+                               device=device)
+    else:
+        labels = ids.clone()
+    return {"input_ids": ids, "labels": labels}
+
+
+def training_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
+                  accumulation: int = 1, max_grad_norm: float | None = None) -> None:
+    """One optimizer step as the Trainer runs it, for memory purposes.
+
+    ``accumulation`` micro-batches of forward + backward (loss scaled by 1/accumulation), gradient
+    clipping when ``max_grad_norm`` is set, the optimizer step, then ``zero_grad(set_to_none=True)``.
+    """
+    model.train()
+    for _ in range(accumulation):
+        loss = model(**batch).loss
+        if accumulation > 1:
+            loss = loss / accumulation
+        loss.backward()
+        del loss
+    if max_grad_norm:
+        params = [p for p in model.parameters() if p.requires_grad]
+        # torch picks the multi-tensor norm for real tensors on CPU and CUDA, but never for fake
+        # ones (their type is not on its list): pick it explicitly so a trace does what a run does.
+        foreach = True if any(isinstance(p, FakeTensor) for p in params[:1]) else None
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=foreach)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The recipe values :func:`training_step` needs: micro-batch, accumulation, clipping."""
+    from memtrain.config.batch import resolve_batch
+
+    batch = resolve_batch(cfg.training, cfg.distributed.processes)
+    return {"micro_batch_size": batch.micro, "accumulation": batch.accumulation,
+            "max_grad_norm": cfg.training.max_grad_norm}

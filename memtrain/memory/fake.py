@@ -1,0 +1,152 @@
+"""A ``FakeTensorMode`` in which real training code (transformers, peft, bitsandbytes) runs.
+
+The estimator traces training steps on fake tensors: shapes, dtypes and devices without storage,
+so a 70B model costs no memory. Three things in the libraries memtrain uses do not work on fake
+tensors out of the box; :func:`fake_tensor_mode` fixes each for the duration of the trace only,
+and restores everything it touched afterwards:
+
+- ``module.to(dtype)`` on a module with fake parameters (peft casts LoRA weights to the base
+  layer's dtype) must swap tensors (``torch.utils.swap_tensors``), which refuses tensors with a
+  weak reference. The fake mode's own memo holds one on almost every fake tensor; the memo entry
+  is only a conversion cache, so it is dropped right before the swap.
+- ``copy.deepcopy`` of a fake tensor (peft copies a classification head it trains) takes the
+  real-tensor path through storages and comes back attached to a new fake mode, which the
+  original mode then refuses to mix with. A fake tensor is deep-copied by cloning it in its mode.
+- transformers asks of the position ids whether several sequences are packed into one row (a
+  data-dependent ``.all()``); on fake tensors it cannot ask, assumes packing and builds a full
+  attention mask, which a real step never does for memtrain's batches (positions always count
+  0, 1, 2, ... in every row). The check answers "not packed" while tracing.
+- bitsandbytes builds its 8-bit quantization map with ``.tolist()``, a data-dependent call that
+  fake tensors cannot answer. The map is built once for real (256 floats) and handed in as a
+  fake constant. bitsandbytes caches maps in module globals; the cache is restored on exit so that
+  no fake tensor leaks into later real work.
+- bitsandbytes' ``GlobalOptimManager`` is a process-wide singleton that the Trainer fills with
+  per-module overrides (embeddings keep 32-bit optimizer state). Its state is saved and restored
+  so that a trace does not leave overrides behind for a later real optimizer, or the reverse.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+
+
+@contextmanager
+def fake_tensor_mode() -> Iterator[FakeTensorMode]:
+    """Enter a ``FakeTensorMode`` with the fixes above; yields the mode (for ``from_tensor``)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with ExitStack() as stack:
+        stack.enter_context(_swappable_fakes(mode))
+        stack.enter_context(_deepcopyable_fakes())
+        stack.enter_context(_unpacked_positions())
+        stack.enter_context(_bnb_on_fakes(mode))
+        stack.enter_context(isolated_bnb_overrides())
+        stack.enter_context(mode)
+        yield mode
+
+
+@contextmanager
+def _swappable_fakes(mode: FakeTensorMode) -> Iterator[None]:
+    original: Callable[[torch.Tensor, torch.Tensor], None] = torch.utils.swap_tensors
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        keys = [r.key for t in (t1, t2) for r in weakref.getweakrefs(t) if isinstance(r, weakref.KeyedRef)]
+        for key in keys:  # the KeyedRef objects must be gone before swapping: keep only their keys
+            memo.pop(key, None)
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+@contextmanager
+def _deepcopyable_fakes() -> Iterator[None]:
+    def deepcopy(self: FakeTensor, memo: dict[int, Any]) -> torch.Tensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if isinstance(self, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        else:
+            new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():  # user attributes, e.g. a 4-bit weight's quant_state
+            if key not in new.__dict__:  # (not the fake mode's own bookkeeping)
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
+
+    FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del FakeTensor.__deepcopy__
+
+
+@contextmanager
+def _unpacked_positions() -> Iterator[None]:
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextmanager
+def _bnb_on_fakes(mode: FakeTensorMode) -> Iterator[None]:
+    try:
+        import bitsandbytes.functional as F
+    except ImportError:  # optional backend: nothing to fix
+        yield
+        return
+    original = F.create_dynamic_map
+    cache = dict(F.name2qmap)
+
+    def create_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            real = original(*args, **kwargs)
+        return mode.from_tensor(real)
+
+    F.create_dynamic_map = create_dynamic_map
+    F.name2qmap.clear()
+    try:
+        yield
+    finally:
+        F.create_dynamic_map = original
+        F.name2qmap.clear()
+        F.name2qmap.update(cache)
+
+
+@contextmanager
+def isolated_bnb_overrides() -> Iterator[None]:
+    """Run with an empty bitsandbytes ``GlobalOptimManager`` and restore its state afterwards.
+
+    Used around every optimizer that memtrain builds outside the Trainer (estimates, benchmarks),
+    so that per-parameter overrides registered for one model never apply to another.
+    """
+    try:
+        from bitsandbytes.optim import GlobalOptimManager
+    except ImportError:
+        yield
+        return
+    manager = GlobalOptimManager.get_instance()
+    saved = {k: v for k, v in vars(manager).items()}
+    manager.initialize()
+    try:
+        yield
+    finally:
+        manager.__dict__.clear()
+        manager.__dict__.update(saved)

@@ -1,0 +1,318 @@
+"""Trace a training step on fake tensors and extrapolate it in depth and micro-batch size.
+
+:func:`trace_step` builds the recipe's model on fake tensors (:mod:`memtrain.memory.build`), runs
+a warm-up step (so optimizer state exists) and measures a second one with the memory meter,
+recording after every op the live bytes per category, the host bytes, the phase and the decoder
+layer the op ran in.
+
+Why extrapolation is exact. Decoder layers are identical, so an op inside layer ``i`` of an
+``L``-layer model sees ``c + p·i + q·L`` bytes: state of all ``L`` layers (``q``), activations
+saved by the layers before it or gradients of the layers after it (``p``), and its own work
+(``c``). Layer 0 is special when its input needs no gradient (LoRA on a frozen embedding saves
+less), so it gets its own line. Ops outside the layers (embedding, head, loss, optimizer) see
+``c + q·L``. Tracing depths 2 and 3 pins every coefficient of every op: layer 0 from its two
+occurrences, the regular layers from layer 1 at both depths and layer 2 at depth 3. The peak of
+an ``L``-layer model is then the largest op value, where each regular-layer op is evaluated at
+``i = 1`` and ``i = L - 1`` (a linear function of ``i`` peaks at an end). The same argument makes
+every op linear in the micro-batch size. Ops that do not align across depths (per-parameter
+loops in the optimizer and in gradient clipping, whose op count grows with depth) are each a
+fixed per-parameter cost on top of state that grows linearly, so their phase maximum is linear
+in ``L``. If the layer structure does not align (layers of different shape), the caller traces
+the full depth instead. ``tests/test_estimate.py`` checks extrapolated == full trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
+from transformers import PretrainedConfig
+
+from memtrain.config import RunConfig
+from memtrain.memory import meter as meter_mod
+from memtrain.memory.build import (
+    build_fake_model,
+    build_optimizer,
+    example_batch,
+    step_settings,
+    training_step,
+)
+from memtrain.memory.fake import fake_tensor_mode
+from memtrain.model import count_parameters
+
+CATEGORY_NAMES = meter_mod.CATEGORY_NAMES
+_INDEX = {ref: i for i, ref in enumerate(meter_mod.CATEGORIES)}
+HOST, ROUNDED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1  # extra value columns
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
+
+
+@dataclass
+class Trace:
+    """One traced step: per op, its phase occurrence, layer (-1: none) and byte values."""
+
+    phases: list[str]  # phase name of each occurrence (forward, backward, forward, ..., optimizer)
+    occurrence: np.ndarray  # (ops,)
+    layer: np.ndarray  # (ops,)
+    values: np.ndarray  # (ops, categories + host + rounded)
+    parameters: int
+    trainable: int
+
+
+@dataclass
+class Candidates:
+    """Byte values of the ops that can hold the peak, each with its phase."""
+
+    phases: list[str]
+    values: np.ndarray  # float64 (candidates, categories + host + rounded)
+
+
+class _EventTracker(meter_mod._Tracker):
+    """The meter's tracker, recording raw bytes per op instead of keeping running peaks."""
+
+    def __init__(self, device: torch.device, host: torch.device, layers: list[nn.Module]) -> None:
+        super().__init__(device, host, timeline=False)
+        self._layers = layers
+        self._fqns: list[str | None] = [None] * len(layers)
+        self._raw = {device: [0] * len(CATEGORY_NAMES), host: [0] * len(CATEGORY_NAMES)}
+        self._rounded = 0
+        self.phases: list[str] = []
+        self.rows: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
+        if func is torch.ops.prim.device.default:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _update_snap(self, u_type: _UpdateType, winfo: object, old_mem_consumed: int | None = None,
+                     old_reftype: _MemRefType | None = None) -> None:
+        self._account(u_type, winfo, old_reftype)
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    def _account(self, u_type: _UpdateType, winfo: object, old_reftype: _MemRefType | None) -> None:
+        # MemTracker rounds CUDA sizes into its own totals; these are raw bytes, rounded kept apart.
+        counts = self._raw.get(winfo.device)  # type: ignore[attr-defined]
+        if counts is None:
+            return
+        raw = winfo.size * winfo.element_size  # type: ignore[attr-defined]
+        old = getattr(winfo, "_memtrain_raw", raw)
+        slot = _INDEX[winfo.reftype]  # type: ignore[attr-defined]
+        delta_rounded = 0
+        if u_type == _UpdateType.ADD:
+            counts[slot] += raw
+            delta_rounded = _round(raw)
+        elif u_type == _UpdateType.DEL:
+            counts[slot] -= old
+            delta_rounded = -_round(old)
+        elif u_type == _UpdateType.REF and old_reftype is not None:
+            counts[_INDEX[old_reftype]] -= old
+            counts[slot] += old
+        elif u_type == _UpdateType.SIZE:
+            counts[slot] += raw - old
+            delta_rounded = _round(raw) - _round(old)
+        winfo._memtrain_raw = raw  # type: ignore[attr-defined]
+        if winfo.device == self.compute_device:  # type: ignore[attr-defined]
+            self._rounded += delta_rounded
+
+    def _update_peak_stats(self, peak_state: object) -> None:
+        phase = self.phase()
+        if not self.phases or self.phases[-1] != phase:
+            self.phases.append(phase)
+        self.rows.append((len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],
+                          sum(self._raw[self.host_device]), self._rounded))
+
+    def _current_layer(self) -> int:
+        parents = self._mod_tracker.parents
+        for i, module in enumerate(self._layers):
+            fqn = self._fqns[i] = self._fqns[i] or self._mod_tracker.get_known_fqn(module)
+            if fqn is not None and fqn in parents:
+                return i
+        return -1
+
+
+def _round(n: int) -> int:
+    return math.ceil(n / CUDA_BLOCK) * CUDA_BLOCK
+
+
+class _TracingMeter(meter_mod.MemoryMeter):
+    """A MemoryMeter (so offload code's ``mark_host`` reaches it) with the recording tracker."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
+                 layers: list[nn.Module]) -> None:
+        super().__init__(model, optimizer, inputs=batch)
+        self.tracker = _EventTracker(self.device, self._tracker.host_device, layers)
+        self._tracker = self.tracker
+
+
+def with_depth(config: PretrainedConfig, depth: int) -> PretrainedConfig:
+    """A copy of ``config`` with ``depth`` decoder layers (per-layer lists cut to match)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = depth  # attribute maps cover n_layer (GPT-2) and friends
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:depth]
+    return config
+
+
+def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
+    """The repeated blocks: the largest ModuleList of ``depth`` same-class modules."""
+    best: list[nn.Module] = []
+    best_size = -1
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == depth and len({type(m) for m in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = list(module), size
+    return best
+
+
+def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
+               device: torch.device | str = "cpu", foreach: bool = False) -> Trace:
+    """Trace one steady-state training step of the recipe on fake tensors.
+
+    Args:
+        cfg: the recipe (no `auto` fields).
+        config: the architecture, possibly with fewer layers (:func:`with_depth`).
+        batch_size: micro-batch size.
+        seq_len: tokens per example.
+        device: the device the fake tensors claim to be on.
+        foreach: make torch optimizers use their multi-tensor (foreach) kernels, as they do on
+            CUDA, when tracing a CUDA run on a machine without one.
+    """
+    settings = step_settings(cfg)
+    accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
+    with fake_tensor_mode(), _default_device(device):
+        model = build_fake_model(cfg, config)
+        optimizer = build_optimizer(cfg, model)
+        if foreach:
+            for group in optimizer.param_groups:
+                if "foreach" in group:
+                    group["foreach"] = True
+        batch = example_batch(cfg, config, batch_size, seq_len, device)
+        step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])
+        _create_optimizer_state(model, optimizer)
+        layers = decoder_layers(model, config.num_hidden_layers)
+        meter = _TracingMeter(model, optimizer, batch, layers)
+        with meter:
+            training_step(*step)
+        total, trainable = count_parameters(model)
+    rows = np.array(meter.tracker.rows, dtype=np.int64)
+    return Trace(meter.tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable)
+
+
+def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What the warm-up step leaves behind, without its forward and backward: optimizer state.
+
+    An optimizer step on zero gradients creates exactly the state a real first step creates
+    (its shapes and dtypes depend on the parameters, not on gradient values).
+    """
+    model.train()
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------ extrapolation
+
+
+def direct(trace: Trace) -> Candidates:
+    """Every op of a full-depth trace is a candidate."""
+    return Candidates([trace.phases[o] for o in trace.occurrence], trace.values.astype(np.float64))
+
+
+def _split(trace: Trace, occ: int) -> tuple[np.ndarray, dict[int, np.ndarray], np.ndarray] | None:
+    """(ops before the layers, ops per layer, ops after) of one phase occurrence; None if tangled."""
+    mask = trace.occurrence == occ
+    values, layer = trace.values[mask], trace.layer[mask]
+    inside = np.flatnonzero(layer >= 0)
+    if inside.size == 0:
+        return values, {}, values[:0]
+    first, last = inside[0], inside[-1]
+    blocks: dict[int, list[int]] = {}
+    current = -1
+    for k in range(first, last + 1):  # ops between two layers belong to the layer before them
+        if layer[k] >= 0 and layer[k] != current:
+            current = int(layer[k])
+            if current in blocks:
+                return None  # a layer ran twice in one phase: no simple structure
+            blocks[current] = []
+        blocks[current].append(k)
+    return values[:first], {i: values[idx] for i, idx in blocks.items()}, values[last + 1:]
+
+
+def extrapolate_depth(a: Trace, b: Trace, depth: int) -> Candidates | None:
+    """Candidates of a ``depth``-layer step from traces at depths 2 (``a``) and 3 (``b``).
+
+    Returns None when the two traces do not align layer by layer (then trace the full depth).
+    """
+    if a.phases != b.phases:
+        return None
+    steps = depth - 2  # extrapolation distance from depth 2, in layers
+    phases: list[str] = []
+    rows: list[np.ndarray] = []
+    for occ, phase in enumerate(a.phases):
+        sa, sb = _split(a, occ), _split(b, occ)
+        if sa is None or sb is None:
+            return None
+        (pre_a, blocks_a, post_a), (pre_b, blocks_b, post_b) = sa, sb
+        if not blocks_a and not blocks_b:
+            new = _outside_layers(pre_a, pre_b, steps)
+        elif sorted(blocks_a) == [0, 1] and sorted(blocks_b) == [0, 1, 2]:
+            new = _with_layers(pre_a, pre_b, post_a, post_b, blocks_a, blocks_b, steps, depth)
+        else:
+            return None
+        if new is None:
+            return None
+        phases += [phase] * len(new)
+        rows.append(new)
+    return Candidates(phases, np.concatenate(rows).astype(np.float64))
+
+
+def _line(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
+    return va + steps * (vb - va)
+
+
+def _outside_layers(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
+    if len(va) == len(vb):
+        return _line(va, vb, steps)
+    # Op counts differ (a per-parameter loop): extrapolate the phase's largest op (see module doc).
+    top_a = va[np.argmax(va[:, :HOST].sum(axis=1))]
+    top_b = vb[np.argmax(vb[:, :HOST].sum(axis=1))]
+    return _line(top_a, top_b, steps)[None, :]
+
+
+def _with_layers(pre_a: np.ndarray, pre_b: np.ndarray, post_a: np.ndarray, post_b: np.ndarray,
+                 blocks_a: dict[int, np.ndarray], blocks_b: dict[int, np.ndarray], steps: int,
+                 depth: int) -> np.ndarray | None:
+    sizes = {len(pre_a) - len(pre_b), len(post_a) - len(post_b)}
+    regular = {len(blocks_a[1]), len(blocks_b[1]), len(blocks_b[2])}
+    if sizes != {0} or len(regular) != 1 or len(blocks_a[0]) != len(blocks_b[0]):
+        return None
+    first = _line(blocks_a[0], blocks_b[0], steps)
+    per_depth = blocks_b[1] - blocks_a[1]
+    per_index = blocks_b[2] - blocks_b[1]
+    at_one = blocks_a[1] + steps * per_depth  # layer i = 1 of `depth` layers
+    at_last = at_one + (depth - 2) * per_index  # layer i = depth - 1
+    parts = [_line(pre_a, pre_b, steps), first, at_one, at_last, _line(post_a, post_b, steps)]
+    return np.concatenate(parts)
+
+
+def in_batch(c1: Candidates, c2: Candidates, b1: int, b2: int, batch: int) -> Candidates | None:
+    """Candidates at micro-batch ``batch``, linear per op from those at ``b1`` and ``b2``."""
+    if c1.phases != c2.phases:
+        return None
+    slope = (c2.values - c1.values) / (b2 - b1)
+    return Candidates(c1.phases, c1.values + (batch - b1) * slope)
+
+
+def _default_device(device: torch.device | str) -> Any:
+    # A torch.device context intercepts every torch call; on CPU it changes nothing, so skip it.
+    return contextlib.nullcontext() if torch.device(device).type == "cpu" else torch.device(device)
