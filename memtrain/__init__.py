@@ -6,8 +6,9 @@ to their own script are both importable from here.
 
 from memtrain.config import RunConfig, load_recipe
 from memtrain.errors import MemtrainError
+from memtrain.memory.estimate import Estimate, estimate
 from memtrain.patches import apply_patches
 
 __version__ = "0.1.0"
 
-__all__ = ["MemtrainError", "RunConfig", "apply_patches", "load_recipe"]
+__all__ = ["Estimate", "MemtrainError", "RunConfig", "apply_patches", "estimate", "load_recipe"]

@@ -15,6 +15,8 @@ Training (:mod:`memtrain.runner`), measurement (the benchmarks) and estimation
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +26,38 @@ from transformers import PretrainedConfig, TrainingArguments
 
 from memtrain import patches
 from memtrain.config import RunConfig
+from memtrain.errors import MemtrainError
+from memtrain.memory.meter import StepMemory
 from memtrain.model import keep_4bit_trainable_on_cpu, load_model, model_class, model_kwargs
+
+# The recipe field each patch reads, for error messages.
+PATCH_FIELDS = {"lora": "adapter", "checkpointing": "memory.checkpointing", "offload": "memory.offload",
+                "fewbit": "memory.activation_bits", "randomized_linear": "memory.randomized_linear"}
+
+
+class BuildError(MemtrainError):
+    """Building what a recipe describes failed; the message names the recipe field involved."""
+
+
+@contextmanager
+def recipe_stage(field: str, what: str) -> Iterator[None]:
+    """Turn a library exception raised while doing ``what`` into a :class:`BuildError` naming ``field``."""
+    try:
+        yield
+    except MemtrainError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise BuildError(f"`{field}`: {what} failed: {type(err).__name__}: {first}. Fix: check `{field}` "
+                         "(and that the model supports it).") from err
+
+
+def apply_patches(model: nn.Module, cfg: RunConfig) -> nn.Module:
+    """:func:`memtrain.patches.apply_patches`, one patch at a time so a failure names its field."""
+    for name in patches.available():
+        with recipe_stage(PATCH_FIELDS.get(name, f"patch {name}"), f"applying the {name} patch"):
+            model = patches.apply_patches(model, cfg, only=[name])
+    return model
 
 
 def build_model(cfg: RunConfig, num_labels: int | None = None, pad_token_id: int | None = None,
@@ -41,7 +74,7 @@ def build_model(cfg: RunConfig, num_labels: int | None = None, pad_token_id: int
     if label_names:
         model.config.id2label = dict(enumerate(label_names))
         model.config.label2id = {n: i for i, n in enumerate(label_names)}
-    return patches.apply_patches(model, cfg)
+    return apply_patches(model, cfg)
 
 
 def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
@@ -51,15 +84,18 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
         cfg: the recipe (model section for dtype/quantization, the rest for patches).
         config: the architecture (possibly with fewer layers than the real model).
     """
-    model = model_class(cfg.model).from_config(config, **model_kwargs(cfg.model))
+    source = "model.from_config" if cfg.model.from_config is not None else "model.name"
+    with recipe_stage(source, f"building the {config.model_type} architecture"):
+        model = model_class(cfg.model).from_config(config, **model_kwargs(cfg.model))
     if cfg.model.quantization not in ("none", "auto"):
         from memtrain.memory.quantized import quantize_fake
 
-        model = quantize_fake(model, cfg.model)
+        with recipe_stage("model.quantization", f"quantizing to {cfg.model.quantization}"):
+            model = quantize_fake(model, cfg.model)
         if cfg.model.quantization != "int8":
             keep_4bit_trainable_on_cpu(model)
     model.eval()  # as from_pretrained leaves it; the step switches to train mode
-    return patches.apply_patches(model, cfg)
+    return apply_patches(model, cfg)
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -80,7 +116,8 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     with tempfile.TemporaryDirectory(prefix="memtrain-optim-") as tmp:
         args = TrainingArguments(output_dir=tmp, use_cpu=not torch.cuda.is_available(),
                                  report_to="none", **optimizer_arguments(cfg))
-    return OptimizerOnly(args, model).create_optimizer()
+    with recipe_stage("training.optimizer", f"creating the {cfg.training.optimizer} optimizer"):
+        return OptimizerOnly(args, model).create_optimizer()
 
 
 def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
@@ -123,6 +160,35 @@ def training_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer: t
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=foreach)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def measure_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: int | None = None,
+                        seq_len: int | None = None) -> StepMemory:
+    """Measure a real training step of the recipe: what the estimator predicts, for real.
+
+    Builds the real model (:func:`build_model`) and the Trainer's optimizer, runs a warm-up step
+    so optimizer state exists, and measures the next step with the memory meter.
+
+    Args:
+        cfg: the recipe.
+        config: its architecture (for the vocabulary and head of the example batch).
+        micro_batch: examples per step (default: the recipe's micro-batch size).
+        seq_len: tokens per example (default: ``data.max_length``).
+    """
+    from memtrain.memory.fake import isolated_bnb_overrides
+    from memtrain.memory.meter import MemoryMeter
+
+    settings = step_settings(cfg)
+    step_args = (settings["accumulation"], settings["max_grad_norm"])
+    with isolated_bnb_overrides():
+        model = build_model(cfg, config.num_labels, config.pad_token_id)
+        optimizer = build_optimizer(cfg, model)
+        batch = example_batch(cfg, config, micro_batch or settings["micro_batch_size"],
+                              seq_len or cfg.data.max_length, next(model.parameters()).device)
+        training_step(model, batch, optimizer, *step_args)
+        with MemoryMeter(model, optimizer, inputs=batch) as meter:
+            training_step(model, batch, optimizer, *step_args)
+    return meter.result()
 
 
 def step_settings(cfg: RunConfig) -> dict[str, Any]:

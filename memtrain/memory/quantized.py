@@ -45,12 +45,10 @@ def quantization_state_tensors(module: nn.Module) -> list[torch.Tensor]:
         for state in states:
             for tensor in _quant_state_tensors(state):
                 found[id(tensor)] = tensor
-        holders = [weight, getattr(sub, "state", None)]
-        for holder in holders:
-            for name in ("SCB", "CB"):
-                tensor = getattr(holder, name, None)
-                if isinstance(tensor, torch.Tensor) and tensor is not weight:
-                    found[id(tensor)] = tensor
+        for holder in (weight, getattr(sub, "state", None)):  # int8 row scales (CB aliases the weight)
+            tensor = getattr(holder, "SCB", None)
+            if isinstance(tensor, torch.Tensor):
+                found[id(tensor)] = tensor
     return list(found.values())
 
 

@@ -15,10 +15,12 @@ occurrences, the regular layers from layer 1 at both depths and layer 2 at depth
 an ``L``-layer model is then the largest op value, where each regular-layer op is evaluated at
 ``i = 1`` and ``i = L - 1`` (a linear function of ``i`` peaks at an end). The same argument makes
 every op linear in the micro-batch size. Ops that do not align across depths (per-parameter
-loops in the optimizer and in gradient clipping, whose op count grows with depth) are each a
-fixed per-parameter cost on top of state that grows linearly, so their phase maximum is linear
-in ``L``. If the layer structure does not align (layers of different shape), the caller traces
-the full depth instead. ``tests/test_estimate.py`` checks extrapolated == full trace.
+loops in the optimizer and in gradient clipping, per-layer cache set-up before the first layer,
+whose op count grows with depth) are each a fixed cost on top of state that grows linearly, so
+their maximum is linear in ``L``. Ops that allocate nothing (views) record no row, so layers
+that differ only in views (Gemma-2's sliding-window layers) still align. If the layer structure
+does not align (layers of different shape), the caller traces the full depth instead.
+``tests/test_estimate.py`` checks extrapolated == full trace.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +39,14 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
 from transformers import PretrainedConfig
 
+from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.memory import meter as meter_mod
 from memtrain.memory.build import (
     build_fake_model,
     build_optimizer,
     example_batch,
+    recipe_stage,
     step_settings,
     training_step,
 )
@@ -63,6 +69,7 @@ class Trace:
     values: np.ndarray  # (ops, categories + host + rounded)
     parameters: int
     trainable: int
+    patches: list[str]  # what the applied patches did
 
 
 @dataclass
@@ -125,8 +132,10 @@ class _EventTracker(meter_mod._Tracker):
         phase = self.phase()
         if not self.phases or self.phases[-1] != phase:
             self.phases.append(phase)
-        self.rows.append((len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],
-                          sum(self._raw[self.host_device]), self._rounded))
+        row = (len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],
+               sum(self._raw[self.host_device]), self._rounded)
+        if not self.rows or row != self.rows[-1]:  # ops that allocate nothing (views) add no row
+            self.rows.append(row)
 
     def _current_layer(self) -> int:
         parents = self._mod_tracker.parents
@@ -187,7 +196,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
-    with fake_tensor_mode(), _default_device(device):
+    with fake_tensor_mode(), _default_device(device), _quiet():
         model = build_fake_model(cfg, config)
         optimizer = build_optimizer(cfg, model)
         if foreach:
@@ -199,11 +208,12 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         _create_optimizer_state(model, optimizer)
         layers = decoder_layers(model, config.num_hidden_layers)
         meter = _TracingMeter(model, optimizer, batch, layers)
-        with meter:
+        with recipe_stage("model", "a training step on fake tensors"), meter:
             training_step(*step)
         total, trainable = count_parameters(model)
+        done = [r.detail or r.name for r in patches.records(model)]
     rows = np.array(meter.tracker.rows, dtype=np.int64)
-    return Trace(meter.tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable)
+    return Trace(meter.tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done)
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -283,7 +293,9 @@ def _line(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
 def _outside_layers(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
     if len(va) == len(vb):
         return _line(va, vb, steps)
-    # Op counts differ (a per-parameter loop): extrapolate the phase's largest op (see module doc).
+    if len(va) == 0 or len(vb) == 0:
+        return va[:0] if len(va) == 0 else va  # cannot pair: keep what was seen (never the peak)
+    # Op counts differ (a per-parameter loop, a per-layer cache entry): extrapolate the largest op.
     top_a = va[np.argmax(va[:, :HOST].sum(axis=1))]
     top_b = vb[np.argmax(vb[:, :HOST].sum(axis=1))]
     return _line(top_a, top_b, steps)[None, :]
@@ -292,16 +304,16 @@ def _outside_layers(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
 def _with_layers(pre_a: np.ndarray, pre_b: np.ndarray, post_a: np.ndarray, post_b: np.ndarray,
                  blocks_a: dict[int, np.ndarray], blocks_b: dict[int, np.ndarray], steps: int,
                  depth: int) -> np.ndarray | None:
-    sizes = {len(pre_a) - len(pre_b), len(post_a) - len(post_b)}
     regular = {len(blocks_a[1]), len(blocks_b[1]), len(blocks_b[2])}
-    if sizes != {0} or len(regular) != 1 or len(blocks_a[0]) != len(blocks_b[0]):
+    if len(regular) != 1 or len(blocks_a[0]) != len(blocks_b[0]):
         return None
     first = _line(blocks_a[0], blocks_b[0], steps)
     per_depth = blocks_b[1] - blocks_a[1]
     per_index = blocks_b[2] - blocks_b[1]
     at_one = blocks_a[1] + steps * per_depth  # layer i = 1 of `depth` layers
     at_last = at_one + (depth - 2) * per_index  # layer i = depth - 1
-    parts = [_line(pre_a, pre_b, steps), first, at_one, at_last, _line(post_a, post_b, steps)]
+    parts = [_outside_layers(pre_a, pre_b, steps), first, at_one, at_last,
+             _outside_layers(post_a, post_b, steps)]
     return np.concatenate(parts)
 
 
@@ -311,6 +323,21 @@ def in_batch(c1: Candidates, c2: Candidates, b1: int, b2: int, batch: int) -> Ca
         return None
     slope = (c2.values - c1.values) / (b2 - b1)
     return Candidates(c1.phases, c1.values + (batch - b1) * slope)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Library warnings about a model built dozens of times per estimate are noise here."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _default_device(device: torch.device | str) -> Any:

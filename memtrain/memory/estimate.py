@@ -1,0 +1,355 @@
+"""Predict a recipe's peak memory without loading weights: ``memtrain.estimate(recipe)``.
+
+The estimator traces real training steps (forward, backward, optimizer step, after a warm-up
+that creates optimizer state) of the recipe's model on fake tensors: the same load arguments,
+quantization, patches and Trainer optimizer as training (:mod:`memtrain.memory.build`), counted
+by the same meter. It traces 2 and 3 decoder layers and extrapolates exactly to the real depth
+(:mod:`memtrain.memory.trace` explains why that is exact), so a 70B model costs seconds and no
+weight memory. The sequence length is ``data.max_length`` (the worst case; data is never read).
+
+On top of live tensor bytes, a CUDA run pays for the CUDA context and the caching allocator
+(512-byte rounding of each allocation, fragmentation). Those appear as separate named lines:
+rounding is computed from the traced allocations, the others come from ``memtrain calibrate``'s
+profile when one exists, else from the documented defaults in :mod:`memtrain.memory.calibrate`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from memtrain.config import ModelConfig, RunConfig, load_recipe
+from memtrain.config.batch import resolve_batch
+from memtrain.errors import MemtrainError
+from memtrain.memory import calibrate, catalog
+from memtrain.memory.trace import (
+    CATEGORY_NAMES,
+    HOST,
+    ROUNDED,
+    Candidates,
+    Trace,
+    direct,
+    extrapolate_depth,
+    in_batch,
+    trace_step,
+    with_depth,
+)
+
+PHASES = ("forward", "backward", "optimizer")
+# Up to this depth a full trace costs no more than tracing 2 + 3 layers, and needs no extrapolation.
+FULL_TRACE_DEPTH = 5
+
+
+@dataclass
+class Estimate:
+    """A predicted training step. Byte values; ``total_bytes`` is what the device must hold."""
+
+    model: str
+    device: str
+    settings: dict[str, Any]
+    parameters: int
+    trainable: int
+    peak_bytes: int  # live tensor bytes at the peak moment
+    by_category: dict[str, int]  # at the peak
+    by_phase: dict[str, int]  # peak of each phase
+    category_at_phase_peak: dict[str, dict[str, int]]
+    host_peak_bytes: int  # offloaded tensors in host memory
+    overheads: dict[str, int]  # named lines on top of tensors (CUDA only)
+    overhead_sources: dict[str, str]
+    total_bytes: int
+    method: str
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class Sweep:
+    """Peak memory as one setting varies: (value, tensor peak bytes, total bytes) per point."""
+
+    micro_batch_size: list[tuple[int, int, int]]
+    seq_len: list[tuple[int, int, int]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": [list(p) for p in self.micro_batch_size],
+                "seq_len": [list(p) for p in self.seq_len]}
+
+
+@dataclass
+class _Plan:
+    """What to trace: the recipe, its architecture, the step shape and the target device."""
+
+    cfg: RunConfig
+    config: PretrainedConfig
+    label: str
+    depth: int
+    micro_batch: int
+    seq_len: int
+    device: str
+    trace_device: str
+    notes: list[str]
+
+
+def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
+             device: str | None = None, exact: bool = False) -> Estimate:
+    """Predict the peak memory of one training step of ``recipe``, by category and phase.
+
+    Args:
+        recipe: a validated :class:`RunConfig`, a recipe file, shipped recipe name or dict.
+        overrides: ``key=value`` overrides, as on the command line.
+        device: ``cuda`` or ``cpu``: where the run will train (default: CUDA when this machine
+            has it). On a machine without CUDA, a CUDA run is traced on CPU fake tensors with
+            CUDA's optimizer kernels.
+        exact: trace every layer instead of extrapolating from 2 and 3 (slower; for checks).
+
+    Raises:
+        MemtrainError: a setting the estimator needs is ``auto``, the model is unknown offline,
+            or the recipe cannot be built; the message names the field.
+    """
+    start = time.perf_counter()
+    plan = _plan(recipe, overrides, device)
+    candidates, counts, method = _candidates(plan, plan.micro_batch, plan.seq_len, exact)
+    return _summarize(plan, candidates, counts, method, time.perf_counter() - start)
+
+
+def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
+          micro_batch_sizes: Sequence[int] | None = None, seq_lens: Sequence[int] | None = None,
+          device: str | None = None) -> Sweep:
+    """Peak memory against micro-batch size and against sequence length.
+
+    Micro-batch points come from two traced sizes, linear per op (exact, see
+    :mod:`memtrain.memory.trace`); each sequence length is traced (attention can be quadratic).
+    """
+    plan = _plan(recipe, overrides, device)
+    sizes = sorted(set(micro_batch_sizes or _doubling(1, max(8, 4 * plan.micro_batch))))
+    lengths = sorted(set(seq_lens or _seq_points(plan)))
+    base = min(sizes)
+    c1, counts, method = _candidates(plan, base, plan.seq_len, exact=False)
+    c2, _, _ = _candidates(plan, base + 1, plan.seq_len, exact=False)
+    by_batch = []
+    for size in sizes:
+        cands = in_batch(c1, c2, base, base + 1, size)
+        if cands is None:  # per-op structure differs between sizes: trace this point
+            cands = _candidates(plan, size, plan.seq_len, exact=False)[0]
+        est = _summarize(plan, cands, counts, method, 0.0)
+        by_batch.append((size, est.peak_bytes, est.total_bytes))
+    by_length = []
+    for length in lengths:
+        est = _summarize(plan, *_candidates(plan, plan.micro_batch, length, exact=False), 0.0)
+        by_length.append((length, est.peak_bytes, est.total_bytes))
+    return Sweep(by_batch, by_length)
+
+
+# ---------------------------------------------------------------------------------- planning
+
+
+_NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
+                "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
+                "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear")
+
+
+def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], device: str | None) -> _Plan:
+    cfg = recipe if isinstance(recipe, RunConfig) else load_recipe(recipe, overrides)
+    if isinstance(recipe, RunConfig) and overrides:
+        raise ValueError("pass overrides with a recipe file or dict, not with a RunConfig")
+    for path in _NEEDS_VALUE:
+        if _get(cfg, path) == "auto":
+            raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
+                                f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
+                                "run `memtrain plan`.")
+    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if target not in ("cuda", "cpu"):
+        raise MemtrainError(f"`--device` must be `cuda` or `cpu`, got {target!r}.")
+    config, label = resolve_config(cfg.model)
+    batch = resolve_batch(cfg.training, cfg.distributed.processes)
+    seq_len = cfg.data.max_length
+    _check_positions(config, seq_len)
+    trace_device = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
+    notes = [f"every example is data.max_length = {seq_len} tokens (the worst case; data is not read)"]
+    if cfg.model.task == "sequence-classification" and cfg.model.num_labels is None:
+        notes.append("classification head sized for 2 labels (model.num_labels unset, data not read)")
+    if target == "cuda" and trace_device == "cpu":
+        notes.append("CUDA run traced on CPU fake tensors, with CUDA's multi-tensor optimizer kernels; "
+                     "int8 layers follow their CPU path")
+    if cfg.distributed.processes > 1:
+        notes.append(f"distributed.processes = {cfg.distributed.processes}: sharding is not modelled, "
+                     "figures are for one unsharded process (an upper bound)")
+    if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
+        notes.append("paged optimizer state counted as device memory (all pages resident)")
+    depth = int(config.num_hidden_layers)
+    return _Plan(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes)
+
+
+def _get(cfg: RunConfig, path: str) -> Any:
+    node: Any = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def resolve_config(cfg: ModelConfig) -> tuple[PretrainedConfig, str]:
+    """The architecture config of the recipe's model and a label for it, without weights or network.
+
+    ``model.from_config`` and local folders are read as training reads them; hub ids come from
+    the built-in catalog (:mod:`memtrain.memory.catalog`) or else the local Hugging Face cache.
+    """
+    from memtrain import sources
+    from memtrain.model import build_config
+
+    num_labels = cfg.num_labels if cfg.task == "sequence-classification" else None
+    if cfg.from_config is not None:
+        config, label = build_config(cfg, num_labels), f"from_config ({cfg.from_config['model_type']})"
+    elif cfg.name.startswith(sources.PKG_PREFIX) or sources.looks_local(cfg.name):  # type: ignore[union-attr]
+        config, label = build_config(cfg, num_labels), cfg.name
+    elif (found := catalog.lookup(cfg.name)) is not None:  # type: ignore[arg-type]
+        label, values = found
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    else:
+        config, label = _cached_config(cfg), cfg.name
+    if num_labels is not None:
+        config.num_labels = num_labels
+    if cfg.task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        # Training takes it from the tokenizer; any id gives the same memory.
+        eos = getattr(config, "eos_token_id", None)
+        config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) or 0
+    return config, label  # type: ignore[return-value]
+
+
+def _cached_config(cfg: ModelConfig) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(cfg.name, revision=cfg.revision, local_files_only=True,
+                                          trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        raise MemtrainError(
+            f"`model.name`: {cfg.name!r} is not in memtrain's catalog and its config is not in the local "
+            "Hugging Face cache (the estimator never uses the network). Fix: use a catalog model ("
+            f"{', '.join(catalog.names())}), point `model.name` at a local folder with its config.json, or "
+            "give the architecture in `model.from_config`."
+        ) from None
+
+
+def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
+    """Models with learned position embeddings cannot take longer sequences (fake tensors would)."""
+    limit = getattr(config, "n_positions", None)
+    if limit is None and config.model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
+        offset = (config.pad_token_id or 0) + 1 if config.model_type != "bert" else 0
+        limit = config.max_position_embeddings - offset
+    if limit is not None and seq_len > limit:
+        raise MemtrainError(f"`data.max_length`: {seq_len} tokens exceed the {limit} positions this model "
+                            f"({config.model_type}) has. Fix: set `data.max_length` to {limit} or less.")
+
+
+# ----------------------------------------------------------------------------------- tracing
+
+
+def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
+                ) -> tuple[Candidates, tuple[int, int, list[str]], str]:
+    """Candidate peak ops of the full-depth step, parameter counts, and how they were obtained."""
+    if exact or plan.depth <= FULL_TRACE_DEPTH:
+        return _full_depth(plan, micro_batch, seq_len)
+    a = _trace(plan, 2, micro_batch, seq_len)
+    b = _trace(plan, 3, micro_batch, seq_len)
+    counts = (a.parameters + (plan.depth - 2) * (b.parameters - a.parameters),
+              a.trainable + (plan.depth - 2) * (b.trainable - a.trainable), b.patches)
+    found = extrapolate_depth(a, b, plan.depth)
+    if found is not None:
+        return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
+    plan.notes.append("layers differ in structure, so every layer was traced")
+    return _full_depth(plan, micro_batch, seq_len)
+
+
+def _full_depth(plan: _Plan, micro_batch: int, seq_len: int
+                ) -> tuple[Candidates, tuple[int, int, list[str]], str]:
+    full = _trace(plan, plan.depth, micro_batch, seq_len)
+    return direct(full), (full.parameters, full.trainable, full.patches), f"traced all {plan.depth} layers"
+
+
+def _trace(plan: _Plan, depth: int, micro_batch: int, seq_len: int) -> Trace:
+    foreach = plan.device == "cuda" and plan.trace_device == "cpu"
+    return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
+                      device=plan.trace_device, foreach=foreach)
+
+
+# --------------------------------------------------------------------------------- reporting
+
+
+def _summarize(plan: _Plan, cands: Candidates, counts: tuple[int, int, list[str]], method: str,
+               seconds: float) -> Estimate:
+    values = np.rint(cands.values).astype(np.int64)
+    totals = values[:, :HOST].sum(axis=1)
+    top = int(np.argmax(totals))
+    by_phase, at_phase = {}, {}
+    phases = np.array(cands.phases)
+    for phase in PHASES:
+        rows = np.flatnonzero(phases == phase)
+        if rows.size:
+            k = rows[int(np.argmax(totals[rows]))]
+            by_phase[phase] = int(totals[k])
+            at_phase[phase] = _categories(values[k])
+    peak = int(totals[top])
+    overheads, sources = _overheads(plan, peak, int(values[:, ROUNDED].max()))
+    cfg = plan.cfg
+    settings = {
+        "task": cfg.model.task, "dtype": cfg.model.dtype, "quantization": cfg.model.quantization,
+        "double_quant": cfg.model.double_quant, "adapter": cfg.adapter.method,
+        "lora_r": cfg.adapter.r if cfg.adapter.method == "lora" else None,
+        "optimizer": cfg.training.optimizer, "micro_batch_size": plan.micro_batch,
+        "gradient_accumulation": resolve_batch(cfg.training, cfg.distributed.processes).accumulation,
+        "seq_len": plan.seq_len, "checkpointing": cfg.memory.checkpointing,
+        "layers": plan.depth, "patches": counts[2],
+    }
+    return Estimate(
+        model=plan.label, device=plan.device, settings=settings, parameters=counts[0],
+        trainable=counts[1], peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
+        category_at_phase_peak=at_phase, host_peak_bytes=int(values[:, HOST].max()),
+        overheads=overheads, overhead_sources=sources, total_bytes=peak + sum(overheads.values()),
+        method=method, notes=list(plan.notes), seconds=round(seconds, 3),
+    )
+
+
+def _categories(row: np.ndarray) -> dict[str, int]:
+    return {name: int(v) for name, v in zip(CATEGORY_NAMES, row[:HOST], strict=True)}
+
+
+def _overheads(plan: _Plan, peak: int, rounded_peak: int) -> tuple[dict[str, int], dict[str, str]]:
+    """Named lines for what a CUDA device holds beyond live tensors (none on CPU)."""
+    if plan.device != "cuda":
+        return {}, {}
+    profile = calibrate.overheads()
+    rounding = max(0, rounded_peak - peak)
+    fragmentation = int(profile.fragmentation * (peak + rounding))
+    return (
+        {"cuda_context": profile.cuda_context_bytes, "allocator_rounding": rounding,
+         "fragmentation": fragmentation},
+        {"cuda_context": profile.cuda_context_source,
+         "allocator_rounding": "each allocation rounded up to 512 bytes, from the traced allocations",
+         "fragmentation": f"{profile.fragmentation:.0%} of allocated bytes: {profile.fragmentation_source}"},
+    )
+
+
+# -------------------------------------------------------------------------------- sweep axes
+
+
+def _doubling(low: int, high: int) -> list[int]:
+    out, value = [], low
+    while value <= high:
+        out.append(value)
+        value *= 2
+    return out
+
+
+def _seq_points(plan: _Plan) -> list[int]:
+    limit = getattr(plan.config, "n_positions", None) or getattr(plan.config, "max_position_embeddings", None)
+    points = [plan.seq_len * 2**k // 8 for k in range(6)]  # 1/8 ... 4 x max_length
+    points = [p for p in points if p >= 16 and (limit is None or p <= limit)]
+    return points or [plan.seq_len]
