@@ -29,6 +29,7 @@ import contextlib
 import copy
 import math
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
+from torch.distributed._tools.mem_tracker import _MemRefType, _ModMemStats, _UpdateType
 from transformers import PretrainedConfig
 
 from memtrain import patches
@@ -91,6 +92,26 @@ class _EventTracker(meter_mod._Tracker):
         self._rounded = 0
         self.phases: list[str] = []
         self.rows: list[tuple[int, ...]] = []
+
+    # MemTracker's module hooks keep per-module snapshots (deep copies at every module call) that
+    # the estimator never reads. These keep only what decides categories: tracking parameters
+    # (and their gradient hooks) on first sight, and the recompute region of checkpointing.
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if module not in self.memory_tracking:
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            self.memory_tracking[module] = _ModMemStats(self._mod_tracker.get_known_fqn(module) or "")
+        elif self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod, self._in_ac = weakref.ref(module), True
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod, self._in_ac = None, False
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        return None
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
