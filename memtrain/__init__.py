@@ -4,11 +4,25 @@ The recipe flow (``memtrain train``) and the pieces a plain ``transformers.Train
 to their own script are both importable from here.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from memtrain.config import RunConfig, load_recipe
 from memtrain.errors import MemtrainError
-from memtrain.memory.estimate import Estimate, estimate
 from memtrain.patches import apply_patches
+
+if TYPE_CHECKING:
+    from memtrain.memory.estimate import Estimate, estimate
 
 __version__ = "0.1.0"
 
 __all__ = ["Estimate", "MemtrainError", "RunConfig", "apply_patches", "estimate", "load_recipe"]
+
+
+def __getattr__(name: str) -> Any:
+    # The estimator pulls in transformers, peft and bitsandbytes (seconds to import): load it on
+    # first use, so that `import memtrain` and quick CLI commands stay fast.
+    if name in ("Estimate", "estimate"):
+        from memtrain.memory import estimate as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'memtrain' has no attribute {name!r}")

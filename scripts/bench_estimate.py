@@ -1,7 +1,8 @@
 """Benchmark ``memtrain estimate``: accuracy against measured steps, speed, and accelerate's view.
 
-    python scripts/bench_estimate.py            # writes docs/bench/estimate.md
-    python scripts/bench_estimate.py --quick    # 2 architectures x 2 setups, no file written
+    python scripts/bench_estimate.py                # writes docs/bench/estimate.md (+ .json rows)
+    python scripts/bench_estimate.py --only speed   # rerun one section, keep the others' rows
+    python scripts/bench_estimate.py --quick        # 2 architectures x 2 setups, no file written
 
 1. Accuracy. For each architecture x setup x micro-batch size, the real training step as memtrain
    trains it (model from ``load_model`` + patches, the Trainer's optimizer, one step measured by
@@ -58,11 +59,11 @@ ACCELERATE_MODELS = ["meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B", "mist
                      "openai-community/gpt2"]
 
 
-def bench_recipe(arch: str, setup: str, micro_batch: int) -> dict[str, Any]:
+def bench_recipe(arch: str, setup: str, micro_batch: int, seq_len: int = SEQ_LEN) -> dict[str, Any]:
     """The recipe of one accuracy row."""
     base = {
         "model": {"from_config": copy.deepcopy(ARCHS[arch]), "tokenizer": MINILM},
-        "data": {"source": "builtin:shakespeare-text", "max_length": SEQ_LEN},
+        "data": {"source": "builtin:shakespeare-text", "max_length": seq_len},
         "adapter": {"method": "lora", "r": 8, "alpha": 16},
         "training": {"micro_batch_size": micro_batch, "gradient_accumulation": 1},
     }
@@ -72,7 +73,7 @@ def bench_recipe(arch: str, setup: str, micro_batch: int) -> dict[str, Any]:
 
 
 def accuracy_rows(archs: list[str] | None = None, setups: list[str] | None = None,
-                  micro_batches: list[int] | None = None) -> list[dict[str, Any]]:
+                  micro_batches: list[int] | None = None, seq_len: int = SEQ_LEN) -> list[dict[str, Any]]:
     """Measured vs predicted peak for every combination (all by default)."""
     from memtrain.config import load_recipe
     from memtrain.memory.build import measure_recipe_step
@@ -82,7 +83,7 @@ def accuracy_rows(archs: list[str] | None = None, setups: list[str] | None = Non
     for arch in archs or list(ARCHS):
         for setup in setups or list(SETUPS):
             for micro in micro_batches or MICRO_BATCHES:
-                cfg = load_recipe(bench_recipe(arch, setup, micro))
+                cfg = load_recipe(bench_recipe(arch, setup, micro, seq_len))
                 measured = measure_recipe_step(cfg, resolve_config(cfg.model)[0])
                 start = time.perf_counter()
                 predicted = estimate(cfg, device="cpu")
@@ -99,7 +100,7 @@ def accuracy_rows(archs: list[str] | None = None, setups: list[str] | None = Non
 _SPEED_CODE = """
 import json, resource, time
 start = time.perf_counter()
-import memtrain
+import memtrain.memory.estimate  # memtrain.estimate imports it on first use; time it apart
 imported = time.perf_counter()
 r = {"model": {"name": %r, "quantization": "nf4", "dtype": "bf16"},
      "data": {"source": "builtin:shakespeare-text", "max_length": 4096},
@@ -254,10 +255,15 @@ def render(acc: list[dict], speed: list[dict], side: list[dict], command: str) -
     return "\n".join(lines)
 
 
+SECTIONS = {"accuracy": accuracy_rows, "speed": speed_rows, "accelerate": accelerate_rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few rows only, no file written")
+    parser.add_argument("--only", action="append", choices=list(SECTIONS),
+                        help="rerun only this section; the others come from the saved rows")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "estimate.md")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -266,9 +272,20 @@ def main() -> None:
         print(render(acc, speed_rows(SPEED_MODELS[:1]), accelerate_rows(ACCELERATE_MODELS[-1:]),
                      "python scripts/bench_estimate.py --quick"))
         return
-    acc, speed, side = accuracy_rows(), speed_rows(), accelerate_rows()
-    text = render(acc, speed, side, "python scripts/bench_estimate.py")
+    saved_path = args.out.with_suffix(".json")
+    rows = json.loads(saved_path.read_text()) if args.only and saved_path.exists() else {}
+    for name, run in SECTIONS.items():
+        if not args.only or name in args.only:
+            rows[name] = run()
+    commands = rows.get("commands", {})
+    for name in SECTIONS:
+        if not args.only or name in args.only:
+            commands[name] = " ".join(["python scripts/bench_estimate.py", *sys.argv[1:]])
+    rows["commands"] = commands
+    command = "; ".join(sorted(set(commands.values())))
+    text = render(rows["accuracy"], rows["speed"], rows["accelerate"], command)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    saved_path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     args.out.write_text(text, encoding="utf-8")
     print(text)
 

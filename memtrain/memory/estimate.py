@@ -275,7 +275,8 @@ def _full_depth(plan: _Plan, micro_batch: int, seq_len: int
 
 
 def _trace(plan: _Plan, depth: int, micro_batch: int, seq_len: int) -> Trace:
-    foreach = plan.device == "cuda" and plan.trace_device == "cpu"
+    # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
+    foreach = plan.device == "cuda"
     return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
                       device=plan.trace_device, foreach=foreach)
 

@@ -212,8 +212,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         batch_size: micro-batch size.
         seq_len: tokens per example.
         device: the device the fake tensors claim to be on.
-        foreach: make torch optimizers use their multi-tensor (foreach) kernels, as they do on
-            CUDA, when tracing a CUDA run on a machine without one.
+        foreach: make torch optimizers use their multi-tensor (foreach) kernels, as they do for
+            real CUDA tensors (fake tensors never get them by default).
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
