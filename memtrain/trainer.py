@@ -91,7 +91,42 @@ def add_derived_metrics(metrics: dict[str, float], cfg: RunConfig, data: Prepare
 
 
 class MemtrainTrainer(Trainer):
-    """The stock Trainer plus the hooks memtrain's memory features attach to."""
+    """The stock Trainer plus the hooks memtrain's memory features attach to.
+
+    Args:
+        offload_optimizer: keep optimizer state and step on the CPU (``memory.offload.optimizer``,
+            see :mod:`memtrain.optim_offload`).
+    """
+
+    def __init__(self, *args: Any, offload_optimizer: bool = False, **kwargs: Any) -> None:
+        self.offload_optimizer = offload_optimizer
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, or with offload the same optimizer run on host copies."""
+        if not self.offload_optimizer or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from memtrain import optim_offload
+
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optim_offload.build([g for g in groups if g["params"]], cls, kwargs)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+        # An offloaded optimizer steps on host copies of the gradients: clip those.
+        from memtrain.optim_offload import OffloadOptimizer
+
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if isinstance(inner, OffloadOptimizer):
+            return inner.clip_grad_norm_(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
 
 
 def build_trainer(
@@ -106,7 +141,15 @@ def build_trainer(
     """A ready-to-train Trainer for a resolved recipe."""
     args = training_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
     classification = cfg.model.task == "sequence-classification"
+    offload = cfg.memory.offload.optimizer
+    if offload == "auto":
+        raise MemtrainError("`memory.offload.optimizer` is `auto`: run the planner first "
+                            "(`memtrain plan`), or set it to true or false.")
+    if offload and cfg.model.dtype == "fp16":
+        raise MemtrainError("`memory.offload.optimizer` does not work with fp16 loss scaling "
+                            "(`model.dtype: fp16`). Fix: use bf16 or fp32, or turn offload off.")
     return MemtrainTrainer(
+        offload_optimizer=bool(offload),
         model=model,
         args=args,
         train_dataset=data.train,

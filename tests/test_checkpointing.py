@@ -22,7 +22,8 @@ CPU = torch.device("cpu")
 BATCH, SEQ = 2, 32
 
 
-def build(arch: str = "llama", layers: int = 2, attn: str = "sdpa", **extra: Any) -> nn.Module:
+def build_model(arch: str = "llama", layers: int = 2, attn: str = "sdpa",
+                **extra: Any) -> nn.Module:
     """A tiny model with dropout off (so runs are deterministic), in train mode."""
     values = {**TINY_CONFIGS[arch], "vocab_size": 256, **extra}
     values.pop("model_type")
@@ -74,13 +75,13 @@ def assert_same_grads(a: dict[str, Any], b: dict[str, Any], atol: float = 1e-6) 
 
 @pytest.mark.parametrize("mode", ["full", 1, "selective"])
 def test_modes_leave_gradients_unchanged(mode: Any) -> None:
-    base = build()
+    base = build_model()
     assert_same_grads(run_mode(base, mode), run_mode(base, "none"))
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2", "gpt2", "bert", "roberta"])
 def test_finds_layers_and_keeps_gradients_across_architectures(arch: str) -> None:
-    base = build(arch)
+    base = build_model(arch)
     expected = {"mistral": "model.layers", "qwen2": "model.layers", "gpt2": "transformer.h",
                 "bert": "bert.encoder.layer", "roberta": "roberta.encoder.layer"}[arch]
     assert [n for n, _ in ckpt.find_layers(base)] == [f"{expected}.0", f"{expected}.1"]
@@ -91,7 +92,8 @@ def test_finds_layers_and_keeps_gradients_across_architectures(arch: str) -> Non
 def test_lora_model_keeps_names_and_gradients(tmp_path: Any) -> None:
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(build(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    config = LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
+    lora = get_peft_model(build_model(), config)
     keys = list(lora.state_dict())
     plain = step(copy.deepcopy(lora), inputs())
     patched = ckpt.apply(copy.deepcopy(lora), "full")
@@ -119,7 +121,7 @@ def test_selective_with_4bit_qlora_matches_plain(tmp_path: Any) -> None:
 
 
 def test_no_recompute_in_eval_or_no_grad() -> None:
-    base = build()
+    base = build_model()
     model = ckpt.apply(copy.deepcopy(base), "full").eval()
     plain = copy.deepcopy(base).eval()
     assert step(model, inputs())["flops"] == step(plain, inputs())["flops"]
@@ -135,7 +137,7 @@ def test_traces_under_fake_tensor_mode_from_meta(mode: Any) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with torch.device("meta"):
-        model = build()
+        model = build_model()
     ckpt.apply(model, mode)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = model.to_empty(device="cpu")
@@ -151,14 +153,15 @@ def test_traces_under_fake_tensor_mode_from_meta(mode: Any) -> None:
 def test_full_keeps_one_hidden_state_per_layer() -> None:
     """Adding layers to a fully checkpointed model adds exactly one hidden state each."""
     hidden = TINY_CONFIGS["llama"]["hidden_size"]
-    two, four = run_mode(build(layers=2), "full"), run_mode(build(layers=4), "full")
+    two, four = run_mode(build_model(layers=2), "full"), run_mode(build_model(layers=4), "full")
     assert four["saved"] - two["saved"] == 2 * BATCH * SEQ * hidden * 4
-    none_two, none_four = run_mode(build(layers=2), "none"), run_mode(build(layers=4), "none")
+    none_two = run_mode(build_model(layers=2), "none")
+    none_four = run_mode(build_model(layers=4), "none")
     assert (none_four["saved"] - none_two["saved"]) > 10 * (four["saved"] - two["saved"])
 
 
 def test_layer_count_trades_memory_and_recompute_linearly() -> None:
-    base = build(layers=4)
+    base = build_model(layers=4)
     runs = [run_mode(base, mode) for mode in ("none", 1, 2, 3, "full")]
     saved = [r["saved"] for r in runs]
     flops = [r["flops"] for r in runs]
@@ -173,8 +176,8 @@ def test_layer_count_trades_memory_and_recompute_linearly() -> None:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_selective_saves_much_for_little_recompute(attn: str) -> None:
     """Korthikanti et al.'s trade: much of full recompute's saving, a small share of its FLOPs."""
-    base = build(layers=2, attn=attn, hidden_size=128, intermediate_size=344, num_attention_heads=4,
-                 num_key_value_heads=4)
+    base = build_model(layers=2, attn=attn, hidden_size=128, intermediate_size=344,
+                       num_attention_heads=4, num_key_value_heads=4)
     none, full, selective = (run_mode(base, m) for m in ("none", "full", "selective"))
     saving_share = (none["saved"] - selective["saved"]) / (none["saved"] - full["saved"])
     recompute_share = (selective["flops"] - none["flops"]) / (full["flops"] - none["flops"])
@@ -188,7 +191,7 @@ def test_selective_saves_much_for_little_recompute(attn: str) -> None:
 
 
 def test_bad_layer_counts_and_modes_name_the_field() -> None:
-    model = build()
+    model = build_model()
     with pytest.raises(MemtrainError, match=r"memory.checkpointing.*3 layers asked.*has 2"):
         ckpt.apply(model, 3)
     with pytest.raises(MemtrainError, match=r"memory\.checkpointing"):
@@ -198,7 +201,7 @@ def test_bad_layer_counts_and_modes_name_the_field() -> None:
 
 
 def test_undo_restores_the_model() -> None:
-    model = build()
+    model = build_model()
     ckpt.apply(model, "selective")
     assert model.config.use_cache is False
     assert all(ckpt.is_checkpointed(layer) for _, layer in ckpt.find_layers(model))
@@ -210,8 +213,8 @@ def test_undo_restores_the_model() -> None:
 
 def test_recipe_hook(tmp_path: Any, tiny_text_file: Any) -> None:
     cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, memory={"checkpointing": 1}))
-    model = apply_patches(build(), cfg, only=["checkpointing"])
+    model = apply_patches(build_model(), cfg, only=["checkpointing"])
     assert [r.modules for r in records(model)] == [["model.layers.0"]]
     auto = load_recipe(causal_recipe(tmp_path, tiny_text_file, memory={"checkpointing": "auto"}))
     with pytest.raises(MemtrainError, match="auto"):
-        apply_patches(build(), auto, only=["checkpointing"])
+        apply_patches(build_model(), auto, only=["checkpointing"])
