@@ -159,6 +159,18 @@ class OffloadOptimizer(CPUOffloadOptimizer):
         device_groups = self.d_opt.param_groups if self.d_opt is not None else []
         return sum((optim.param_groups for optim in self.optim_dict.values()), start=device_groups)
 
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
+        """Every inner optimizer's state (host copies as keys for offloaded parameters).
+
+        torchao never sets ``state``; memory trackers (torch's MemTracker, memtrain's meter) read
+        it to find optimizer tensors.
+        """
+        merged: dict[torch.Tensor, dict[str, Any]] = {}
+        for optim in [*self.optim_dict.values(), *([self.d_opt] if self.d_opt else [])]:
+            merged.update(optim.state)
+        return merged
+
     # ---------------------------------------------------------------------------- accounting
 
     def host_tensors(self) -> list[torch.Tensor]:
@@ -168,7 +180,7 @@ class OffloadOptimizer(CPUOffloadOptimizer):
             out += [p_host, p_host.grad]
         for optim in self.optim_dict.values():
             for state in optim.state.values():
-                out += [v for v in state.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
         return out
 
     def host_bytes(self) -> int:

@@ -142,7 +142,7 @@ def test_cuda_offload_uses_pinned_memory_and_matches() -> None:
     model = offloaded(base, "full")
     loss = model(**batch).loss
     hooks = offload.offloader(model)
-    assert all(r().host.is_pinned() for r in hooks._order if r() is not None)
+    assert hooks._handles and all(h.host.is_pinned() for h in hooks._handles.values())
     loss.backward()
     torch.cuda.synchronize()
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
@@ -191,9 +191,12 @@ def test_optimizer_state_lives_on_the_host() -> None:
     _train(model, optimizer, steps=1)
     moved = list(optimizer.param_d2h_map)
     param_bytes = sum(p.numel() * p.element_size() for p in moved)
-    # a copy of each parameter and its gradient, plus AdamW's two moments
-    assert optimizer.host_bytes() == 4 * param_bytes
-    assert optimizer.host_bytes() == host_bytes_needed(list(model.parameters()), torch.optim.AdamW)
+    # a copy of each parameter and its gradient, AdamW's two moments and its step counters
+    steps = 4 * len(moved)
+    assert optimizer.host_bytes() == 4 * param_bytes + steps
+    assert optimizer.host_bytes() == host_bytes_needed(list(model.parameters()),
+                                                       torch.optim.AdamW) + steps
+    assert len(optimizer.state) == len(moved) + len(optimizer.d_opt.state)  # what trackers read
     host_ids = {id(t.untyped_storage()) for t in optimizer.host_tensors()}
     assert not host_ids & {id(p.untyped_storage()) for p in moved}
     state = optimizer.state_dict()
@@ -244,3 +247,21 @@ def test_trainer_with_offloaded_optimizer_keeps_the_loss_curve(tmp_path: Any,
                 checkpointing="full")
     assert len(plain) == 4 and all(norm > 0.5 for _, norm in plain)  # clipping is active
     assert [loss for loss, _ in moved] == pytest.approx([loss for loss, _ in plain], abs=1e-4)
+
+
+def test_qlora_offload_keeps_gradients_and_estimates() -> None:
+    pytest.importorskip("bitsandbytes")
+    from memtrain.config import AdapterConfig, ModelConfig
+    from memtrain.model import load_model
+    from memtrain.patches import lora
+
+    cfg = ModelConfig(from_config={**TINY_CONFIGS["llama"], "vocab_size": 256},
+                      tokenizer="x", quantization="nf4", dtype="fp32")
+    model = lora.apply(load_model(cfg), AdapterConfig(r=4, dropout=0.0)).train()
+    plain = measured_step(model)
+    model.zero_grad()
+    patched = offload.apply(ckpt.apply(model, "full"), ON)
+    assert offload.estimate_offloaded_bytes(patched, BATCH, SEQ) == 2 * BATCH * SEQ * HIDDEN * 4
+    moved = measured_step(patched)
+    assert_same_grads(moved, plain, atol=1e-5)
+    assert moved["host"] == 2 * BATCH * SEQ * HIDDEN * 4

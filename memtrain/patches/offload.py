@@ -89,11 +89,12 @@ class HostLedger:
 class _Handle:
     """What autograd keeps instead of a moved tensor; the host copy dies with it."""
 
-    __slots__ = ("__weakref__", "device", "event", "host", "index", "prefetched")
+    __slots__ = ("__weakref__", "device", "host", "index", "prefetched", "ready", "stored")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, index: int) -> None:
+    def __init__(self, host: torch.Tensor, stored: Any, device: torch.device, index: int) -> None:
         self.host, self.device, self.index = host, device, index
-        self.event: Any = None
+        self.stored = stored  # CUDA event: the device→host copy has finished
+        self.ready: Any = None  # CUDA event: the prefetched host→device copy has finished
         self.prefetched: torch.Tensor | None = None
 
 
@@ -112,7 +113,7 @@ class ActivationOffloader:
         self.prefetch = prefetch
         self.dry_run_bytes: int | None = None  # set: count what would move, move nothing
         self._counter = itertools.count()
-        self._order: list[weakref.ref[_Handle]] = []
+        self._handles: weakref.WeakValueDictionary[int, _Handle] = weakref.WeakValueDictionary()
         self._seen: dict[tuple[Any, ...], tuple[weakref.ref[Any], int, Any]] = {}
         self._stream: Any = None
 
@@ -144,21 +145,19 @@ class ActivationOffloader:
             self.dry_run_bytes += t.numel() * t.element_size()
             self._seen[key] = (weakref.ref(storage), t._version, None)
             return t
-        handle = _Handle(self._copy_to_host(t), t.device, next(self._counter))
+        handle = _Handle(*self._copy_to_host(t), t.device, next(self._counter))
         ptr = id(handle.host.untyped_storage())
         self.ledger.add(handle.host)
         weakref.finalize(handle, self.ledger.remove, ptr)
         self._seen[key] = (weakref.ref(storage), t._version, weakref.ref(handle))
-        live = sum(r() is not None for r in self._order)
-        if len(self._order) > max(64, 2 * live):  # forget handles that backward has released
-            self._order = [r for r in self._order if r() is not None]
-        self._order.append(weakref.ref(handle))
+        self._handles[handle.index] = handle
         return handle
 
-    def _copy_to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def _copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The host copy of ``t`` and, on CUDA, the event marking the copy's end."""
         if is_fake(t) or t.device.type != "cuda":
             # CPU (or a fake trace): a separate host tensor, counted apart from the device.
-            return t.detach().to("cpu", copy=True)
+            return t.detach().to("cpu", copy=True), None
         stream = self._side_stream()
         host = torch.empty_like(t, device="cpu", pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -166,7 +165,7 @@ class ActivationOffloader:
             host.copy_(t, non_blocking=True)
         # The caching allocator must not reuse t's block before the side stream has read it.
         t.record_stream(stream)
-        return host
+        return host, stream.record_event()
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -181,29 +180,30 @@ class ActivationOffloader:
             return packed
         if packed.prefetched is not None:
             tensor, packed.prefetched = packed.prefetched, None
-            torch.cuda.current_stream(tensor.device).wait_event(packed.event)
+            torch.cuda.current_stream(tensor.device).wait_event(packed.ready)
+            # Allocated on the side stream, used on this one: keep the block until use ends.
             tensor.record_stream(torch.cuda.current_stream(tensor.device))
         else:
+            if packed.stored is not None:  # the device→host copy ran on the side stream
+                torch.cuda.current_stream(packed.device).wait_event(packed.stored)
             tensor = packed.host.to(packed.device, copy=True, non_blocking=True)
         if packed.device.type == "cuda" and not is_fake(packed.host):
             self._prefetch_before(packed.index)
         return tensor
 
     def _prefetch_before(self, index: int) -> None:
-        """Start bringing back the tensors packed just before ``index`` (needed next)."""
-        pos = next((i for i, r in enumerate(self._order) if (h := r()) is not None
-                    and h.index == index), None)
-        if pos is None:
-            return
+        """Start bringing back the tensors packed just before ``index`` (backward needs them next).
+
+        The side stream orders these copies after the device→host copies it made in forward.
+        """
         stream = self._side_stream()
-        for ref in self._order[max(0, pos - self.prefetch):pos]:
-            handle = ref()
+        for earlier in range(index - 1, max(-1, index - 1 - self.prefetch), -1):
+            handle = self._handles.get(earlier)
             if handle is None or handle.prefetched is not None:
                 continue
-            stream.wait_stream(torch.cuda.current_stream(handle.device))
             with torch.cuda.stream(stream):
                 handle.prefetched = handle.host.to(handle.device, non_blocking=True)
-                handle.event = stream.record_event()
+                handle.ready = stream.record_event()
 
     # ------------------------------------------------------------------------------ wrapping
 
