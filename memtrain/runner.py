@@ -43,6 +43,7 @@ class TrainResult:
     patches: list[str] = field(default_factory=list)
     memory: StepMemory | None = None  # the measured step with the highest peak
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = field(default=None, repr=False)  # the trained (patched) model
 
 
 def train(cfg: RunConfig, console: Console | None = None,
@@ -65,7 +66,7 @@ def train(cfg: RunConfig, console: Console | None = None,
         model.config.label2id = {n: i for i, n in enumerate(data.label_names)}
     model = patches.apply_patches(model, cfg)
     _startup_table(console, cfg, model, data, batch)
-    meter = MemoryMeterCallback()
+    meter = MemoryMeterCallback(every=cfg.training.logging_steps)
     trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), [meter, *(callbacks or [])])
     train_output = trainer.train(resume_from_checkpoint=resume_from)
     metrics: dict[str, Any] = dict(train_output.metrics)
@@ -75,7 +76,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     _save_final(trainer, tokenizer, cfg, metrics, out)
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
-                       meter.worst, list(trainer.state.log_history))
+                       meter.worst, list(trainer.state.log_history), model)
 
 
 def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:

@@ -18,6 +18,7 @@ and ``cuda_max_allocated`` / ``cuda_max_reserved`` report what the caching alloc
 from __future__ import annotations
 
 import contextvars
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -69,7 +70,14 @@ class StepMemory:
 
 
 class _Tracker(MemTracker):
-    """MemTracker plus phase peaks, a host bucket and a timeline."""
+    """MemTracker's tensor accounting, with lean module hooks, phase peaks, a host bucket.
+
+    MemTracker also keeps per-module snapshots: it walks every tracked module and deep-copies
+    snapshots on each op, which made a measured step several times slower, and it refuses a
+    second top-level call (gradient accumulation). memtrain reads only device totals, so the
+    module hooks here keep just what the totals need: parameter/gradient tracking on a module's
+    first call and the activation-checkpointing region (a forward call during backward).
+    """
 
     def __init__(self, device: torch.device, host: torch.device, timeline: bool) -> None:
         super().__init__()
@@ -80,16 +88,26 @@ class _Tracker(MemTracker):
         self.host_peak: dict[str, int] = {}
         self.record_timeline = timeline
         self.timeline: list[tuple[str, dict[str, int]]] = []
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        # MemTracker refuses a second top-level call of a module in one session; a step with
-        # gradient accumulation makes several, so module statistics restart at each top-level
-        # call (the device totals, which are all memtrain reads, are unaffected).
-        name = self._mod_tracker.get_known_fqn(module)
-        top_level = set(self._mod_tracker.parents) - {name} == {"Global"}
-        if top_level and module in self.memory_tracking and not self._mod_tracker.is_bw:
-            self.reset_mod_stats()
-        super()._pre_fw_hook(module, inputs)
+        if module not in self._seen:
+            self._seen.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        elif self._mod_tracker.is_bw and self._ac_mod is None:  # recompute in backward
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
 
     def _track_module_params_and_buffers(self, module: nn.Module,
                                          install_grad_hooks: bool = True) -> tuple[int, int]:
@@ -114,7 +132,10 @@ class _Tracker(MemTracker):
         return "backward" if self._mod_tracker.is_bw else "forward"
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(dev_snap)
         device_snap = _named(self._curr_mem_snap.get(self.compute_device))
         phase = self.phase()
         if sum(device_snap.values()) > sum(self.phase_peak.get(phase, {}).values()):
