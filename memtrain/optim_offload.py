@@ -33,6 +33,7 @@ from torch import nn
 from torchao.optim import CPUOffloadOptimizer
 
 from memtrain.errors import MemtrainError
+from memtrain.memory.meter import mark_host
 from memtrain.units import format_bytes
 
 # Optimizer state elements per parameter element, for the host-RAM check.
@@ -111,6 +112,7 @@ class OffloadOptimizer(CPUOffloadOptimizer):
         if p.grad is None:
             return
         self.param_d2h_map[p].grad.copy_(p.grad)
+        mark_host(self.param_d2h_map[p].grad)  # the copy is written under an active meter
         self.queue.pop(p, None)  # re-queued at the end, as torchao does for accumulation
         self.queue[p] = self.stream.record_event()
 
@@ -138,7 +140,13 @@ class OffloadOptimizer(CPUOffloadOptimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Apply a pending clip to the host gradients, then torchao's step."""
+        """Apply a pending clip to the host gradients, then torchao's step.
+
+        Parameters whose device gradient was dropped after backward (``zero_grad`` between
+        backward and step, as memtrain's NaN guard does) are skipped, as a torch optimizer
+        skips parameters without a gradient: their host copy is stale.
+        """
+        self.queue = {p: event for p, event in self.queue.items() if p.grad is not None}
         if self._host_grad_scale is not None:
             self.stream.synchronize()  # every gradient copy has landed on the host
             coef = self._host_grad_scale.to("cpu")
@@ -146,7 +154,10 @@ class OffloadOptimizer(CPUOffloadOptimizer):
             if host_grads:
                 torch._foreach_mul_(host_grads, coef)
             self._host_grad_scale = None
-        return super().step(closure)
+        loss = super().step(closure)
+        for tensor in self.host_tensors():  # state created by this step is host memory too
+            mark_host(tensor)
+        return loss
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,14 +17,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from memtrain import patches
+from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
+from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_model, load_tokenizer
+from memtrain.safety import STAGING, GracefulStop, Interrupted, StopOnSignal, last_complete_checkpoint
 from memtrain.trainer import add_derived_metrics, build_trainer
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,9 @@ class TrainResult:
     metrics: dict[str, float]
     batch: Batch
     patches: list[str] = field(default_factory=list)
+    memory: StepMemory | None = None  # the measured step with the highest peak
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = field(default=None, repr=False)  # the trained (patched) model
 
 
 def train(cfg: RunConfig, console: Console | None = None,
@@ -61,15 +67,29 @@ def train(cfg: RunConfig, console: Console | None = None,
         model.config.label2id = {n: i for i, n in enumerate(data.label_names)}
     model = patches.apply_patches(model, cfg)
     _startup_table(console, cfg, model, data, batch)
-    trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), callbacks)
-    train_output = trainer.train(resume_from_checkpoint=resume_from)
+    meter = MemoryMeterCallback(every=cfg.training.logging_steps)
+    with GracefulStop() as stop:
+        trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
+                                [meter, StopOnSignal(stop), *(callbacks or [])])
+        train_output = trainer.train(resume_from_checkpoint=resume_from)
+    if stop.requested:
+        assert stop.signum is not None
+        step = trainer.state.global_step
+        raise Interrupted(
+            f"Stopped by {signal.Signals(stop.signum).name} after step {step}; the checkpoint is "
+            f"{out / f'checkpoint-{step}'}. Resume with the same command plus `training.resume=true`.",
+            stop.signum,
+        )
+    if trainer.nonfinite.stopped_at is not None:
+        raise trainer.nonfinite.error(out)
     metrics: dict[str, Any] = dict(train_output.metrics)
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     metrics = add_derived_metrics(metrics, cfg, data)
     _save_final(trainer, tokenizer, cfg, metrics, out)
     _summary(console, metrics, out)
-    return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)])
+    return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
+                       meter.worst, list(trainer.state.log_history), model)
 
 
 def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
@@ -82,14 +102,15 @@ def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
                                 "trainer_state.json). Fix: point it at a `checkpoint-N` folder "
                                 "or use `training.resume=true`.")
         return str(path)
-    last = get_last_checkpoint(str(out)) if out.is_dir() else None
+    shutil.rmtree(out / STAGING, ignore_errors=True)  # a save that crashed half-way
+    last = last_complete_checkpoint(out)
     if resume:
         if last is None:
             log.warning("training.resume=true but %s holds no checkpoint: starting fresh", out)
-        return last
+        return str(last) if last else None
     finished = (out / METRICS_FILE).exists()
     if (last or finished) and not cfg.output.overwrite:
-        what = f"checkpoint {Path(last).name}" if last else "a finished run"
+        what = f"checkpoint {last.name}" if last else "a finished run"
         raise MemtrainError(
             f"`output.dir`: {str(out)!r} already holds {what}. Fix: continue it with "
             "`training.resume=true`, choose another `output.dir`, or set `output.overwrite=true`."

@@ -265,3 +265,39 @@ def test_qlora_offload_keeps_gradients_and_estimates() -> None:
     moved = measured_step(patched)
     assert_same_grads(moved, plain, atol=1e-5)
     assert moved["host"] == 2 * BATCH * SEQ * HIDDEN * 4
+
+
+def test_memory_meter_files_offloaded_bytes_as_host() -> None:
+    """memtrain's MemoryMeter: moved activations and the offloaded optimizer count as host."""
+    from memtrain.memory.meter import measure_step
+
+    base = build_model(layers=2)
+    plain = measure_step(ckpt.apply(copy.deepcopy(base), "full"), inputs())
+    model = offloaded(base, "full")
+    moved = measure_step(model, inputs())
+    hidden_states = 2 * BATCH * SEQ * HIDDEN * 4
+    assert moved.host_peak_bytes == offload.host_ledger(model).peak_bytes == hidden_states
+    activations = plain.max_by_category["activations"] - moved.max_by_category["activations"]
+    assert activations == hidden_states
+    assert plain.peak_by_phase["forward"] - moved.peak_by_phase["forward"] == hidden_states
+
+    model = build_model(layers=1)
+    optimizer = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    measure_step(model, inputs(), optimizer)  # creates the state
+    steady = measure_step(model, inputs(), optimizer)
+    assert steady.host_peak_bytes == optimizer.host_bytes()
+    device_state = sum(v.numel() * v.element_size() for s in optimizer.d_opt.state.values()
+                       for v in s.values())
+    assert steady.peak_by_category["optimizer_state"] == device_state
+    assert device_state < 0.1 * optimizer.host_bytes()
+
+
+def test_dropped_gradients_skip_the_step() -> None:
+    """The NaN guard drops a step's gradients before the step: host copies must not be used."""
+    model = build_model(layers=1)
+    optimizer = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(**inputs()).loss.backward()
+    model.zero_grad(set_to_none=True)
+    optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

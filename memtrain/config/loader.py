@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from memtrain import sources
-from memtrain.config.schema import _MISSING, Problem, RunConfig
+from memtrain.config.schema import _MISSING, Problem, RunConfig, cross_section_problems
 from memtrain.errors import MemtrainError
 
 _TYPE_ERRORS = ("_parsing", "_type", "literal_error", "model_attributes_type", "dict_type")
@@ -88,12 +88,35 @@ def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = ()) -> Run
     try:
         cfg = RunConfig.model_validate(data, context=context)
     except ValidationError as err:
-        raise RecipeError(_fold_errors(err) + context["problems"], source) from None
+        found = _fold_errors(err) + context["problems"]
+        raise RecipeError(found + _cross_checks_of_valid_sections(data, found), source) from None
     problems = context["problems"] + _check_sources(cfg)
     if problems:
         raise RecipeError(problems, source)
     cfg.output.dir = cfg.output.dir.replace("{recipe}", stem)
     return cfg
+
+
+def _cross_checks_of_valid_sections(data: dict, found: list[Problem]) -> list[Problem]:
+    """The checks across sections, run on the sections that are valid on their own.
+
+    pydantic skips the root model's checks when any section fails; this still reports, say,
+    quantization with full fine-tuning when only `training` has a typo. Checks that involve a
+    broken section are skipped.
+    """
+    sections: dict[str, Any] = {}
+    for name, field in RunConfig.model_fields.items():
+        model = _model_in(field.annotation)
+        if model is None or any(p.path.split(".")[0] == name for p in found):
+            continue
+        raw = data.get(name)
+        if raw is None and field.is_required():
+            continue
+        try:
+            sections[name] = model.model_validate(raw or {}, context={"problems": []})
+        except ValidationError:
+            continue
+    return [p for p in cross_section_problems(sections) if p not in found]
 
 
 def dump_recipe(cfg: RunConfig) -> str:
@@ -246,9 +269,10 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
         return Problem(path, _MISSING, "is required", f"add it: {field.description}")
     constraint = [e for e in errors if not any(t in e["type"] for t in _TYPE_ERRORS)]
     if constraint:
-        msg = constraint[0]["msg"].removeprefix("Value error, ")
+        msg = constraint[0]["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        about = f" ({field.description.rstrip('.')})" if field is not None and field.description else ""
         return Problem(path, constraint[0].get("input", value), msg[0].lower() + msg[1:],
-                       field.description if field is not None else "")
+                       f"choose a value that satisfies this{about}.")
     expected = _describe(field.annotation) if field is not None else "another value"
     fix = f"set it to {expected}."
     options = _literals(field.annotation) if field is not None else []

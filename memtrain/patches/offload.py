@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from memtrain.config import OffloadConfig, RunConfig
 from memtrain.config.batch import resolve_batch
 from memtrain.errors import MemtrainError
+from memtrain.memory.meter import mark_host
 from memtrain.patches import OFFLOAD, PatchRecord, add_records, records, register
 from memtrain.patches.checkpointing import (
     disable_kv_cache,
@@ -45,12 +46,6 @@ from memtrain.patches.checkpointing import (
     wrap_forward,
 )
 from memtrain.units import format_bytes
-
-try:  # the meter lands on main separately; until it does, the ledger alone counts host bytes
-    from memtrain.memory.meter import mark_host as _mark_host
-except ImportError:  # pragma: no cover
-    def _mark_host(tensor: torch.Tensor) -> None:
-        return None
 
 Config = OffloadConfig
 _LEDGER_ATTR = "_memtrain_host_ledger"
@@ -71,7 +66,7 @@ class HostLedger:
         self._live[id(tensor.untyped_storage())] = nbytes
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        _mark_host(tensor)
+        mark_host(tensor)
 
     def remove(self, key: int) -> None:
         """Stop counting the host storage with id ``key`` (it is being freed)."""
