@@ -70,6 +70,8 @@ class OffloadOptimizer(CPUOffloadOptimizer):
         items = list(params)
         groups = ([dict(g) for g in items] if items and isinstance(items[0], dict)
                   else [{"params": items}])
+        for group in groups:
+            group["params"] = list(group["params"])  # may be a generator, read more than once
         first = next((p for g in groups for p in g["params"]), None)
         if first is not None and first.device.type == "cpu":
             self._init_on_cpu(groups, optimizer_class, minimal_size, kwargs)

@@ -18,7 +18,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,10 +73,8 @@ def make_optimizer(model: nn.Module, mode: Mode) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor,
-               after_forward: Callable[[], None] = lambda: None) -> float:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
     loss = model(input_ids=ids, labels=ids).loss
-    after_forward()
     loss.backward()
     opt.step()
     model.zero_grad(set_to_none=True)
@@ -93,42 +90,40 @@ def device_state_bytes(opt: torch.optim.Optimizer) -> int:
                for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def measure_memory(base: nn.Module, mode: Mode, ids: torch.Tensor, min_bytes: int) -> None:
-    """Exact bytes of a steady-state step (the second: optimizer state already exists)."""
-    model = prepare(base, mode, min_bytes)
-    opt = make_optimizer(model, mode)
-    train_step(model, opt, ids)
+def measure(model: nn.Module, opt: torch.optim.Optimizer, mode: Mode, ids: torch.Tensor) -> None:
+    """Exact bytes and backward FLOPs of a steady-state step (optimizer state already exists)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     resident = params + device_state_bytes(opt)
     host_resident = opt.host_bytes() if isinstance(opt, OffloadOptimizer) else 0
     ledger = offload.host_ledger(model)
     with LiveBytes(lambda: ledger.current_bytes if ledger else 0) as tracker:
-        saved: dict[str, int] = {}
-        loss = train_step(model, opt, ids, lambda: saved.update(
-            device=tracker.device_current, host=tracker.host_bytes()))
+        loss = model(input_ids=ids, labels=ids).loss
+        saved = tracker.device_current
+        with FlopCounterMode(display=False) as flops:
+            loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
     mode.results.update(
-        loss=loss, peak=resident + tracker.device_peak,
-        host_peak=host_resident + tracker.host_peak, saved=saved["device"])
+        loss=loss.item(), peak=resident + tracker.device_peak, saved=saved,
+        host_peak=host_resident + tracker.host_peak, backward_flops=flops.get_total_flops())
 
 
-def measure_flops(base: nn.Module, mode: Mode, ids: torch.Tensor, min_bytes: int) -> None:
-    model = prepare(base, mode, min_bytes)
-    loss = model(input_ids=ids, labels=ids).loss
-    with FlopCounterMode(display=False) as counter:
-        loss.backward()
-    mode.results["backward_flops"] = counter.get_total_flops()
-
-
-def measure_time(base: nn.Module, modes: list[Mode], ids: torch.Tensor, min_bytes: int,
-                 repeats: int) -> None:
-    """Median step time; modes interleaved so that load changes hit all of them."""
-    runs = [(m, prepare(base, m, min_bytes)) for m in modes]
-    opts = [make_optimizer(model, m) for m, model in runs]
-    for (mode, model), opt in zip(runs, opts, strict=True):
-        train_step(model, opt, ids)  # warm-up: optimizer state, allocator, kernels
+def run_modes(base: nn.Module, modes: list[Mode], ids: torch.Tensor, min_bytes: int,
+              repeats: int) -> None:
+    """Per mode a warm-up step and a measured step; then timed steps, modes interleaved so that
+    changes in machine load hit all of them alike."""
+    runs = []
+    for mode in modes:
+        print(f"measuring {mode.name} ...", flush=True)
+        model = prepare(base, mode, min_bytes)
+        opt = make_optimizer(model, mode)
+        train_step(model, opt, ids)  # creates optimizer state: the measured step is steady-state
+        measure(model, opt, mode, ids)
         mode.results["times"] = []
-    for _ in range(repeats):
-        for (mode, model), opt in zip(runs, opts, strict=True):
+        runs.append((mode, model, opt))
+    for rep in range(repeats):
+        print(f"timing round {rep + 1}/{repeats} ...", flush=True)
+        for mode, model, opt in runs:
             start = time.perf_counter()
             train_step(model, opt, ids)
             mode.results["times"].append(time.perf_counter() - start)
@@ -160,7 +155,7 @@ def table(modes: list[Mode], layers: int) -> list[str]:
 
 def depth_table(pairs: list[tuple[Mode, Mode]]) -> list[str]:
     rows = ["| mode | layers | saved activations (device) | peak device − parameters − "
-            "gradients − AdamW state | host peak |", "|---|---|---|---|---|"]
+            "gradients | host peak |", "|---|---|---|---|---|"]
     for pair in pairs:
         for m in pair:
             r = m.results
@@ -193,15 +188,10 @@ def main() -> None:
     modes = [Mode("none"), Mode("full", "full"), Mode(f"{L // 2} of {L} layers", L // 2),
              Mode("selective", "selective"), Mode("offload", activations=True),
              Mode("full + offload", "full", activations=True),
-             Mode("selective + offload", "selective", activations=True),
              Mode("optimizer offload", optimizer=True)]
     base = build(args, L)
-    for mode in modes:
-        print(f"measuring {mode.name} ...", flush=True)
-        measure_memory(base, mode, ids, args.min_bytes)
-        measure_flops(base, mode, ids, args.min_bytes)
-    print("timing ...", flush=True)
-    measure_time(base, modes, ids, args.min_bytes, args.repeats)
+    run_modes(base, modes, ids, args.min_bytes, args.repeats)
+    del base
     pairs = depth_check(args, ids)
     text = report(args, modes, pairs)
     print(text)
@@ -212,17 +202,28 @@ def main() -> None:
 
 
 def depth_check(args: argparse.Namespace, ids: torch.Tensor) -> list[tuple[Mode, Mode]]:
-    """Device activation memory at L and 2L layers: full checkpointing with and without offload."""
+    """Device activation memory at L and 2L layers: full checkpointing with and without offload.
+
+    One forward and backward each (no optimizer): the peak minus the gradients is what the
+    activations (saved and recomputed) need at most.
+    """
     pairs = []
     for name, activations in (("full", False), ("full + offload", True)):
         pair = []
         for layers in (args.layers, 2 * args.layers):
+            print(f"depth check: {name}, {layers} layers ...", flush=True)
             mode = Mode(name, "full", activations=activations, layers=layers)
-            base = build(args, layers)
-            measure_memory(base, mode, ids, args.min_bytes)
-            weights = sum(p.numel() * p.element_size() for p in base.parameters())
-            mode.results["activation_peak"] = mode.results["peak"] - 4 * weights
+            model = prepare(build(args, layers), mode, args.min_bytes)
+            grads = sum(p.numel() * p.element_size() for p in model.parameters())
+            ledger = offload.host_ledger(model)
+            with LiveBytes(lambda ledger=ledger: ledger.current_bytes if ledger else 0) as tracker:
+                loss = model(input_ids=ids, labels=ids).loss
+                saved = tracker.device_current
+                loss.backward()
+            mode.results.update(saved=saved, activation_peak=tracker.device_peak - grads,
+                                host_peak=tracker.host_peak)
             pair.append(mode)
+            del model
         pairs.append((pair[0], pair[1]))
     return pairs
 
@@ -253,7 +254,8 @@ def report(args: argparse.Namespace, modes: list[Mode], pairs: list[tuple[Mode, 
         "*Recompute* is backward FLOPs minus those of `none` (matmul and attention FLOPs, as "
         "`torch.utils.flop_counter.FlopCounterMode` counts them; element-wise work is not "
         "counted). "
-        f"Step time: median of {args.repeats} steps after a warm-up, modes interleaved.", "",
+        f"Step time: median of {args.repeats} steps after a warm-up and the measured step, "
+        "modes interleaved.", "",
         *table(modes, args.layers), "",
         f"Loss of the measured step identical in every mode: {'yes' if same_loss else 'NO'} "
         f"({none['loss']:.6f}).", "",
