@@ -99,25 +99,38 @@ def measure(model: nn.Module, opt: torch.optim.Optimizer, mode: Mode, ids: torch
     with LiveBytes(lambda: ledger.current_bytes if ledger else 0) as tracker:
         loss = model(input_ids=ids, labels=ids).loss
         saved = tracker.device_current
-        with FlopCounterMode(display=False) as flops:
-            loss.backward()
+        loss.backward()
         opt.step()
         model.zero_grad(set_to_none=True)
     mode.results.update(
         loss=loss.item(), peak=resident + tracker.device_peak, saved=saved,
-        host_peak=host_resident + tracker.host_peak, backward_flops=flops.get_total_flops())
+        host_peak=host_resident + tracker.host_peak)
+
+
+def warm_up(model: nn.Module, opt: torch.optim.Optimizer, mode: Mode, ids: torch.Tensor) -> None:
+    """A first step (creates the optimizer state), with its backward FLOPs counted.
+
+    FLOPs are counted here, not in the measured step: ``FlopCounterMode`` around a backward
+    with full checkpointing raises the memory peak it would measure.
+    """
+    loss = model(input_ids=ids, labels=ids).loss
+    with FlopCounterMode(display=False) as flops:
+        loss.backward()
+    opt.step()
+    model.zero_grad(set_to_none=True)
+    mode.results["backward_flops"] = flops.get_total_flops()
 
 
 def run_modes(base: nn.Module, modes: list[Mode], ids: torch.Tensor, min_bytes: int,
               repeats: int) -> None:
-    """Per mode a warm-up step and a measured step; then timed steps, modes interleaved so that
-    changes in machine load hit all of them alike."""
+    """Per mode a warm-up step (FLOPs counted) and a measured step (bytes); then timed steps,
+    modes interleaved so that changes in machine load hit all of them alike."""
     runs = []
     for mode in modes:
         print(f"measuring {mode.name} ...", flush=True)
         model = prepare(base, mode, min_bytes)
         opt = make_optimizer(model, mode)
-        train_step(model, opt, ids)  # creates optimizer state: the measured step is steady-state
+        warm_up(model, opt, mode, ids)  # the measured step is then a steady-state one
         measure(model, opt, mode, ids)
         mode.results["times"] = []
         runs.append((mode, model, opt))
