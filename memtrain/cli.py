@@ -64,13 +64,17 @@ def _setup_logging(verbose: bool) -> None:
 @app.command()
 @user_errors
 def train(recipe: Recipe, overrides: Overrides = None,
-          verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+          verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+          nproc: Annotated[int | None, typer.Option(
+              "--nproc", min=1, help="Processes to train with (sets `distributed.processes`): one per "
+              "GPU, sharded with FSDP2; on CPU they share the cores.")] = None) -> None:
     """Fine-tune as a recipe says: data, model, adapter, memory techniques, training, saving."""
     from memtrain.config import load_recipe
     from memtrain.runner import train as run_training
 
     _setup_logging(verbose)
-    cfg = load_recipe(recipe, overrides or [])
+    extra = [f"distributed.processes={nproc}"] if nproc is not None else []
+    cfg = load_recipe(recipe, [*(overrides or []), *extra])
     run_training(cfg, console=console)
 
 

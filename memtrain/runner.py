@@ -18,7 +18,7 @@ from rich.table import Table
 from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from memtrain import patches
+from memtrain import distributed, patches
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
@@ -43,6 +43,7 @@ class TrainResult:
     patches: list[str] = field(default_factory=list)
     memory: StepMemory | None = None  # the measured step with the highest peak
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    process_memory: list[StepMemory | None] = field(default_factory=list)  # by rank, several processes
 
 
 def train(cfg: RunConfig, console: Console | None = None,
@@ -54,19 +55,24 @@ def train(cfg: RunConfig, console: Console | None = None,
     """
     console = console or Console()
     out = Path(cfg.output.dir)
+    if distributed.launch_needed(cfg):  # start the processes; each comes back here as a worker
+        return _launch(cfg, out, callbacks)
     resume_from = _check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
-    model = load_model(cfg.model, data.num_labels, tokenizer.pad_token_id, cfg.training.seed)
+    model = load_model(cfg.model, data.num_labels, tokenizer.pad_token_id, cfg.training.seed,
+                       quant_storage=distributed.quant_storage(cfg))
     if data.label_names:
         model.config.id2label = dict(enumerate(data.label_names))
         model.config.label2id = {n: i for i, n in enumerate(data.label_names)}
     model = patches.apply_patches(model, cfg)
+    model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
     _startup_table(console, cfg, model, data, batch)
     meter = MemoryMeterCallback()
-    trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), [meter, *(callbacks or [])])
+    trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), [meter, *(callbacks or [])],
+                            fsdp_plugin=distributed.fsdp_plugin(model, cfg))
     train_output = trainer.train(resume_from_checkpoint=resume_from)
     metrics: dict[str, Any] = dict(train_output.metrics)
     if data.eval is not None:
@@ -76,6 +82,20 @@ def train(cfg: RunConfig, console: Console | None = None,
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history))
+
+
+def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) -> TrainResult:
+    """Several processes: check the output folder here (before N processes start), run them,
+    return rank 0's result with every process's measured memory."""
+    if callbacks:
+        raise MemtrainError(f"`distributed.processes={cfg.distributed.processes}`: Trainer callbacks "
+                            "cannot be handed to other processes. Fix: run with one process, or launch "
+                            "your own script with torchrun and call `memtrain.runner.train` in it.")
+    _check_output_dir(cfg, out)
+    results = distributed.launch(cfg)
+    first = results[0]
+    first.process_memory = [r.memory for r in results]
+    return first
 
 
 def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
@@ -110,6 +130,10 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
                 out: Path) -> None:
     """Write adapter/model, tokenizer, resolved recipe and metrics; atomically per file set."""
     staging = out / ".final-tmp"
+    if not trainer.is_world_process_zero():  # several processes: rank 0 writes everything
+        if cfg.output.save_model:
+            trainer.save_model(str(staging))  # ... but every process helps gather sharded weights
+        return
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if cfg.output.save_model:

@@ -97,7 +97,29 @@ def add_derived_metrics(metrics: dict[str, float], cfg: RunConfig, data: Prepare
 
 
 class MemtrainTrainer(Trainer):
-    """The stock Trainer plus the hooks memtrain's memory features attach to."""
+    """The stock Trainer plus the hooks memtrain's memory features attach to.
+
+    Args:
+        fsdp_plugin: with several processes, accelerate's description of the FSDP2 sharding the
+            model already has (see :mod:`memtrain.distributed`); None otherwise.
+    """
+
+    def __init__(self, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        self.fsdp_plugin = fsdp_plugin  # read while Trainer.__init__ creates the Accelerator
+        super().__init__(*args, **kwargs)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        if self.fsdp_plugin is not None:
+            args["fsdp_plugin"] = self.fsdp_plugin
+        return args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.fsdp_plugin is not None:
+            from memtrain.distributed import adopt_fsdp
+
+            adopt_fsdp(self, self.fsdp_plugin)  # on CPU accelerate picked DDP: make it FSDP2
 
 
 def build_trainer(
@@ -108,8 +130,9 @@ def build_trainer(
     batch: Batch,
     output_dir: str,
     callbacks: list[TrainerCallback] | None = None,
+    fsdp_plugin: Any = None,
 ) -> MemtrainTrainer:
-    """A ready-to-train Trainer for a resolved recipe."""
+    """A ready-to-train Trainer for a resolved recipe (``fsdp_plugin``: see MemtrainTrainer)."""
     args = training_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
     classification = cfg.model.task == "sequence-classification"
     return MemtrainTrainer(
@@ -121,4 +144,5 @@ def build_trainer(
         processing_class=tokenizer,
         compute_metrics=compute_accuracy if classification else None,
         callbacks=callbacks or [],
+        fsdp_plugin=fsdp_plugin,
     )
