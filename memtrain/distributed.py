@@ -119,14 +119,21 @@ def launch(cfg: RunConfig) -> list[Any]:
 
 
 def _launch_error(err: Any, n: int) -> LaunchError:
-    """The first failure: a user mistake as its message, anything else with where its traceback is."""
-    rank, failure = err.get_first_failure()
+    """The root cause among the failed processes, as memtrain reports it.
+
+    The root cause is a process that reported an error (the others were stopped by the agent,
+    maybe within the same second), else one that exited on its own.
+    """
+    rank, failure = min(err.failures.items(), key=lambda item: (
+        not os.path.isfile(item[1].error_file), item[1].exitcode <= 0, item[1].timestamp, item[0]))
     code = failure.exitcode if failure.exitcode > 0 else 1
-    if isinstance(failure.message, str) and failure.error_file_data.get("message") == failure.message:
-        return LaunchError(f"{failure.message} (in training process {rank} of {n})", code)
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
-    return LaunchError(f"training process {rank} of {n} failed with exit status {failure.exitcode}: "
-                       f"{message} (its traceback is printed above)", code)
+    where = f"training process {rank} of {n}"
+    if isinstance(failure.message, dict):  # an exception recorded by `record`: a bug
+        return LaunchError(f"{where} failed: {failure.message.get('message')} (its traceback is "
+                           "printed above)", code)
+    if os.path.isfile(failure.error_file):  # a user mistake the worker reported
+        return LaunchError(f"{failure.message} (in {where})", code)
+    return LaunchError(f"{where} failed with exit status {failure.exitcode}: {failure.message}", code)
 
 
 def _check_devices(n: int) -> None:
