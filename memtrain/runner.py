@@ -26,6 +26,7 @@ from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_model, load_tokenizer
+from memtrain.report import Report, build_report, save_report
 from memtrain.safety import STAGING, GracefulStop, Interrupted, StopOnSignal, last_complete_checkpoint
 from memtrain.trainer import add_derived_metrics, build_trainer
 
@@ -86,7 +87,11 @@ def train(cfg: RunConfig, console: Console | None = None,
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     metrics = add_derived_metrics(metrics, cfg, data)
-    _save_final(trainer, tokenizer, cfg, metrics, out)
+    report = None
+    if cfg.output.report and meter.worst is not None:
+        report = build_report(meter.worst, trainer.state.log_history, None,
+                              {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
+    _save_final(trainer, tokenizer, cfg, metrics, out, report)
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
@@ -122,8 +127,8 @@ def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
 
 
 def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
-                out: Path) -> None:
-    """Write adapter/model, tokenizer, resolved recipe and metrics; atomically per file set."""
+                out: Path, report: Report | None) -> None:
+    """Write adapter/model, tokenizer, resolved recipe, metrics and report, then move them in."""
     staging = out / ".final-tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -132,6 +137,8 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
     tokenizer.save_pretrained(str(staging))
     (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+    if report is not None:
+        save_report(report, staging)
     for item in staging.iterdir():
         target = out / item.name
         if target.is_dir():

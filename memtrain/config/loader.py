@@ -262,7 +262,9 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
     if kind == "extra_forbidden":
         model = field[1]
         valid = list(model.model_fields)
-        close = difflib.get_close_matches(path.rsplit(".", 1)[-1], valid, n=1)
+        key = path.rsplit(".", 1)[-1]
+        initials = [v for v in valid if "".join(w[0] for w in v.split("_")) == key.lower()]
+        close = initials or difflib.get_close_matches(key, valid, n=1)
         hint = f"did you mean `{close[0]}`? " if close else ""
         return Problem(path, _MISSING, "unknown key", f"{hint}Valid keys here: {', '.join(valid)}.")
     if kind == "missing":

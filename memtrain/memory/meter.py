@@ -89,6 +89,7 @@ class _Tracker(MemTracker):
         self.record_timeline = timeline
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._backward_seen = False
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if module not in self._seen:
@@ -127,9 +128,16 @@ class _Tracker(MemTracker):
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
     def phase(self) -> str:
+        # Work outside any module after a backward (gradient clipping, zero_grad) belongs to the
+        # optimizer step; a module running again means the next micro-batch's forward.
         if self._in_opt:
             return "optimizer"
-        return "backward" if self._mod_tracker.is_bw else "forward"
+        if self._mod_tracker.is_bw:
+            self._backward_seen = True
+            return "backward"
+        if self._backward_seen and self._mod_tracker.parents <= {"Global"}:
+            return "optimizer"
+        return "forward"
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, dev_snap in self._curr_mem_snap.items():
