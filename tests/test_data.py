@@ -81,7 +81,7 @@ def test_missing_column_lists_the_columns(tmp_path: Path, tokenizer) -> None:
 def test_empty_dataset(tmp_path: Path, tokenizer) -> None:
     f = tmp_path / "empty.csv"
     f.write_text("text\n")
-    with pytest.raises(RecipeError, match="`data.source`.*has no examples"):
+    with pytest.raises(RecipeError, match=r"`data.source`.*has no examples"):
         prepare_data(recipe(tmp_path, f, format="text"), tokenizer)
 
 
