@@ -24,6 +24,7 @@ from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
+from memtrain.memory.budget import SimulatedBudgetCallback
 from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_model, load_tokenizer
 from memtrain.report import Report, build_report, save_report
@@ -69,10 +70,17 @@ def train(cfg: RunConfig, console: Console | None = None,
     model = patches.apply_patches(model, cfg)
     _startup_table(console, cfg, model, data, batch)
     meter = MemoryMeterCallback(every=cfg.training.logging_steps)
+    guards: list[TrainerCallback] = [meter]
+    if cfg.memory.simulate_budget is not None:
+        guards.insert(0, SimulatedBudgetCallback(cfg.memory.simulate_budget))
     with GracefulStop() as stop:
         trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
-                                [meter, StopOnSignal(stop), *(callbacks or [])])
-        train_output = trainer.train(resume_from_checkpoint=resume_from)
+                                [*guards, StopOnSignal(stop), *(callbacks or [])])
+        try:
+            train_output = trainer.train(resume_from_checkpoint=resume_from)
+        finally:  # leave the dispatch modes in reverse order, also when a step raised
+            for guard in reversed(guards):
+                guard.close()
     if stop.requested:
         assert stop.signum is not None
         step = trainer.state.global_step
