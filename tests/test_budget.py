@@ -27,7 +27,8 @@ def test_simulated_budget_raises_torch_oom_exactly_at_the_limit() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert fits.peak_bytes == peak
-    with pytest.raises(torch.OutOfMemoryError, match="simulated budget"), SimulatedBudget(peak - 1, model, opt):
+    too_small = SimulatedBudget(peak - 1, model, opt)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated budget"), too_small:
         model(**batch()).loss.backward()
         opt.step()
     opt.zero_grad(set_to_none=True)
