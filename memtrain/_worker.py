@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
     except MemtrainError as err:
         _report(str(err))
         return err.exit_code
+    result.model = None  # sharded over the processes; the saved files hold it whole
     if rank != 0 and result.memory is not None:
         result.memory.timeline = []  # only rank 0's goes into reports
     Path(exchange, RESULT_FILE.format(rank=rank)).write_bytes(pickle.dumps(result))

@@ -20,7 +20,9 @@ things are hand-written, and why:
   switches the accelerator's state from DDP to FSDP2 after creation.
 - the launcher is torch's elastic agent (what ``torchrun`` runs), started in-process so that
   memtrain sees which worker failed and with which message, gives the exit status back, and
-  restores its signal handlers; workers die with their launcher (:func:`exit_with_parent`).
+  restores its signal handlers; workers die with their launcher (:func:`exit_with_parent`). A
+  SIGINT/SIGTERM reaches the workers once, through the agent (they run in their own sessions),
+  and they stop together after a step with a checkpoint (:class:`memtrain.safety.StopOnSignal`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ if TYPE_CHECKING:
 Config = DistributedConfig
 
 WORKER_MODULE = "memtrain._worker"
+# On SIGINT/SIGTERM the launcher passes the signal on, and the processes finish their step and
+# save a checkpoint together (memtrain.safety); they are killed if that takes longer than this.
+SHUTDOWN_TIMEOUT_S = 300
 RESULT_FILE = "rank{rank}.pkl"
 
 
@@ -96,6 +101,7 @@ def launch(cfg: RunConfig) -> list[Any]:
     Raises:
         LaunchError: a process failed; the message is its error, ``exit_code`` its exit status.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -106,7 +112,8 @@ def launch(cfg: RunConfig) -> list[Any]:
         recipe.write_text(dump_recipe(cfg), encoding="utf-8")
         config = LaunchConfig(  # what `torchrun --standalone --nproc-per-node n` configures
             min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1)
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         env_threads = {} if "OMP_NUM_THREADS" in os.environ else {
             # torchrun would pin every process to one thread; share the cores instead.
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
@@ -115,6 +122,8 @@ def launch(cfg: RunConfig) -> list[Any]:
                 elastic_launch(config, sys.executable)("-m", WORKER_MODULE, str(recipe), tmp)
             except ChildFailedError as err:
                 raise _launch_error(err, n) from None
+            except SignalException as err:  # the agent passed the signal on and waited for them
+                raise _interrupted(cfg, err.sigval) from None
         return [pickle.loads(Path(tmp, RESULT_FILE.format(rank=r)).read_bytes()) for r in range(n)]
 
 
@@ -134,6 +143,15 @@ def _launch_error(err: Any, n: int) -> LaunchError:
     if os.path.isfile(failure.error_file):  # a user mistake the worker reported
         return LaunchError(f"{failure.message} (in {where})", code)
     return LaunchError(f"{where} failed with exit status {failure.exitcode}: {failure.message}", code)
+
+
+def _interrupted(cfg: RunConfig, signum: int) -> MemtrainError:
+    from memtrain.safety import Interrupted, last_complete_checkpoint
+
+    last = last_complete_checkpoint(cfg.output.dir)
+    saved = f"the last checkpoint is {last}" if last else "no checkpoint was saved"
+    return Interrupted(f"Stopped by {signal.Signals(signum).name}; {saved}. Resume with the same command "
+                       "plus `training.resume=true`.", signum)
 
 
 def _check_devices(n: int) -> None:

@@ -7,6 +7,7 @@ resume) and only adds what a memory-bounded run needs on top of it, in :class:`M
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,11 +19,13 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.data import PreparedData
 from memtrain.errors import MemtrainError
+from memtrain.safety import STAGING, NonFiniteLossGuard, check_disk_space, checkpoint_bytes, publish
 
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
     "adamw": ("adamw_torch", None),
@@ -97,16 +100,20 @@ def add_derived_metrics(metrics: dict[str, float], cfg: RunConfig, data: Prepare
 
 
 class MemtrainTrainer(Trainer):
-    """The stock Trainer plus the hooks memtrain's memory features attach to.
+    """The stock Trainer plus what a run that must lose nothing needs.
 
-    Args:
-        fsdp_plugin: with several processes, accelerate's description of the FSDP2 sharding the
-            model already has (see :mod:`memtrain.distributed`); None otherwise.
+    - a loss that is NaN/inf skips its optimizer step (:class:`~memtrain.safety.NonFiniteLossGuard`);
+    - checkpoints are staged and renamed into place, after a free-disk-space check;
+    - with several processes, the FSDP2 sharding the model already has (``fsdp_plugin``,
+      accelerate's description of it, see :mod:`memtrain.distributed`) is what accelerate runs.
     """
 
-    def __init__(self, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_nonfinite_steps: int = 5, fsdp_plugin: Any = None,
+                 **kwargs: Any) -> None:
         self.fsdp_plugin = fsdp_plugin  # read while Trainer.__init__ creates the Accelerator
         super().__init__(*args, **kwargs)
+        self.nonfinite = NonFiniteLossGuard(max_nonfinite_steps)
+        self.add_callback(self.nonfinite)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
@@ -120,6 +127,36 @@ class MemtrainTrainer(Trainer):
             from memtrain.distributed import adopt_fsdp
 
             adopt_fsdp(self, self.fsdp_plugin)  # on CPU accelerate picked DDP: make it FSDP2
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        loss = out[0] if return_outputs else out
+        if model.training and torch.is_grad_enabled() and not torch.isfinite(loss.detach()).all():
+            self.nonfinite.flag()
+            # A leaf: its backward reaches no parameter, so the NaN cannot spread into gradients.
+            dead = torch.full_like(loss.detach(), float("nan")).requires_grad_()
+            out = (dead, out[1]) if return_outputs else dead
+        return out
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        final_root = Path(self.args.output_dir)
+        staging_root = final_root / STAGING
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            check_disk_space(final_root, checkpoint_bytes(self.model, self.optimizer), name)
+        self.args.output_dir = str(staging_root)  # the Trainer writes into <output>/.staging/...
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.output_dir = str(final_root)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            publish(staging_root / name, final_root / name)  # ...and only complete ones appear
+            staging_root.rmdir()
+            rotate_checkpoints(output_dir=str(final_root), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
 
 
 def build_trainer(
@@ -136,6 +173,7 @@ def build_trainer(
     args = training_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
     classification = cfg.model.task == "sequence-classification"
     return MemtrainTrainer(
+        max_nonfinite_steps=cfg.training.max_nonfinite_steps,
         model=model,
         args=args,
         train_dataset=data.train,

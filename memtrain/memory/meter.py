@@ -21,6 +21,7 @@ and ``cuda_max_allocated`` / ``cuda_max_reserved`` report what the caching alloc
 from __future__ import annotations
 
 import contextvars
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,7 +91,8 @@ class StepMemory:
 
 
 class _MeterMixin:
-    """What memtrain adds to torch's trackers: phase peaks, category maxima, a host bucket, a timeline."""
+    """What memtrain adds to torch's trackers: phase peaks, category maxima, a host bucket, a
+    timeline, and device peaks without MemTracker's per-module snapshots (see ``_Tracker``)."""
 
     categories: dict[_RefType, str] = CATEGORIES  # type: ignore[assignment]
 
@@ -102,6 +104,7 @@ class _MeterMixin:
         self.host_peak: dict[str, int] = {}
         self.record_timeline = timeline
         self.timeline: list[tuple[str, dict[str, int]]] = []
+        self._backward_seen = False
 
     def named(self, snap: dict | None) -> dict[str, int]:
         """A device snapshot keyed by torch's reference types -> bytes per memtrain category."""
@@ -112,12 +115,22 @@ class _MeterMixin:
         return out
 
     def phase(self) -> str:
+        # Work outside any module after a backward (gradient clipping, zero_grad) belongs to the
+        # optimizer step; a module running again means the next micro-batch's forward.
         if self._in_opt:  # type: ignore[attr-defined]
             return "optimizer"
-        return "backward" if self._mod_tracker.is_bw else "forward"  # type: ignore[attr-defined]
+        if self._mod_tracker.is_bw:  # type: ignore[attr-defined]
+            self._backward_seen = True
+            return "backward"
+        if self._backward_seen and self._mod_tracker.parents <= {"Global"}:  # type: ignore[attr-defined]
+            return "optimizer"
+        return "forward"
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)  # type: ignore[misc]
+        for dev, dev_snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:  # type: ignore[attr-defined]
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]  # type: ignore[attr-defined]
+                self._peak_mem_snap[dev] = dict(dev_snap)  # type: ignore[attr-defined]
         device_snap = self.named(self._curr_mem_snap.get(self.compute_device))  # type: ignore[attr-defined]
         phase = self.phase()
         if sum(device_snap.values()) > sum(self.phase_peak.get(phase, {}).values()):
@@ -147,21 +160,38 @@ class _MeterMixin:
 
 
 class _Tracker(_MeterMixin, MemTracker):
-    """MemTracker plus phase peaks, a host bucket and a timeline."""
+    """MemTracker's tensor accounting, with lean module hooks, phase peaks, a host bucket.
+
+    MemTracker also keeps per-module snapshots: it walks every tracked module and deep-copies
+    snapshots on each op, which made a measured step several times slower, and it refuses a
+    second top-level call (gradient accumulation). memtrain reads only device totals, so the
+    module hooks here keep just what the totals need: parameter/gradient tracking on a module's
+    first call and the activation-checkpointing region (a forward call during backward).
+    """
 
     def __init__(self, device: torch.device, host: torch.device, timeline: bool) -> None:
         super().__init__()
         self._setup_meter(device, host, timeline)
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        # MemTracker refuses a second top-level call of a module in one session; a step with
-        # gradient accumulation makes several, so module statistics restart at each top-level
-        # call (the device totals, which are all memtrain reads, are unaffected).
-        name = self._mod_tracker.get_known_fqn(module)
-        top_level = set(self._mod_tracker.parents) - {name} == {"Global"}
-        if top_level and module in self.memory_tracking and not self._mod_tracker.is_bw:
-            self.reset_mod_stats()
-        super()._pre_fw_hook(module, inputs)
+        if module not in self._seen:
+            self._seen.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        elif self._mod_tracker.is_bw and self._ac_mod is None:  # recompute in backward
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
 
     def _track_module_params_and_buffers(self, module: nn.Module,
                                          install_grad_hooks: bool = True) -> tuple[int, int]:
@@ -231,20 +261,20 @@ class MemoryMeter:
         model: the model; its parameters, buffers and existing gradients are counted from the start.
         optimizer: its existing state is counted from the start (optional).
         inputs: tensors created before the step that it holds (the batch), counted as ``inputs``.
-        device: the compute device; defaults to the device of the model's first parameter.
+        device: the compute device; defaults to the device of the model's first parameter (of
+            FSDP's device for an FSDP2 model, whose shards may be offloaded).
         timeline: keep a per-op snapshot list for plots.
     """
 
     def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  inputs: Any = None, device: torch.device | str | None = None,
                  timeline: bool = False) -> None:
-        fsdp = isinstance(model, FSDPModule)
         if device is None:
             device = _compute_device(model)
         self.device = _canonical(torch.device(device))
         host = torch.device("cpu") if self.device.type != "cpu" else _HOST_ON_CPU
         self._tracker: _Tracker | _FSDPTracker = (
-            _FSDPTracker(model, optimizer, self.device, host, timeline) if fsdp
+            _FSDPTracker(model, optimizer, self.device, host, timeline) if isinstance(model, FSDPModule)
             else _Tracker(self.device, host, timeline))
         self._external = [x for x in (model, optimizer) if x is not None]
         if inputs is not None:
