@@ -1,6 +1,6 @@
 """One training process of a multi-process run: ``python -m memtrain._worker RECIPE EXCHANGE_DIR``.
 
-Started by :func:`memtrain.distributed.launch` (through torch's elastic agent, which sets
+Started by :func:`memtrain.launch.launch` (through torch's elastic agent, which sets
 ``RANK``/``WORLD_SIZE``/...). It trains the resolved recipe and leaves what ``train`` returned in
 ``EXCHANGE_DIR/rank<R>.pkl`` for the launcher. Rank 0 alone prints the start-up table, the
 progress bar and the result. A user mistake is recorded in torch's error file (the launcher shows
@@ -24,8 +24,8 @@ def main(argv: list[str]) -> int:
     from rich.console import Console
 
     from memtrain.config import load_recipe
-    from memtrain.distributed import RESULT_FILE, exit_with_parent
     from memtrain.errors import MemtrainError
+    from memtrain.launch import RESULT_FILE, exit_with_parent
     from memtrain.runner import train
 
     exit_with_parent()

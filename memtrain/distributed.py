@@ -1,4 +1,4 @@
-"""Several processes: launch them, shard the model with FSDP2, estimate one process's memory.
+"""Several processes: shard the model with FSDP2, run it in the Trainer, estimate one process.
 
 Saves: with N processes each holds 1/N of the parameters, gradients and optimizer state, plus the
 full weights (and, in backward, full gradients) of the layer being computed (FSDP2: Zhao et al.,
@@ -8,41 +8,30 @@ device. Costs: an all-gather of every layer's weights in forward and again in ba
 reduce-scatter of its gradients, on every step; with offload, host<->device copies as well.
 
 The Trainer runs it as accelerate's FSDP2 (``FullyShardedDataParallelPlugin``, ``fsdp_version=2``):
-no-sync gradient accumulation, DTensor-aware gradient clipping, full-state-dict saving. Two
-things are hand-written, and why:
+no-sync gradient accumulation, DTensor-aware gradient clipping, full-state-dict saving. What is
+hand-written, and why: memtrain calls ``fully_shard`` itself (:func:`shard_model`; the units
+accelerate makes: each decoder layer, the input embedding, the output head, then the root)
+before the Trainer exists, so ``Accelerator.prepare`` finds an FSDP2 model and keeps it.
+Accelerate only enables FSDP on accelerators: on CPU it silently trains replicas with DDP. One
+code path keeps the CPU tests meaningful for GPU runs, and the estimator traces the very same
+function in a fake process group (:func:`estimate_process_step`). On CPU, :func:`adopt_fsdp`
+switches the accelerator's state from DDP to FSDP2 after creation.
 
-- memtrain calls ``fully_shard`` itself (:func:`shard_model`; the units accelerate makes: each
-  decoder layer, the input embedding, the output head, then the root) before the Trainer
-  exists, so ``Accelerator.prepare`` finds an FSDP2 model and leaves it as it is. Accelerate
-  only enables FSDP on accelerators: on CPU it silently trains replicas with DDP. One code path
-  keeps the CPU tests meaningful for GPU runs, and the estimator traces the very same function
-  under a fake process group (:func:`estimate_process_step`). On CPU, :func:`adopt_fsdp` then
-  switches the accelerator's state from DDP to FSDP2 after creation.
-- the launcher is torch's elastic agent (what ``torchrun`` runs), started in-process so that
-  memtrain sees which worker failed and with which message, gives the exit status back, and
-  restores its signal handlers; workers die with their launcher (:func:`exit_with_parent`). A
-  SIGINT/SIGTERM reaches the workers once, through the agent (they run in their own sessions),
-  and they stop together after a step with a checkpoint (:class:`memtrain.safety.StopOnSignal`).
+Starting the processes: :mod:`memtrain.launch`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import pickle
-import signal
-import sys
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from memtrain import patches
-from memtrain.config import DistributedConfig, RunConfig, dump_recipe
+from memtrain.config import DistributedConfig, RunConfig
 from memtrain.errors import MemtrainError
 
 if TYPE_CHECKING:
@@ -52,158 +41,6 @@ if TYPE_CHECKING:
     from memtrain.memory.meter import StepMemory
 
 Config = DistributedConfig
-
-WORKER_MODULE = "memtrain._worker"
-# On SIGINT/SIGTERM the launcher passes the signal on, and the processes finish their step and
-# save a checkpoint together (memtrain.safety); they are killed if that takes longer than this.
-SHUTDOWN_TIMEOUT_S = 300
-RESULT_FILE = "rank{rank}.pkl"
-
-
-class LaunchError(MemtrainError):
-    """A training process failed; carries that process's exit status."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# ------------------------------------------------------------------------------------- launch
-
-
-def launch_needed(cfg: RunConfig) -> bool:
-    """True in the process the user started when the recipe asks for several processes.
-
-    A process started by a launcher (memtrain's, ``torchrun``, ``accelerate launch``) has
-    ``WORLD_SIZE`` set; it trains, and its world size must be the recipe's.
-    """
-    started_as = os.environ.get("WORLD_SIZE")
-    if started_as is None:
-        return cfg.distributed.processes > 1
-    if int(started_as) != cfg.distributed.processes:
-        raise MemtrainError(
-            f"`distributed.processes`: the recipe says {cfg.distributed.processes}, but this process is "
-            f"one of {started_as} started by a launcher (WORLD_SIZE={started_as}). Fix: set "
-            f"`distributed.processes={started_as}`, or run `memtrain train` without a launcher.")
-    return False
-
-
-def launch(cfg: RunConfig) -> list[Any]:
-    """Run the recipe in ``cfg.distributed.processes`` processes and wait for them.
-
-    Each process runs ``python -m memtrain._worker`` on the resolved recipe and inherits the
-    environment, the working directory and the terminal. On CPU they talk over gloo; on CUDA
-    each takes one GPU and they talk over NCCL.
-
-    Returns:
-        What each process's ``memtrain.runner.train`` returned, by rank.
-
-    Raises:
-        LaunchError: a process failed; the message is its error, ``exit_code`` its exit status.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    n = cfg.distributed.processes
-    _check_devices(n)
-    with tempfile.TemporaryDirectory(prefix="memtrain-launch-") as tmp:
-        recipe = Path(tmp, "recipe.yaml")
-        recipe.write_text(dump_recipe(cfg), encoding="utf-8")
-        config = LaunchConfig(  # what `torchrun --standalone --nproc-per-node n` configures
-            min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-        env_threads = {} if "OMP_NUM_THREADS" in os.environ else {
-            # torchrun would pin every process to one thread; share the cores instead.
-            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-        with _environ(env_threads), _kept_signal_handlers():
-            try:
-                elastic_launch(config, sys.executable)("-m", WORKER_MODULE, str(recipe), tmp)
-            except ChildFailedError as err:
-                raise _launch_error(err, n) from None
-            except SignalException as err:  # the agent passed the signal on and waited for them
-                raise _interrupted(cfg, err.sigval) from None
-        return [pickle.loads(Path(tmp, RESULT_FILE.format(rank=r)).read_bytes()) for r in range(n)]
-
-
-def _launch_error(err: Any, n: int) -> LaunchError:
-    """The root cause among the failed processes, as memtrain reports it.
-
-    The root cause is a process that reported an error (the others were stopped by the agent,
-    maybe within the same second), else one that exited on its own.
-    """
-    rank, failure = min(err.failures.items(), key=lambda item: (
-        not os.path.isfile(item[1].error_file), item[1].exitcode <= 0, item[1].timestamp, item[0]))
-    code = failure.exitcode if failure.exitcode > 0 else 1
-    where = f"training process {rank} of {n}"
-    if isinstance(failure.message, dict):  # an exception recorded by `record`: a bug
-        return LaunchError(f"{where} failed: {failure.message.get('message')} (its traceback is "
-                           "printed above)", code)
-    if os.path.isfile(failure.error_file):  # a user mistake the worker reported
-        return LaunchError(f"{failure.message} (in {where})", code)
-    return LaunchError(f"{where} failed with exit status {failure.exitcode}: {failure.message}", code)
-
-
-def _interrupted(cfg: RunConfig, signum: int) -> MemtrainError:
-    from memtrain.safety import Interrupted, last_complete_checkpoint
-
-    last = last_complete_checkpoint(cfg.output.dir)
-    saved = f"the last checkpoint is {last}" if last else "no checkpoint was saved"
-    return Interrupted(f"Stopped by {signal.Signals(signum).name}; {saved}. Resume with the same command "
-                       "plus `training.resume=true`.", signum)
-
-
-def _check_devices(n: int) -> None:
-    if torch.cuda.is_available() and torch.cuda.device_count() < n:
-        raise MemtrainError(
-            f"`distributed.processes`: {n} processes need {n} GPUs (one each), this machine has "
-            f"{torch.cuda.device_count()}. Fix: set `distributed.processes` to at most "
-            f"{torch.cuda.device_count()}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU.")
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _kept_signal_handlers() -> Iterator[None]:
-    """The elastic agent turns SIGTERM/SIGINT/... into exceptions that stop the workers and
-    never restores the handlers; restore them for a Python caller."""
-    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    sigs = [getattr(signal, n) for n in names if hasattr(signal, n)]
-    saved = {s: signal.getsignal(s) for s in sigs}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-
-
-def exit_with_parent() -> None:
-    """Linux: have the kernel send this process SIGTERM when its parent (the launcher) dies, so
-    that no training process outlives a killed launcher. Elsewhere a no-op."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-
 
 # ------------------------------------------------------------------------------------ sharding
 
@@ -276,12 +113,19 @@ def shard_model(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh | None = None
 
 
 def _sharded(cfg: RunConfig) -> bool:
-    if cfg.distributed.processes == 1:
-        return False
-    if cfg.distributed.sharding == "auto":
+    """Does the recipe ask for FSDP2 (several processes, full sharding)?"""
+    if cfg.distributed.sharding == "auto" and cfg.distributed.processes > 1:
         raise MemtrainError("`distributed.sharding`: `auto` must be resolved by the planner before "
                             "training. Fix: set it to `full` (FSDP2) or `none` (replicas, DDP).")
-    return cfg.distributed.sharding == "full"
+    sharded = cfg.distributed.processes > 1 and cfg.distributed.sharding == "full"
+    if cfg.memory.offload.parameters and not sharded:  # nothing would move: say so
+        raise MemtrainError(
+            "`memory.offload.parameters`: true keeps FSDP's parameter shards on the CPU, which needs "
+            f"several processes and `distributed.sharding: full` (got processes="
+            f"{cfg.distributed.processes}, sharding={cfg.distributed.sharding}). Fix: set "
+            "`distributed.processes` to 2 or more with full sharding, or offload the optimizer "
+            "instead (`memory.offload.optimizer: true`).")
+    return sharded
 
 
 def _default_mesh() -> DeviceMesh:

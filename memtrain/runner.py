@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
-from memtrain import distributed, patches
+from memtrain import distributed, launch, patches
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
@@ -59,7 +59,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     """
     console = console or Console()
     out = Path(cfg.output.dir)
-    if distributed.launch_needed(cfg):  # start the processes; each comes back here as a worker
+    if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
         return _launch(cfg, out, callbacks)
     resume_from = _check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
@@ -120,7 +120,7 @@ def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) 
                             "cannot be handed to other processes. Fix: run with one process, or launch "
                             "your own script with torchrun and call `memtrain.runner.train` in it.")
     _check_output_dir(cfg, out)
-    results = distributed.launch(cfg)
+    results = launch.launch(cfg)
     first = results[0]
     first.process_memory = [r.memory for r in results]
     return first

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from memtrain import distributed, patches
+from memtrain import distributed, launch, patches
 from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.model import build_config, load_model
@@ -121,6 +121,9 @@ def test_one_process_or_no_sharding_leaves_the_model_alone(tmp_path: Path, text_
         assert distributed.fsdp_plugin(model, cfg) is None
     with pytest.raises(MemtrainError, match="sharding"):
         distributed.shard_model(model, run_config(tmp_path, text_file, distributed={"sharding": "auto"}))
+    with pytest.raises(MemtrainError, match=r"offload\.parameters.*several processes"):
+        distributed.shard_model(model, run_config(tmp_path, text_file, processes=1,
+                                                  memory={"offload": {"parameters": True}}))
 
 
 def test_a_model_without_layer_classes_is_refused() -> None:
@@ -144,13 +147,13 @@ def test_launch_is_needed_once_and_world_size_must_agree(tmp_path: Path, text_fi
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = run_config(tmp_path, text_file)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert distributed.launch_needed(cfg)
-    assert not distributed.launch_needed(run_config(tmp_path, text_file, processes=1))
+    assert launch.launch_needed(cfg)
+    assert not launch.launch_needed(run_config(tmp_path, text_file, processes=1))
     monkeypatch.setenv("WORLD_SIZE", "2")  # inside a launched process: train, do not launch
-    assert not distributed.launch_needed(cfg)
+    assert not launch.launch_needed(cfg)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(MemtrainError, match=r"distributed\.processes=4"):
-        distributed.launch_needed(cfg)
+        launch.launch_needed(cfg)
 
 
 def failure(tmp_path: Path, rank: int, exitcode: int, data: dict | None) -> ProcessFailure:
@@ -163,11 +166,11 @@ def failure(tmp_path: Path, rank: int, exitcode: int, data: dict | None) -> Proc
 def test_launch_errors_name_the_root_cause(tmp_path: Path) -> None:
     killed = failure(tmp_path, 0, -15, None)  # stopped by the agent after rank 1 failed
     user = failure(tmp_path, 1, 2, {"message": "`data.source`: bad", "timestamp": killed.timestamp + 5})
-    err = distributed._launch_error(ChildFailedError("w", {0: killed, 1: user}), 2)
+    err = launch._launch_error(ChildFailedError("w", {0: killed, 1: user}), 2)
     assert (str(err), err.exit_code) == ("`data.source`: bad (in training process 1 of 2)", 2)
     bug = failure(tmp_path, 1, 1, {"message": {"message": "KeyError: 'x'", "extraInfo": {
         "py_callstack": "...", "timestamp": str(killed.timestamp)}}})
-    err = distributed._launch_error(ChildFailedError("w", {0: killed, 1: bug}), 2)
+    err = launch._launch_error(ChildFailedError("w", {0: killed, 1: bug}), 2)
     assert err.exit_code == 1 and "process 1 of 2 failed: KeyError: 'x'" in str(err)
 
 
