@@ -62,6 +62,14 @@ def launch_needed(cfg: RunConfig) -> bool:
     return False
 
 
+def bind_device() -> None:
+    """In a launched process on a CUDA machine: take the GPU of this local rank, before the
+    model (or a quantized model's weights, placed on the current device) lands on GPU 0."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and torch.cuda.is_available():
+        torch.cuda.set_device(int(local_rank))
+
+
 def launch(cfg: RunConfig) -> list[Any]:
     """Run the recipe in ``cfg.distributed.processes`` processes and wait for them.
 

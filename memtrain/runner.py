@@ -61,6 +61,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     out = Path(cfg.output.dir)
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
         return _launch(cfg, out, callbacks)
+    launch.bind_device()
     resume_from = _check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
