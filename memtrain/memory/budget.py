@@ -53,9 +53,12 @@ class _BudgetTracker(_Tracker):
         super()._update_peak_stats(peak_state)
         live = self._curr_mem_snap.get(self.compute_device, {}).get(_TOTAL_KEY, 0)
         if live > self.limit:
+            # The wording CUDA's allocator uses, so that code which recognises an out-of-memory
+            # error by its message (accelerate's find_executable_batch_size) sees this one too.
             raise torch.OutOfMemoryError(
-                f"Simulated out of memory: {format_bytes(live)} of live tensors exceed the simulated "
-                f"budget of {format_bytes(self.limit)} (memory.simulate_budget)."
+                f"Simulated: tried to allocate past the budget, device out of memory. "
+                f"{format_bytes(live)} of live tensors exceed the simulated budget of "
+                f"{format_bytes(self.limit)} (memory.simulate_budget)."
             )
 
 
