@@ -89,7 +89,11 @@ class MemoryMeterCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self._meter is not None:  # training stopped inside a step
+        self.close()
+
+    def close(self) -> None:
+        """Stop measuring (needed when training stopped inside a step, e.g. on an exception)."""
+        if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self._meter = None
 

@@ -18,14 +18,16 @@ from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
-from memtrain import patches
+from memtrain import distributed, launch, patches
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
+from memtrain.memory.budget import SimulatedBudgetCallback
 from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_model, load_tokenizer
+from memtrain.report import Report, build_report, save_report
 from memtrain.safety import STAGING, GracefulStop, Interrupted, StopOnSignal, last_complete_checkpoint
 from memtrain.trainer import add_derived_metrics, build_trainer
 
@@ -44,7 +46,8 @@ class TrainResult:
     patches: list[str] = field(default_factory=list)
     memory: StepMemory | None = None  # the measured step with the highest peak
     log_history: list[dict[str, Any]] = field(default_factory=list)
-    model: Any = field(default=None, repr=False)  # the trained (patched) model
+    model: Any = field(default=None, repr=False)  # the trained (patched) model; None from a launch
+    process_memory: list[StepMemory | None] = field(default_factory=list)  # by rank, several processes
 
 
 def train(cfg: RunConfig, console: Console | None = None,
@@ -56,29 +59,43 @@ def train(cfg: RunConfig, console: Console | None = None,
     """
     console = console or Console()
     out = Path(cfg.output.dir)
+    if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
+        return _launch(cfg, out, callbacks)
+    launch.bind_device()
     resume_from = _check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
-    model = load_model(cfg.model, data.num_labels, tokenizer.pad_token_id, cfg.training.seed)
+    model = load_model(cfg.model, data.num_labels, tokenizer.pad_token_id, cfg.training.seed,
+                       quant_storage=distributed.quant_storage(cfg))
     if data.label_names:
         model.config.id2label = dict(enumerate(data.label_names))
         model.config.label2id = {n: i for i, n in enumerate(data.label_names)}
     model = patches.apply_patches(model, cfg)
+    model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
     _startup_table(console, cfg, model, data, batch)
     meter = MemoryMeterCallback(every=cfg.training.logging_steps)
+    guards: list[TrainerCallback] = [meter]
+    if cfg.memory.simulate_budget is not None:
+        guards.insert(0, SimulatedBudgetCallback(cfg.memory.simulate_budget))
     with GracefulStop() as stop:
+        stopper = StopOnSignal(stop)
         trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
-                                [meter, StopOnSignal(stop), *(callbacks or [])])
-        train_output = trainer.train(resume_from_checkpoint=resume_from)
-    if stop.requested:
-        assert stop.signum is not None
+                                [*guards, stopper, *(callbacks or [])],
+                                fsdp_plugin=distributed.fsdp_plugin(model, cfg))
+        try:
+            train_output = trainer.train(resume_from_checkpoint=resume_from)
+        finally:  # leave the dispatch modes in reverse order, also when a step raised
+            for guard in reversed(guards):
+                guard.close()
+    signum = stopper.signum or stop.signum  # stopper's: the same in every process
+    if signum is not None:
         step = trainer.state.global_step
         raise Interrupted(
-            f"Stopped by {signal.Signals(stop.signum).name} after step {step}; the checkpoint is "
+            f"Stopped by {signal.Signals(signum).name} after step {step}; the checkpoint is "
             f"{out / f'checkpoint-{step}'}. Resume with the same command plus `training.resume=true`.",
-            stop.signum,
+            signum,
         )
     if trainer.nonfinite.stopped_at is not None:
         raise trainer.nonfinite.error(out)
@@ -86,10 +103,28 @@ def train(cfg: RunConfig, console: Console | None = None,
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     metrics = add_derived_metrics(metrics, cfg, data)
-    _save_final(trainer, tokenizer, cfg, metrics, out)
+    report = None
+    if cfg.output.report and meter.worst is not None:
+        report = build_report(meter.worst, trainer.state.log_history, None,
+                              {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
+    _save_final(trainer, tokenizer, cfg, metrics, out, report)
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
+
+
+def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) -> TrainResult:
+    """Several processes: check the output folder here (before N processes start), run them,
+    return rank 0's result with every process's measured memory."""
+    if callbacks:
+        raise MemtrainError(f"`distributed.processes={cfg.distributed.processes}`: Trainer callbacks "
+                            "cannot be handed to other processes. Fix: run with one process, or launch "
+                            "your own script with torchrun and call `memtrain.runner.train` in it.")
+    _check_output_dir(cfg, out)
+    results = launch.launch(cfg)
+    first = results[0]
+    first.process_memory = [r.memory for r in results]
+    return first
 
 
 def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
@@ -122,9 +157,13 @@ def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
 
 
 def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
-                out: Path) -> None:
-    """Write adapter/model, tokenizer, resolved recipe and metrics; atomically per file set."""
+                out: Path, report: Report | None) -> None:
+    """Write adapter/model, tokenizer, resolved recipe, metrics and report, then move them in."""
     staging = out / ".final-tmp"
+    if not trainer.is_world_process_zero():  # several processes: rank 0 writes everything
+        if cfg.output.save_model:
+            trainer.save_model(str(staging))  # ... but every process helps gather sharded weights
+        return
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if cfg.output.save_model:
@@ -132,6 +171,8 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
     tokenizer.save_pretrained(str(staging))
     (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+    if report is not None:
+        save_report(report, staging)
     for item in staging.iterdir():
         target = out / item.name
         if target.is_dir():

@@ -80,16 +80,35 @@ class GracefulStop:
 
 
 class StopOnSignal(TrainerCallback):
-    """At the end of an optimizer step after a signal: save a checkpoint and stop training."""
+    """At the end of an optimizer step after a signal: save a checkpoint and stop training.
+
+    With several processes, all stop at the same step when any of them got a signal (they meet
+    in collectives every step: one stopping alone would leave the others waiting forever);
+    :attr:`signum` is then the signal in every process.
+    """
 
     def __init__(self, stop: GracefulStop) -> None:
         self.stop = stop
+        self.signum: int | None = None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        if self.stop.requested:
+        signum = _largest_over_processes(self.stop.signum or 0, args.device)
+        if signum:
+            self.signum = signum
             control.should_save = True
             control.should_training_stop = True
+
+
+def _largest_over_processes(value: int, device: torch.device) -> int:
+    """``value``'s maximum over all processes (one tiny all-reduce per optimizer step)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    flag = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 # ----------------------------------------------------------------------------------- checkpoints

@@ -105,15 +105,31 @@ class MemtrainTrainer(Trainer):
     - a loss that is NaN/inf skips its optimizer step (:class:`~memtrain.safety.NonFiniteLossGuard`);
     - checkpoints are staged and renamed into place, after a free-disk-space check;
     - with ``offload_optimizer`` (``memory.offload.optimizer``), optimizer state and step live on
-      the CPU (:mod:`memtrain.optim_offload`), and gradient clipping reaches the host copies.
+      the CPU (:mod:`memtrain.optim_offload`), and gradient clipping reaches the host copies;
+    - with several processes, the FSDP2 sharding the model already has (``fsdp_plugin``,
+      accelerate's description of it, see :mod:`memtrain.distributed`) is what accelerate runs.
     """
 
     def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,
-                 **kwargs: Any) -> None:
+                 fsdp_plugin: Any = None, **kwargs: Any) -> None:
         self.offload_optimizer = offload_optimizer
+        self.fsdp_plugin = fsdp_plugin  # read while Trainer.__init__ creates the Accelerator
         super().__init__(*args, **kwargs)
         self.nonfinite = NonFiniteLossGuard(max_nonfinite_steps)
         self.add_callback(self.nonfinite)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        if self.fsdp_plugin is not None:
+            args["fsdp_plugin"] = self.fsdp_plugin
+        return args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.fsdp_plugin is not None:
+            from memtrain.distributed import adopt_fsdp
+
+            adopt_fsdp(self, self.fsdp_plugin)  # on CPU accelerate picked DDP: make it FSDP2
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -180,14 +196,21 @@ def build_trainer(
     batch: Batch,
     output_dir: str,
     callbacks: list[TrainerCallback] | None = None,
+    fsdp_plugin: Any = None,
 ) -> MemtrainTrainer:
-    """A ready-to-train Trainer for a resolved recipe."""
+    """A ready-to-train Trainer for a resolved recipe (``fsdp_plugin``: see MemtrainTrainer)."""
     args = training_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
     classification = cfg.model.task == "sequence-classification"
     offload = cfg.memory.offload.optimizer
     if offload == "auto":
         raise MemtrainError("`memory.offload.optimizer` is `auto`: run the planner first "
                             "(`memtrain plan`), or set it to true or false.")
+    if offload and cfg.distributed.processes > 1:
+        raise MemtrainError(
+            "`memory.offload.optimizer` is the single-process offload; with "
+            f"`distributed.processes: {cfg.distributed.processes}` use "
+            "`memory.offload.parameters: true` instead (FSDP2's CPU offload keeps the shards, "
+            "their gradients and the optimizer state on the CPU and steps there).")
     if offload and cfg.model.dtype == "fp16":
         raise MemtrainError("`memory.offload.optimizer` does not work with fp16 loss scaling "
                             "(`model.dtype: fp16`). Fix: use bf16 or fp32, or turn offload off.")
@@ -202,4 +225,5 @@ def build_trainer(
         processing_class=tokenizer,
         compute_metrics=compute_accuracy if classification else None,
         callbacks=callbacks or [],
+        fsdp_plugin=fsdp_plugin,
     )

@@ -121,3 +121,10 @@ def test_sizes() -> None:
     with pytest.raises(ValueError, match="24GiB"):
         parse_size("24 gigs")
     assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_recipe_reference_is_generated_from_the_schema() -> None:
+    from memtrain.config.reference import render_reference
+
+    committed = (Path(__file__).parent.parent / "docs" / "RECIPES.md").read_text(encoding="utf-8")
+    assert committed == render_reference(), "run `python scripts/gen_docs.py` and commit docs/RECIPES.md"

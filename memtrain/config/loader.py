@@ -106,7 +106,7 @@ def _cross_checks_of_valid_sections(data: dict, found: list[Problem]) -> list[Pr
     """
     sections: dict[str, Any] = {}
     for name, field in RunConfig.model_fields.items():
-        model = _model_in(field.annotation)
+        model = section_model(field.annotation)
         if model is None or any(p.path.split(".")[0] == name for p in found):
             continue
         raw = data.get(name)
@@ -235,7 +235,7 @@ def _field_path(error: dict) -> tuple[str, Any]:
             if part in model.model_fields:
                 field = model.model_fields[part]
                 parts.append(part)
-                model = _model_in(field.annotation)
+                model = section_model(field.annotation)
             elif error["type"] == "extra_forbidden" and i == len(loc) - 1:
                 parts.append(part)
                 field = ("extra", model)
@@ -248,7 +248,7 @@ def _is_union_tag(part: str) -> bool:
     return any(ch in part for ch in "[(") or part in ("int", "str", "float", "bool", "none")
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
     for arg in (annotation, *typing.get_args(annotation)):
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
@@ -262,7 +262,9 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
     if kind == "extra_forbidden":
         model = field[1]
         valid = list(model.model_fields)
-        close = difflib.get_close_matches(path.rsplit(".", 1)[-1], valid, n=1)
+        key = path.rsplit(".", 1)[-1]
+        initials = [v for v in valid if "".join(w[0] for w in v.split("_")) == key.lower()]
+        close = initials or difflib.get_close_matches(key, valid, n=1)
         hint = f"did you mean `{close[0]}`? " if close else ""
         return Problem(path, _MISSING, "unknown key", f"{hint}Valid keys here: {', '.join(valid)}.")
     if kind == "missing":
@@ -273,7 +275,7 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
         about = f" ({field.description.rstrip('.')})" if field is not None and field.description else ""
         return Problem(path, constraint[0].get("input", value), msg[0].lower() + msg[1:],
                        f"choose a value that satisfies this{about}.")
-    expected = _describe(field.annotation) if field is not None else "another value"
+    expected = describe_type(field.annotation) if field is not None else "another value"
     fix = f"set it to {expected}."
     options = _literals(field.annotation) if field is not None else []
     close = difflib.get_close_matches(str(value), options, n=1) if options else []
@@ -296,7 +298,7 @@ def _flatten(annotation: Any) -> list[Any]:
     return [annotation]
 
 
-def _describe(annotation: Any) -> str:
+def describe_type(annotation: Any) -> str:
     """Human wording of a type: ``int | Literal['auto'] | None`` -> "an integer, 'auto' or null"."""
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
              type(None): "null"}

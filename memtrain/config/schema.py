@@ -155,7 +155,7 @@ class DataConfig(Section):
         "of a split of the dataset.",
     )
     max_examples: int | None = Field(
-        None, gt=0, description="Use at most this many training examples (after shuffling)."
+        None, gt=0, description="Use at most this many examples (after shuffling, before the eval split)."
     )
 
     @field_validator("eval_split")
