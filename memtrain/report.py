@@ -22,7 +22,7 @@ REPORT_JSON, REPORT_PNG = "memory_report.json", "memory_report.png"
 MAX_TIMELINE_POINTS = 4000  # enough for a smooth plot; keeps the JSON small
 _COLORS = {
     "parameters": "#4c72b0", "buffers": "#8c8c8c", "gradients": "#dd8452", "optimizer_state": "#c44e52",
-    "activations": "#55a868", "temporaries": "#ccb974", "inputs": "#64b5cd",
+    "activations": "#55a868", "temporaries": "#ccb974", "inputs": "#64b5cd", "unsharded": "#8172b3",
 }
 
 
@@ -45,7 +45,8 @@ def build_report(step: StepMemory, log_history: list[dict[str, Any]], predicted:
     measured = step.to_dict(timeline=False)
     timeline = step.timeline
     stride = max(1, len(timeline) // MAX_TIMELINE_POINTS)
-    measured["timeline"] = [[phase, [snap[c] for c in CATEGORY_NAMES]] for phase, snap in timeline[::stride]]
+    measured["timeline"] = [[phase, [snap.get(c, 0) for c in CATEGORY_NAMES]]
+                           for phase, snap in timeline[::stride]]
     curves = {
         "loss": [[h["step"], h["loss"]] for h in log_history if "loss" in h],
         "eval_loss": [[h["step"], h["eval_loss"]] for h in log_history if "eval_loss" in h],
