@@ -37,8 +37,9 @@ class MemoryMeterCallback(TrainerCallback):
     """Measure training steps and log their memory into the Trainer's logs.
 
     Args:
-        every: measure one optimizer step in ``every`` (1 = all; the measurement adds a Python
-            call per tensor op, a few percent on a mid-size model).
+        every: measure the first two optimizer steps (before and after optimizer state exists)
+            and then one step in ``every`` (1 = all; the measurement adds a Python call per
+            tensor op).
         keep_timeline: keep the per-op timeline of the measured step with the highest peak
             (for the memory report plot).
     """
@@ -64,7 +65,8 @@ class MemoryMeterCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       model: torch.nn.Module | None = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
-        if (state.global_step + 1) % self.every:
+        step = state.global_step + 1
+        if step > 2 and step % self.every:
             return
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
         self._meter = MemoryMeter(model, inner if isinstance(inner, torch.optim.Optimizer) else None,
@@ -87,7 +89,11 @@ class MemoryMeterCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self._meter is not None:  # training stopped inside a step
+        self.close()
+
+    def close(self) -> None:
+        """Stop measuring (needed when training stopped inside a step, e.g. on an exception)."""
+        if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self._meter = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from memtrain.errors import MemtrainError
@@ -47,10 +49,22 @@ def user_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except MemtrainError as err:
-            err_console.print(f"[bold red]error:[/] {err}", highlight=False, markup=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+_NOISY_LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree", "datasets", "peft")
+
+
+@app.callback()
+def _quiet_libraries() -> None:
+    """Keep import-time chatter of optional backends out of the user's terminal."""
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*Could not find a config file.*")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -66,13 +80,17 @@ def _setup_logging(verbose: bool) -> None:
 @app.command()
 @user_errors
 def train(recipe: Recipe, overrides: Overrides = None,
-          verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+          verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+          nproc: Annotated[int | None, typer.Option(
+              "--nproc", min=1, help="Processes to train with (sets `distributed.processes`): one per "
+              "GPU, sharded with FSDP2; on CPU they share the cores.")] = None) -> None:
     """Fine-tune as a recipe says: data, model, adapter, memory techniques, training, saving."""
     from memtrain.config import load_recipe
     from memtrain.runner import train as run_training
 
     _setup_logging(verbose)
-    cfg = load_recipe(recipe, overrides or [])
+    extra = [f"distributed.processes={nproc}"] if nproc is not None else []
+    cfg = load_recipe(recipe, [*(overrides or []), *extra])
     run_training(cfg, console=console)
 
 
@@ -235,6 +253,25 @@ def calibrate(
     for note in profile["notes"]:
         console.print(f"note: {note}", highlight=False)
     console.print(f"saved to {profile['path']}")
+
+
+@app.command()
+@user_errors
+def report(run_dir: Annotated[str, typer.Argument(help="The output folder of a finished run.")]) -> None:
+    """Re-render a run's memory report (PNG) and print its summary table."""
+    from pathlib import Path
+
+    from memtrain.report import REPORT_PNG, load_report, render_png, summary_rows
+
+    folder = Path(run_dir)
+    loaded = load_report(folder)
+    render_png(loaded, folder / REPORT_PNG)
+    table = Table("category", "measured at peak", "predicted", "error",
+                  title=f"memory of one training step — {loaded.measured['device']}")
+    for row in summary_rows(loaded):
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"plot: {folder / REPORT_PNG}")
 
 
 def main() -> None:

@@ -94,6 +94,9 @@ def load_raw(cfg: DataConfig, seed: int = 0) -> Dataset | DatasetDict:
             return load_dataset(builder, data_files=str(path))
         return load_dataset(location, cfg.subset)
     except (FileNotFoundError, ValueError, OSError) as err:
+        if "corresponds to no data" in str(err):
+            raise RecipeError([Problem("data.source", source, "has no examples",
+                                       "point it at a non-empty file or dataset.")]) from None
         raise MemtrainError(f"`data.source`: could not load {source!r}: {err}") from None
 
 

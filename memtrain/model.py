@@ -84,8 +84,13 @@ def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
-def quantization_config(cfg: ModelConfig) -> BitsAndBytesConfig | None:
-    """bitsandbytes settings for ``model.quantization`` (None when not quantized)."""
+def quantization_config(cfg: ModelConfig,
+                        quant_storage: torch.dtype | None = None) -> BitsAndBytesConfig | None:
+    """bitsandbytes settings for ``model.quantization`` (None when not quantized).
+
+    ``quant_storage``: the dtype packed 4-bit weights are stored as (default uint8; FSDP wants
+    the dtype of the other weights, see :func:`memtrain.distributed.quant_storage`).
+    """
     if cfg.quantization in ("none", "auto"):
         return None
     if cfg.quantization == "int8":
@@ -96,7 +101,7 @@ def quantization_config(cfg: ModelConfig) -> BitsAndBytesConfig | None:
         bnb_4bit_quant_type=cfg.quantization,
         bnb_4bit_use_double_quant=cfg.double_quant,
         bnb_4bit_compute_dtype=compute,
-        bnb_4bit_quant_storage=torch.uint8,
+        bnb_4bit_quant_storage=quant_storage or torch.uint8,
     )
 
 
@@ -105,6 +110,7 @@ def load_model(
     num_labels: int | None = None,
     pad_token_id: int | None = None,
     seed: int = 0,
+    quant_storage: torch.dtype | None = None,
 ) -> PreTrainedModel:
     """Load (or build) the model with the recipe's dtype, quantization and task head.
 
@@ -114,6 +120,7 @@ def load_model(
         pad_token_id: the tokenizer's padding id (classification heads need it to find the last
             token of padded rows).
         seed: seeds the random initialisation of models built from a config and of new heads.
+        quant_storage: storage dtype of 4-bit weights (see :func:`quantization_config`).
     """
     torch.manual_seed(seed)
     config = build_config(cfg, num_labels if cfg.task == "sequence-classification" else None)
@@ -121,7 +128,7 @@ def load_model(
         config.pad_token_id = pad_token_id
     auto = model_class(cfg)
     kwargs = model_kwargs(cfg)
-    quant = quantization_config(cfg)
+    quant = quantization_config(cfg, quant_storage)
     if cfg.from_config is not None and quant is None:
         return auto.from_config(config, **kwargs)
     if quant is not None:
@@ -191,7 +198,7 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     for param in model.parameters():
         n = param.numel()
         if hasattr(param, "quant_state") or type(param).__name__ == "Params4bit":
-            n *= 2  # two 4-bit values per stored byte
+            n *= 2 * param.element_size()  # two 4-bit values per stored byte
         total += n
         if param.requires_grad:
             trainable += n

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,17 +17,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
-from memtrain import patches
+from memtrain import distributed, launch, patches
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
+from memtrain.memory.budget import SimulatedBudgetCallback
 from memtrain.memory.build import build_model
 from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_tokenizer
+from memtrain.report import Report, build_report, save_report
+from memtrain.safety import STAGING, GracefulStop, Interrupted, StopOnSignal, last_complete_checkpoint
 from memtrain.trainer import add_derived_metrics, build_trainer
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ class TrainResult:
     patches: list[str] = field(default_factory=list)
     memory: StepMemory | None = None  # the measured step with the highest peak
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = field(default=None, repr=False)  # the trained (patched) model; None from a launch
+    process_memory: list[StepMemory | None] = field(default_factory=list)  # by rank, several processes
 
 
 def train(cfg: RunConfig, console: Console | None = None,
@@ -55,24 +60,67 @@ def train(cfg: RunConfig, console: Console | None = None,
     """
     console = console or Console()
     out = Path(cfg.output.dir)
+    if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
+        return _launch(cfg, out, callbacks)
+    launch.bind_device()
     resume_from = _check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
+    model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
     _startup_table(console, cfg, model, data, batch)
-    meter = MemoryMeterCallback()
-    trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), [meter, *(callbacks or [])])
-    train_output = trainer.train(resume_from_checkpoint=resume_from)
+    meter = MemoryMeterCallback(every=cfg.training.logging_steps)
+    guards: list[TrainerCallback] = [meter]
+    if cfg.memory.simulate_budget is not None:
+        guards.insert(0, SimulatedBudgetCallback(cfg.memory.simulate_budget))
+    with GracefulStop() as stop:
+        stopper = StopOnSignal(stop)
+        trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
+                                [*guards, stopper, *(callbacks or [])],
+                                fsdp_plugin=distributed.fsdp_plugin(model, cfg))
+        try:
+            train_output = trainer.train(resume_from_checkpoint=resume_from)
+        finally:  # leave the dispatch modes in reverse order, also when a step raised
+            for guard in reversed(guards):
+                guard.close()
+    signum = stopper.signum or stop.signum  # stopper's: the same in every process
+    if signum is not None:
+        step = trainer.state.global_step
+        raise Interrupted(
+            f"Stopped by {signal.Signals(signum).name} after step {step}; the checkpoint is "
+            f"{out / f'checkpoint-{step}'}. Resume with the same command plus `training.resume=true`.",
+            signum,
+        )
+    if trainer.nonfinite.stopped_at is not None:
+        raise trainer.nonfinite.error(out)
     metrics: dict[str, Any] = dict(train_output.metrics)
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     metrics = add_derived_metrics(metrics, cfg, data)
-    _save_final(trainer, tokenizer, cfg, metrics, out)
+    report = None
+    if cfg.output.report and meter.worst is not None:
+        report = build_report(meter.worst, trainer.state.log_history, None,
+                              {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
+    _save_final(trainer, tokenizer, cfg, metrics, out, report)
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
-                       meter.worst, list(trainer.state.log_history))
+                       meter.worst, list(trainer.state.log_history), model)
+
+
+def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) -> TrainResult:
+    """Several processes: check the output folder here (before N processes start), run them,
+    return rank 0's result with every process's measured memory."""
+    if callbacks:
+        raise MemtrainError(f"`distributed.processes={cfg.distributed.processes}`: Trainer callbacks "
+                            "cannot be handed to other processes. Fix: run with one process, or launch "
+                            "your own script with torchrun and call `memtrain.runner.train` in it.")
+    _check_output_dir(cfg, out)
+    results = launch.launch(cfg)
+    first = results[0]
+    first.process_memory = [r.memory for r in results]
+    return first
 
 
 def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
@@ -85,14 +133,15 @@ def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
                                 "trainer_state.json). Fix: point it at a `checkpoint-N` folder "
                                 "or use `training.resume=true`.")
         return str(path)
-    last = get_last_checkpoint(str(out)) if out.is_dir() else None
+    shutil.rmtree(out / STAGING, ignore_errors=True)  # a save that crashed half-way
+    last = last_complete_checkpoint(out)
     if resume:
         if last is None:
             log.warning("training.resume=true but %s holds no checkpoint: starting fresh", out)
-        return last
+        return str(last) if last else None
     finished = (out / METRICS_FILE).exists()
     if (last or finished) and not cfg.output.overwrite:
-        what = f"checkpoint {Path(last).name}" if last else "a finished run"
+        what = f"checkpoint {last.name}" if last else "a finished run"
         raise MemtrainError(
             f"`output.dir`: {str(out)!r} already holds {what}. Fix: continue it with "
             "`training.resume=true`, choose another `output.dir`, or set `output.overwrite=true`."
@@ -104,9 +153,13 @@ def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
 
 
 def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
-                out: Path) -> None:
-    """Write adapter/model, tokenizer, resolved recipe and metrics; atomically per file set."""
+                out: Path, report: Report | None) -> None:
+    """Write adapter/model, tokenizer, resolved recipe, metrics and report, then move them in."""
     staging = out / ".final-tmp"
+    if not trainer.is_world_process_zero():  # several processes: rank 0 writes everything
+        if cfg.output.save_model:
+            trainer.save_model(str(staging))  # ... but every process helps gather sharded weights
+        return
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if cfg.output.save_model:
@@ -114,6 +167,8 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
     tokenizer.save_pretrained(str(staging))
     (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+    if report is not None:
+        save_report(report, staging)
     for item in staging.iterdir():
         target = out / item.name
         if target.is_dir():

@@ -7,6 +7,7 @@ resume) and only adds what a memory-bounded run needs on top of it, in :class:`M
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,11 +19,13 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.data import PreparedData
 from memtrain.errors import MemtrainError
+from memtrain.safety import STAGING, NonFiniteLossGuard, check_disk_space, checkpoint_bytes, publish
 
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
     "adamw": ("adamw_torch", None),
@@ -105,7 +108,92 @@ def add_derived_metrics(metrics: dict[str, float], cfg: RunConfig, data: Prepare
 
 
 class MemtrainTrainer(Trainer):
-    """The stock Trainer plus the hooks memtrain's memory features attach to."""
+    """The stock Trainer plus what a run that must lose nothing needs.
+
+    - a loss that is NaN/inf skips its optimizer step (:class:`~memtrain.safety.NonFiniteLossGuard`);
+    - checkpoints are staged and renamed into place, after a free-disk-space check;
+    - with ``offload_optimizer`` (``memory.offload.optimizer``), optimizer state and step live on
+      the CPU (:mod:`memtrain.optim_offload`), and gradient clipping reaches the host copies;
+    - with several processes, the FSDP2 sharding the model already has (``fsdp_plugin``,
+      accelerate's description of it, see :mod:`memtrain.distributed`) is what accelerate runs.
+    """
+
+    def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,
+                 fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        self.offload_optimizer = offload_optimizer
+        self.fsdp_plugin = fsdp_plugin  # read while Trainer.__init__ creates the Accelerator
+        super().__init__(*args, **kwargs)
+        self.nonfinite = NonFiniteLossGuard(max_nonfinite_steps)
+        self.add_callback(self.nonfinite)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        if self.fsdp_plugin is not None:
+            args["fsdp_plugin"] = self.fsdp_plugin
+        return args
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.fsdp_plugin is not None:
+            from memtrain.distributed import adopt_fsdp
+
+            adopt_fsdp(self, self.fsdp_plugin)  # on CPU accelerate picked DDP: make it FSDP2
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        loss = out[0] if return_outputs else out
+        if model.training and torch.is_grad_enabled() and not torch.isfinite(loss.detach()).all():
+            self.nonfinite.flag()
+            # A leaf: its backward reaches no parameter, so the NaN cannot spread into gradients.
+            dead = torch.full_like(loss.detach(), float("nan")).requires_grad_()
+            out = (dead, out[1]) if return_outputs else dead
+        return out
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        final_root = Path(self.args.output_dir)
+        staging_root = final_root / STAGING
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            check_disk_space(final_root, checkpoint_bytes(self.model, self.optimizer), name)
+        self.args.output_dir = str(staging_root)  # the Trainer writes into <output>/.staging/...
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.output_dir = str(final_root)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            publish(staging_root / name, final_root / name)  # ...and only complete ones appear
+            staging_root.rmdir()
+            rotate_checkpoints(output_dir=str(final_root), save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint)
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, or with offload the same optimizer run on host copies."""
+        if not self.offload_optimizer or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from memtrain import optim_offload
+
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optim_offload.build([g for g in groups if g["params"]], cls, kwargs)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+        # An offloaded optimizer steps on host copies of the gradients: clip those.
+        from memtrain.optim_offload import OffloadOptimizer
+
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if isinstance(inner, OffloadOptimizer):
+            return inner.clip_grad_norm_(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
 
 
 def build_trainer(
@@ -116,11 +204,13 @@ def build_trainer(
     batch: Batch,
     output_dir: str,
     callbacks: list[TrainerCallback] | None = None,
+    fsdp_plugin: Any = None,
 ) -> MemtrainTrainer:
-    """A ready-to-train Trainer for a resolved recipe."""
+    """A ready-to-train Trainer for a resolved recipe (``fsdp_plugin``: see MemtrainTrainer)."""
     args = training_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
     classification = cfg.model.task == "sequence-classification"
     return MemtrainTrainer(
+        **trainer_options(cfg),
         model=model,
         args=args,
         train_dataset=data.train,
@@ -129,4 +219,27 @@ def build_trainer(
         processing_class=tokenizer,
         compute_metrics=compute_accuracy if classification else None,
         callbacks=callbacks or [],
+        fsdp_plugin=fsdp_plugin,
     )
+
+
+def trainer_options(cfg: RunConfig) -> dict[str, Any]:
+    """MemtrainTrainer's own constructor options for a recipe (checked).
+
+    Shared with :func:`memtrain.memory.build.build_optimizer`, which runs the Trainer's
+    ``create_optimizer`` without a Trainer (estimates, benchmarks).
+    """
+    offload = cfg.memory.offload.optimizer
+    if offload == "auto":
+        raise MemtrainError("`memory.offload.optimizer` is `auto`: run the planner first "
+                            "(`memtrain plan`), or set it to true or false.")
+    if offload and cfg.distributed.processes > 1:
+        raise MemtrainError(
+            "`memory.offload.optimizer` is the single-process offload; with "
+            f"`distributed.processes: {cfg.distributed.processes}` use "
+            "`memory.offload.parameters: true` instead (FSDP2's CPU offload keeps the shards, "
+            "their gradients and the optimizer state on the CPU and steps there).")
+    if offload and cfg.model.dtype == "fp16":
+        raise MemtrainError("`memory.offload.optimizer` does not work with fp16 loss scaling "
+                            "(`model.dtype: fp16`). Fix: use bf16 or fp32, or turn offload off.")
+    return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload)}

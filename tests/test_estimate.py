@@ -43,11 +43,13 @@ CASES = {
                                                "memory": {"checkpointing": "full"}}),
     "gpt2-full-adamw8bit": ("gpt2", {"adapter": {"method": "full"}, "training": {"optimizer": "adamw_8bit"}}),
     "bert-lora-classification": ("bert", CLASSIFY),
+    "llama-offload-activations": ("llama", {"memory": {
+        "checkpointing": "full", "offload": {"activations": True, "min_tensor_bytes": 0}}}),
 }
 
 
 SLOW_CASES = {"llama-lora-bf16", "gpt2-full-adamw8bit", "llama-qlora-checkpointing", "mistral-accumulation-3",
-              "gemma2-lora"}
+              "gemma2-lora", "llama-selective-checkpointing"}
 
 
 def _params(cases: dict) -> list:
@@ -65,6 +67,9 @@ def test_estimate_equals_the_measured_step(case: str, tmp_path: Path, tiny_text_
     assert predicted.peak_bytes == measured.peak_bytes  # exact: same code, fake tensors
     assert predicted.by_category == measured.peak_by_category
     assert predicted.by_phase == measured.peak_by_phase
+    assert predicted.host_peak_bytes == measured.host_peak_bytes  # offloaded bytes: a separate line
+    if "offload" in case:
+        assert predicted.host_peak_bytes > 0
 
 
 EXTRAPOLATION = {
@@ -73,6 +78,7 @@ EXTRAPOLATION = {
     "gpt2-full-8bit-cuda": ("gpt2", {"adapter": {"method": "full"}, "training": {"optimizer": "adamw_8bit"}}),
     "mistral-accumulation-3": ("mistral", {"training": {"gradient_accumulation": 3}}),
     "gemma2-lora": ("gemma2", {}),
+    "llama-selective-checkpointing": ("llama", {"memory": {"checkpointing": "selective"}}),
 }
 
 
@@ -207,7 +213,7 @@ def test_cuda_estimate_has_named_overhead_lines(tmp_path: Path, tiny_text_file: 
     ({"model": {"from_config": None, "name": "acme/NoSuchModel-7B"}}, "model.name"),
     ({"training": {"micro_batch_size": "auto"}}, "training.micro_batch_size"),
     ({"adapter": {"target_modules": ["no_such_proj"]}}, "adapter"),
-    ({"memory": {"checkpointing": 1}}, "memory.checkpointing"),
+    ({"memory": {"checkpointing": 5}}, "memory.checkpointing"),  # the model has 2 layers
     ({"data": {"max_length": 512}}, "data.max_length"),
 ])
 def test_bad_input_names_the_field(change: dict, field: str, tmp_path: Path, tiny_text_file: Path) -> None:

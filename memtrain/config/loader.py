@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from memtrain import sources
-from memtrain.config.schema import _MISSING, Problem, RunConfig
+from memtrain.config.schema import _MISSING, Problem, RunConfig, cross_section_problems
 from memtrain.errors import MemtrainError
 
 _TYPE_ERRORS = ("_parsing", "_type", "literal_error", "model_attributes_type", "dict_type")
@@ -88,12 +88,35 @@ def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = ()) -> Run
     try:
         cfg = RunConfig.model_validate(data, context=context)
     except ValidationError as err:
-        raise RecipeError(_fold_errors(err) + context["problems"], source) from None
+        found = _fold_errors(err) + context["problems"]
+        raise RecipeError(found + _cross_checks_of_valid_sections(data, found), source) from None
     problems = context["problems"] + _check_sources(cfg)
     if problems:
         raise RecipeError(problems, source)
     cfg.output.dir = cfg.output.dir.replace("{recipe}", stem)
     return cfg
+
+
+def _cross_checks_of_valid_sections(data: dict, found: list[Problem]) -> list[Problem]:
+    """The checks across sections, run on the sections that are valid on their own.
+
+    pydantic skips the root model's checks when any section fails; this still reports, say,
+    quantization with full fine-tuning when only `training` has a typo. Checks that involve a
+    broken section are skipped.
+    """
+    sections: dict[str, Any] = {}
+    for name, field in RunConfig.model_fields.items():
+        model = section_model(field.annotation)
+        if model is None or any(p.path.split(".")[0] == name for p in found):
+            continue
+        raw = data.get(name)
+        if raw is None and field.is_required():
+            continue
+        try:
+            sections[name] = model.model_validate(raw or {}, context={"problems": []})
+        except ValidationError:
+            continue
+    return [p for p in cross_section_problems(sections) if p not in found]
 
 
 def dump_recipe(cfg: RunConfig) -> str:
@@ -212,7 +235,7 @@ def _field_path(error: dict) -> tuple[str, Any]:
             if part in model.model_fields:
                 field = model.model_fields[part]
                 parts.append(part)
-                model = _model_in(field.annotation)
+                model = section_model(field.annotation)
             elif error["type"] == "extra_forbidden" and i == len(loc) - 1:
                 parts.append(part)
                 field = ("extra", model)
@@ -225,7 +248,7 @@ def _is_union_tag(part: str) -> bool:
     return any(ch in part for ch in "[(") or part in ("int", "str", "float", "bool", "none")
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
     for arg in (annotation, *typing.get_args(annotation)):
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
@@ -239,17 +262,20 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
     if kind == "extra_forbidden":
         model = field[1]
         valid = list(model.model_fields)
-        close = difflib.get_close_matches(path.rsplit(".", 1)[-1], valid, n=1)
+        key = path.rsplit(".", 1)[-1]
+        initials = [v for v in valid if "".join(w[0] for w in v.split("_")) == key.lower()]
+        close = initials or difflib.get_close_matches(key, valid, n=1)
         hint = f"did you mean `{close[0]}`? " if close else ""
         return Problem(path, _MISSING, "unknown key", f"{hint}Valid keys here: {', '.join(valid)}.")
     if kind == "missing":
         return Problem(path, _MISSING, "is required", f"add it: {field.description}")
     constraint = [e for e in errors if not any(t in e["type"] for t in _TYPE_ERRORS)]
     if constraint:
-        msg = constraint[0]["msg"].removeprefix("Value error, ")
+        msg = constraint[0]["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        about = f" ({field.description.rstrip('.')})" if field is not None and field.description else ""
         return Problem(path, constraint[0].get("input", value), msg[0].lower() + msg[1:],
-                       field.description if field is not None else "")
-    expected = _describe(field.annotation) if field is not None else "another value"
+                       f"choose a value that satisfies this{about}.")
+    expected = describe_type(field.annotation) if field is not None else "another value"
     fix = f"set it to {expected}."
     options = _literals(field.annotation) if field is not None else []
     close = difflib.get_close_matches(str(value), options, n=1) if options else []
@@ -272,7 +298,7 @@ def _flatten(annotation: Any) -> list[Any]:
     return [annotation]
 
 
-def _describe(annotation: Any) -> str:
+def describe_type(annotation: Any) -> str:
     """Human wording of a type: ``int | Literal['auto'] | None`` -> "an integer, 'auto' or null"."""
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
              type(None): "null"}

@@ -11,6 +11,7 @@ section has type errors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -154,7 +155,7 @@ class DataConfig(Section):
         "of a split of the dataset.",
     )
     max_examples: int | None = Field(
-        None, gt=0, description="Use at most this many training examples (after shuffling)."
+        None, gt=0, description="Use at most this many examples (after shuffling, before the eval split)."
     )
 
     @field_validator("eval_split")
@@ -441,64 +442,76 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _cross_section(self, info: ValidationInfo) -> RunConfig:
-        quantized = self.model.quantization not in ("none", "auto")
-        if quantized and self.adapter.method == "full":
-            _report(info, Problem(
-                "adapter.method", "full", f"quantized ({self.model.quantization}) weights cannot be "
-                "trained in full", "use `adapter.method: lora` (QLoRA) or `model.quantization: none`.",
-            ))
-        if self.model.dtype == "fp16" and self.adapter.method == "full":
-            _report(info, Problem(
-                "model.dtype", "fp16", "full fine-tuning in pure fp16 is numerically unstable",
-                "use `model.dtype: bf16` (or fp32), or train a LoRA adapter on the fp16 base.",
-            ))
-        if self.model.task == "causal-lm" and self.data.format == "classification":
-            _report(info, Problem(
-                "data.format", "classification", "needs `model.task: sequence-classification`",
-                "set `model.task: sequence-classification` or choose a text format.",
-            ))
-        if self.model.task == "sequence-classification" and self.data.format != "classification":
-            _report(info, Problem(
-                "data.format", self.data.format, "a classification model needs labelled data",
-                "set `data.format: classification`.",
-            ))
-        _check_batch(self, info)
+        sections = {name: getattr(self, name) for name in SECTIONS}
+        for problem in cross_section_problems(sections):
+            _report(info, problem)
         return self
 
 
-def _check_batch(cfg: RunConfig, info: ValidationInfo) -> None:
+def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
+    """Checks that involve several sections; a section that is None (invalid) is skipped."""
+    model, data, adapter = sections.get("model"), sections.get("data"), sections.get("adapter")
+    training, distributed = sections.get("training"), sections.get("distributed")
+    out: list[Problem] = []
+    if model is not None and adapter is not None:
+        if model.quantization not in ("none", "auto") and adapter.method == "full":
+            out.append(Problem(
+                "adapter.method", "full", f"quantized ({model.quantization}) weights cannot be "
+                "trained in full", "use `adapter.method: lora` (QLoRA) or `model.quantization: none`.",
+            ))
+        if model.dtype == "fp16" and adapter.method == "full":
+            out.append(Problem(
+                "model.dtype", "fp16", "full fine-tuning in pure fp16 is numerically unstable",
+                "use `model.dtype: bf16` (or fp32), or train a LoRA adapter on the fp16 base.",
+            ))
+    if model is not None and data is not None:
+        if model.task == "causal-lm" and data.format == "classification":
+            out.append(Problem(
+                "data.format", "classification", "needs `model.task: sequence-classification`",
+                "set `model.task: sequence-classification` or choose a text format.",
+            ))
+        if model.task == "sequence-classification" and data.format != "classification":
+            out.append(Problem(
+                "data.format", data.format, "a classification model needs labelled data",
+                "set `data.format: classification`.",
+            ))
+    if training is not None and distributed is not None:
+        out.extend(_batch_problems(training, distributed.processes))
+    return out
+
+
+def _batch_problems(t: TrainingConfig, procs: int) -> list[Problem]:
     """effective = micro × accumulation × processes must hold exactly when all are given."""
-    t, procs = cfg.training, cfg.distributed.processes
     eff, micro, accum = t.effective_batch_size, t.micro_batch_size, t.gradient_accumulation
     fixed_micro = micro if isinstance(micro, int) else None
     fixed_accum = accum if isinstance(accum, int) else None
     if eff is None:
-        return
+        return []
     if eff % procs:
-        _report(info, Problem(
+        return [Problem(
             "training.effective_batch_size", eff, f"is not a multiple of processes = {procs}",
             "choose an effective batch size divisible by `distributed.processes`.",
-        ))
-        return
+        )]
     if fixed_micro and fixed_accum and fixed_micro * fixed_accum * procs != eff:
-        _report(info, Problem(
+        return [Problem(
             "training.effective_batch_size", eff,
             f"does not equal micro_batch_size × gradient_accumulation × processes = "
             f"{fixed_micro} × {fixed_accum} × {procs} = {fixed_micro * fixed_accum * procs}",
             "drop one of the three so memtrain derives it, or make them agree.",
-        ))
-    elif fixed_micro and eff % (fixed_micro * procs):
-        _report(info, Problem(
+        )]
+    if fixed_micro and eff % (fixed_micro * procs):
+        return [Problem(
             "training.effective_batch_size", eff,
             f"is not a multiple of micro_batch_size × processes = {fixed_micro * procs}",
             "choose an effective batch size divisible by it, or another micro_batch_size.",
-        ))
-    elif fixed_accum and eff % (fixed_accum * procs):
-        _report(info, Problem(
+        )]
+    if fixed_accum and eff % (fixed_accum * procs):
+        return [Problem(
             "training.effective_batch_size", eff,
             f"is not a multiple of gradient_accumulation × processes = {fixed_accum * procs}",
             "choose an effective batch size divisible by it, or another gradient_accumulation.",
-        ))
+        )]
+    return []
 
 
 SECTIONS: tuple[str, ...] = tuple(RunConfig.model_fields)

@@ -70,7 +70,10 @@ def build_model(cfg: RunConfig, num_labels: int | None = None, pad_token_id: int
         pad_token_id: the tokenizer's padding id.
         label_names: class names, stored in the model config for saved models.
     """
-    model = load_model(cfg.model, num_labels, pad_token_id, cfg.training.seed)
+    from memtrain import distributed
+
+    model = load_model(cfg.model, num_labels, pad_token_id, cfg.training.seed,
+                       quant_storage=distributed.quant_storage(cfg))
     if label_names:
         model.config.id2label = dict(enumerate(label_names))
         model.config.label2id = {n: i for i, n in enumerate(label_names)}
@@ -106,12 +109,15 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     weight-decay exclusions, the optimizer class and its arguments, and the bitsandbytes
     embedding overrides are the Trainer's own.
     """
-    from memtrain.trainer import MemtrainTrainer, optimizer_arguments
+    from memtrain.trainer import MemtrainTrainer, optimizer_arguments, trainer_options
 
     class OptimizerOnly(MemtrainTrainer):
         def __init__(self, args: TrainingArguments, model: nn.Module) -> None:  # no data, no accelerate
             self.args, self.model = args, model
             self.optimizer, self.optimizer_cls_and_kwargs = None, None
+            # what MemtrainTrainer.__init__ sets before the stock constructor runs
+            self.offload_optimizer = trainer_options(cfg)["offload_optimizer"]
+            self.fsdp_plugin = None
 
     with tempfile.TemporaryDirectory(prefix="memtrain-optim-") as tmp:
         args = TrainingArguments(output_dir=tmp, use_cpu=not torch.cuda.is_available(),

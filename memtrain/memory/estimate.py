@@ -184,6 +184,9 @@ def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], devic
     if cfg.distributed.processes > 1:
         notes.append(f"distributed.processes = {cfg.distributed.processes}: sharding is not modelled, "
                      "figures are for one unsharded process (an upper bound)")
+    if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
+        notes.append("optimizer offload copies nothing on a CPU trace: its state is counted on the "
+                     "device (an upper bound for the GPU)")
     if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
         notes.append("paged optimizer state counted as device memory (all pages resident)")
     depth = int(config.num_hidden_layers)
@@ -256,6 +259,10 @@ def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
                 ) -> tuple[Candidates, tuple[int, int, list[str]], str]:
     """Candidate peak ops of the full-depth step, parameter counts, and how they were obtained."""
     if exact or plan.depth <= FULL_TRACE_DEPTH:
+        return _full_depth(plan, micro_batch, seq_len)
+    if isinstance(plan.cfg.memory.checkpointing, int):  # the first n layers differ from the rest
+        if "checkpointing" not in " ".join(plan.notes):
+            plan.notes.append("memory.checkpointing is a number of layers, so every layer was traced")
         return _full_depth(plan, micro_batch, seq_len)
     a = _trace(plan, 2, micro_batch, seq_len)
     b = _trace(plan, 3, micro_batch, seq_len)

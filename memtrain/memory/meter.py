@@ -11,7 +11,10 @@ CUDA and under ``FakeTensorMode`` (the estimator traces fake steps with it). mem
 - gradient accumulation (the root module runs several times in one step);
 - the quantization constants of bitsandbytes layers (absmax, code books, int8 row scales), which
   live outside parameters and buffers, counted as ``parameters``;
-- a compact timeline of the step for reports, and CUDA allocator peaks beside the tensor bytes.
+- a compact timeline of the step for reports, and CUDA allocator peaks beside the tensor bytes;
+- FSDP2 models (several processes): measured with torch's ``FSDPMemTracker`` instead, so that a
+  process's *sharded* parameters and gradients are told apart from the full (``unsharded``) copies
+  FSDP all-gathers for the layers being computed, and from its collective buffers.
 
 On CPU the figures are exact live-tensor bytes; on CUDA they are allocation-rounded tensor bytes,
 and ``cuda_max_allocated`` / ``cuda_max_reserved`` report what the caching allocator saw.
@@ -20,13 +23,16 @@ and ``cuda_max_allocated`` / ``cuda_max_reserved`` report what the caching alloc
 from __future__ import annotations
 
 import contextvars
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _RefType, _UpdateType
+from torch.distributed.fsdp import FSDPModule
 
 from memtrain.memory.quantized import quantization_state_tensors
 
@@ -39,7 +45,23 @@ CATEGORIES: dict[_MemRefType, str] = {
     _MemRefType.TEMP: "temporaries",
     _MemRefType.OTH: "inputs",
 }
-CATEGORY_NAMES: tuple[str, ...] = tuple(CATEGORIES.values())
+# Under FSDP, "parameters" and "gradients" are this process's shards; "unsharded" holds the full
+# parameters and gradients of the layers being computed and the all-gather / reduce-scatter buffers
+# (transient: freed when a layer is resharded).
+FSDP_CATEGORIES: dict[_RefType, str] = {
+    _FSDPRefType.SHARDED_PARAM: "parameters",
+    _FSDPRefType.BUFFER: "buffers",
+    _FSDPRefType.SHARDED_GRAD: "gradients",
+    _FSDPRefType.OPT: "optimizer_state",
+    _FSDPRefType.ACT: "activations",
+    _FSDPRefType.TEMP: "temporaries",
+    _FSDPRefType.INP: "inputs",
+    _FSDPRefType.UNSHARDED_PARAM: "unsharded",
+    _FSDPRefType.UNSHARDED_GRAD: "unsharded",
+    _FSDPRefType.ALL_GATHER: "unsharded",
+    _FSDPRefType.REDUCE_SCATTER: "unsharded",
+}
+CATEGORY_NAMES: tuple[str, ...] = (*CATEGORIES.values(), "unsharded")
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 # The key host bytes are filed under while the meter runs. On a CPU-only machine "cpu" is the
 # compute device, so host copies get a distinct (otherwise unused) CPU index.
@@ -72,11 +94,13 @@ class StepMemory:
         return out
 
 
-class _Tracker(MemTracker):
-    """MemTracker plus phase peaks, a host bucket and a timeline."""
+class _MeterMixin:
+    """What memtrain adds to torch's trackers: phase peaks, category maxima, a host bucket, a
+    timeline, and device peaks without MemTracker's per-module snapshots (see ``_Tracker``)."""
 
-    def __init__(self, device: torch.device, host: torch.device, timeline: bool) -> None:
-        super().__init__()
+    categories: dict[_RefType, str] = CATEGORIES  # type: ignore[assignment]
+
+    def _setup_meter(self, device: torch.device, host: torch.device, timeline: bool) -> None:
         self.compute_device = device
         self.host_device = host
         self.phase_peak: dict[str, dict[str, int]] = {}
@@ -84,16 +108,94 @@ class _Tracker(MemTracker):
         self.host_peak: dict[str, int] = {}
         self.record_timeline = timeline
         self.timeline: list[tuple[str, dict[str, int]]] = []
+        self._backward_seen = False
+
+    def named(self, snap: dict | None) -> dict[str, int]:
+        """A device snapshot keyed by torch's reference types -> bytes per memtrain category."""
+        out = dict.fromkeys(CATEGORY_NAMES, 0)
+        for ref, value in (snap or {}).items():
+            if ref in self.categories:
+                out[self.categories[ref]] += int(value)
+        return out
+
+    def phase(self) -> str:
+        # Work outside any module after a backward (gradient clipping, zero_grad) belongs to the
+        # optimizer step; a module running again means the next micro-batch's forward.
+        if self._in_opt:  # type: ignore[attr-defined]
+            return "optimizer"
+        if self._mod_tracker.is_bw:  # type: ignore[attr-defined]
+            self._backward_seen = True
+            return "backward"
+        if self._backward_seen and self._mod_tracker.parents <= {"Global"}:  # type: ignore[attr-defined]
+            return "optimizer"
+        return "forward"
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, dev_snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:  # type: ignore[attr-defined]
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]  # type: ignore[attr-defined]
+                self._peak_mem_snap[dev] = dict(dev_snap)  # type: ignore[attr-defined]
+        device_snap = self.named(self._curr_mem_snap.get(self.compute_device))  # type: ignore[attr-defined]
+        phase = self.phase()
+        if sum(device_snap.values()) > sum(self.phase_peak.get(phase, {}).values()):
+            self.phase_peak[phase] = device_snap
+        for name, value in device_snap.items():
+            self.category_max[name] = max(self.category_max[name], value)
+        self._update_host_peak()
+        if self.record_timeline:
+            self.timeline.append((phase, device_snap))
+
+    def _update_host_peak(self) -> None:
+        host_snap = self.named(self._curr_mem_snap.get(self.host_device))  # type: ignore[attr-defined]
+        if sum(host_snap.values()) > sum(self.host_peak.values()):
+            self.host_peak = host_snap
+
+    def move_to_host(self, tensor: torch.Tensor) -> None:
+        for storage in get_untyped_storages(tensor):
+            winfo, _ = self._WINFO.get(storage, (None, None))  # type: ignore[attr-defined]
+            if winfo is None or winfo.device == self.host_device:
+                continue
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.DEL, winfo)  # type: ignore[attr-defined]
+            winfo.device = self.host_device
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.ADD, winfo)  # type: ignore[attr-defined]
+        self._update_host_peak()
+
+
+class _Tracker(_MeterMixin, MemTracker):
+    """MemTracker's tensor accounting, with lean module hooks, phase peaks, a host bucket.
+
+    MemTracker also keeps per-module snapshots: it walks every tracked module and deep-copies
+    snapshots on each op, which made a measured step several times slower, and it refuses a
+    second top-level call (gradient accumulation). memtrain reads only device totals, so the
+    module hooks here keep just what the totals need: parameter/gradient tracking on a module's
+    first call and the activation-checkpointing region (a forward call during backward).
+    """
+
+    def __init__(self, device: torch.device, host: torch.device, timeline: bool) -> None:
+        super().__init__()
+        self._setup_meter(device, host, timeline)
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        # MemTracker refuses a second top-level call of a module in one session; a step with
-        # gradient accumulation makes several, so module statistics restart at each top-level
-        # call (the device totals, which are all memtrain reads, are unaffected).
-        name = self._mod_tracker.get_known_fqn(module)
-        top_level = set(self._mod_tracker.parents) - {name} == {"Global"}
-        if top_level and module in self.memory_tracking and not self._mod_tracker.is_bw:
-            self.reset_mod_stats()
-        super()._pre_fw_hook(module, inputs)
+        if module not in self._seen:
+            self._seen.add(module)
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        elif self._mod_tracker.is_bw and self._ac_mod is None:  # recompute in backward
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        pass
 
     def _track_module_params_and_buffers(self, module: nn.Module,
                                          install_grad_hooks: bool = True) -> tuple[int, int]:
@@ -112,44 +214,40 @@ class _Tracker(MemTracker):
     def _grad_hook(self, grad: torch.Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
-    def phase(self) -> str:
-        if self._in_opt:
-            return "optimizer"
-        return "backward" if self._mod_tracker.is_bw else "forward"
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
-        device_snap = _named(self._curr_mem_snap.get(self.compute_device))
-        phase = self.phase()
-        if sum(device_snap.values()) > sum(self.phase_peak.get(phase, {}).values()):
-            self.phase_peak[phase] = device_snap
-        for name, value in device_snap.items():
-            self.category_max[name] = max(self.category_max[name], value)
-        self._update_host_peak()
-        if self.record_timeline:
-            self.timeline.append((phase, device_snap))
+class _FSDPTracker(_MeterMixin, FSDPMemTracker):
+    """FSDPMemTracker (sharded vs. unsharded state of an FSDP2 model) plus memtrain's additions.
 
-    def _update_host_peak(self) -> None:
-        host_snap = _named(self._curr_mem_snap.get(self.host_device))
-        if sum(host_snap.values()) > sum(self.host_peak.values()):
-            self.host_peak = host_snap
+    Why not the plain tracker: it files the full weights FSDP all-gathers for each layer's forward
+    as ``parameters``, so a process would seem to hold its shard *and* the whole weights.
+    """
 
-    def move_to_host(self, tensor: torch.Tensor) -> None:
-        for storage in get_untyped_storages(tensor):
-            winfo, _ = self._WINFO.get(storage, (None, None))
-            if winfo is None or winfo.device == self.host_device:
-                continue
-            if winfo.mem_consumed > 0:
-                self._update_snap(_UpdateType.DEL, winfo)
-            winfo.device = self.host_device
-            if winfo.mem_consumed > 0:
-                self._update_snap(_UpdateType.ADD, winfo)
-        self._update_host_peak()
+    categories = FSDP_CATEGORIES
 
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
+                 host: torch.device, timeline: bool) -> None:
+        super().__init__(model, optimizer)
+        self._setup_meter(device, host, timeline)
 
-def _named(snap: dict | None) -> dict[str, int]:
-    snap = snap or {}
-    return {name: int(snap.get(ref, 0)) for ref, name in CATEGORIES.items()}
+    def track_external(self, *external: Any) -> None:
+        # FSDPMemTracker was handed the model and the optimizer; only input tensors are left.
+        tensors = tuple(t for t in external if isinstance(t, torch.Tensor))
+        if tensors:
+            self.track_inputs(tensors)
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
+        # FSDPMemTracker refuses a second forward of the root in one session; gradient
+        # accumulation makes one per micro-batch, so module statistics restart there (the device
+        # totals, which are all memtrain reads, are unaffected).
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def restart_then_run(*args: Any, **kwargs: Any) -> Any:
+            again = fsdp_mod is self._root_mod and fsdp_mod in self.memory_tracking
+            if again and not self._mod_tracker.is_bw:
+                self.reset_mod_stats()
+            return inner(*args, **kwargs)
+
+        return restart_then_run
 
 
 class MemoryMeter:
@@ -167,7 +265,8 @@ class MemoryMeter:
         model: the model; its parameters, buffers and existing gradients are counted from the start.
         optimizer: its existing state is counted from the start (optional).
         inputs: tensors created before the step that it holds (the batch), counted as ``inputs``.
-        device: the compute device; defaults to the device of the model's first parameter.
+        device: the compute device; defaults to the device of the model's first parameter (of
+            FSDP's device for an FSDP2 model, whose shards may be offloaded).
         timeline: keep a per-op snapshot list for plots.
     """
 
@@ -175,11 +274,12 @@ class MemoryMeter:
                  inputs: Any = None, device: torch.device | str | None = None,
                  timeline: bool = False) -> None:
         if device is None:
-            first = next(model.parameters(), None) if model is not None else None
-            device = first.device if first is not None else torch.device("cpu")
+            device = _compute_device(model)
         self.device = _canonical(torch.device(device))
         host = torch.device("cpu") if self.device.type != "cpu" else _HOST_ON_CPU
-        self._tracker = _Tracker(self.device, host, timeline)
+        self._tracker: _Tracker | _FSDPTracker = (
+            _FSDPTracker(model, optimizer, self.device, host, timeline) if isinstance(model, FSDPModule)
+            else _Tracker(self.device, host, timeline))
         self._external = [x for x in (model, optimizer) if x is not None]
         if inputs is not None:
             self._external.extend(t for t in _tensors(inputs))
@@ -189,10 +289,15 @@ class MemoryMeter:
     def __enter__(self) -> MemoryMeter:
         if self._external:
             self._tracker.track_external(*self._external)
+        fsdp = isinstance(self._tracker, _FSDPTracker)
+        param_ref = _FSDPRefType.SHARDED_PARAM if fsdp else _MemRefType.PARAM
         for obj in self._external:  # bitsandbytes keeps quantization constants outside parameters
             if isinstance(obj, nn.Module):
                 for tensor in quantization_state_tensors(obj):
-                    self._tracker._update_and_maybe_create_winfos(tensor, _MemRefType.PARAM)
+                    self._tracker._update_and_maybe_create_winfos(tensor, param_ref)
+        for tensor in _host_tensors(self._external):  # an offloaded optimizer's host copies
+            self._tracker._update_and_maybe_create_winfos(tensor, _MemRefType.OPT)
+            self._tracker.move_to_host(tensor)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -219,7 +324,7 @@ class MemoryMeter:
     def _collect(self) -> StepMemory:
         t = self._tracker
         peak_snap = t.get_tracker_snapshot("peak").get(self.device, {})
-        peak = _named(peak_snap)
+        peak = t.named(peak_snap)
         cuda_alloc = cuda_reserved = None
         if self.device.type == "cuda":
             cuda_alloc = torch.cuda.max_memory_allocated(self.device)
@@ -244,6 +349,26 @@ def mark_host(tensor: torch.Tensor) -> None:
     meter = _ACTIVE.get()
     if meter is not None:
         meter.mark_host(tensor)
+
+
+def _host_tensors(objects: list[Any]) -> list[torch.Tensor]:
+    """Tensors that objects (e.g. ``memtrain.optim_offload.OffloadOptimizer``, also wrapped by
+    accelerate) declare as kept in host memory through a ``host_tensors()`` method."""
+    found: list[torch.Tensor] = []
+    for obj in objects:
+        declare = getattr(getattr(obj, "optimizer", obj), "host_tensors", None)
+        if callable(declare):
+            found.extend(declare())
+    return found
+
+
+def _compute_device(model: nn.Module | None) -> torch.device:
+    """Where the model computes: FSDP's device (its shards may be offloaded to the CPU), else the
+    device of its first parameter."""
+    if isinstance(model, FSDPModule):
+        return model._get_fsdp_state()._device
+    first = next(model.parameters(), None) if model is not None else None
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _canonical(device: torch.device) -> torch.device:

@@ -29,7 +29,6 @@ import contextlib
 import copy
 import math
 import warnings
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import _MemRefType, _ModMemStats, _UpdateType
+from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
 from transformers import PretrainedConfig
 
 from memtrain import patches
@@ -54,8 +53,8 @@ from memtrain.memory.build import (
 from memtrain.memory.fake import fake_tensor_mode
 from memtrain.model import count_parameters
 
-CATEGORY_NAMES = meter_mod.CATEGORY_NAMES
-_INDEX = {ref: i for i, ref in enumerate(meter_mod.CATEGORIES)}
+CATEGORY_NAMES = meter_mod.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
+_INDEX = {ref: CATEGORY_NAMES.index(name) for ref, name in meter_mod.CATEGORIES.items()}
 HOST, ROUNDED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1  # extra value columns
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 
@@ -92,26 +91,6 @@ class _EventTracker(meter_mod._Tracker):
         self._rounded = 0
         self.phases: list[str] = []
         self.rows: list[tuple[int, ...]] = []
-
-    # MemTracker's module hooks keep per-module snapshots (deep copies at every module call) that
-    # the estimator never reads. These keep only what decides categories: tracking parameters
-    # (and their gradient hooks) on first sight, and the recompute region of checkpointing.
-    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        if module not in self.memory_tracking:
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
-            self.memory_tracking[module] = _ModMemStats(self._mod_tracker.get_known_fqn(module) or "")
-        elif self._mod_tracker.is_bw and self._ac_mod is None:
-            self._ac_mod, self._in_ac = weakref.ref(module), True
-
-    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
-        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
-            self._ac_mod, self._in_ac = None, False
-
-    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
-        return None
-
-    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
-        return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.

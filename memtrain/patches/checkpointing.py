@@ -1,36 +1,269 @@
-"""Activation checkpointing: keep each layer's input, recompute its activations in backward.
+"""Activation checkpointing: keep less of each decoder layer for backward, recompute the rest.
 
-Saves: the activations inside every checkpointed layer (about all but one hidden state per
-layer). Costs: one more forward pass of the checkpointed layers during backward. Uses the
-non-reentrant ``torch.utils.checkpoint`` through transformers' ``gradient_checkpointing_enable``.
+Modes (``memory.checkpointing``):
+
+- ``none``: nothing changes.
+- ``full``: every decoder layer keeps only its input and re-runs its forward during backward.
+  Saves nearly all activation memory inside the layers (about one hidden state per layer is left);
+  costs one more forward pass of every layer (about a third more step FLOPs).
+- ``n`` (an integer, 1 ≤ n ≤ L): the first ``n`` of the L layers are checkpointed in full. Memory
+  and recompute both scale linearly with ``n``, which lets the planner stop exactly where the
+  budget is met. The first layers are chosen because their activations live longest.
+- ``selective``: every layer keeps the outputs of its matmuls (linear projections, including
+  LoRA's) and of fused attention kernels, and recomputes everything else: norms, activation
+  functions, rotary embeddings, residual adds, dropout, casts, and the attention internals of
+  eager attention (the s × s scores and softmax). This follows Korthikanti et al., 2022 ("Reducing
+  Activation Recomputation in Large Transformer Models"): element-wise work holds a large share of
+  the saved bytes but almost none of the FLOPs. The policy is torch's selective checkpointing
+  (``create_selective_checkpoint_contexts``), the same mechanism torchtitan's op-level SAC uses.
+
+All modes use torch's non-reentrant ``torch.utils.checkpoint``: it works with inputs that do not
+require grad (frozen embeddings under LoRA), with keyword arguments, with 4-bit (QLoRA) layers and
+under ``FakeTensorMode``. Nothing is recomputed in eval mode or under ``no_grad``. The layers are
+patched in place (their ``forward`` is wrapped), not wrapped in a new module, so module names,
+state-dict keys and LoRA target patterns stay the same; :func:`undo` removes the wrapping.
+transformers' own ``gradient_checkpointing_enable`` is not used because it offers neither a layer
+count nor a selective policy, and differs between architectures.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from memtrain.config import RunConfig
-from memtrain.patches import CHECKPOINTING, PatchRecord, add_records, register
+from memtrain.config.schema import Checkpointing
+from memtrain.errors import MemtrainError
+from memtrain.patches import (
+    CHECKPOINTING,
+    NoMatchError,
+    PatchRecord,
+    add_records,
+    records,
+    register,
+)
 
+Config = Checkpointing
 Mode = str | int
+
+aten = torch.ops.aten
+# Ops whose outputs selective checkpointing keeps: the matmuls of linear layers and the fused
+# attention kernels (their output is O(s·h) like a projection's, and re-running them would cost
+# the attention FLOPs). ``bmm`` is deliberately absent: in eager attention it computes the s × s
+# scores, the "attention internals" that Korthikanti et al. recompute.
+SAVED_OPS: frozenset[Any] = frozenset(
+    op
+    for name in (
+        "mm", "addmm", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    if (op := getattr(aten, name, None)) is not None
+)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep matmul and fused-attention outputs; recompute everything else."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+# ----------------------------------------------------------------------------- finding layers
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or ``model`` itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def num_layers(model: nn.Module) -> int | None:
+    """The model's layer count from its config (``num_hidden_layers``, ``n_layer``...), if any."""
+    config = getattr(base_model(model), "config", None)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated transformer blocks, in order, with their names in ``model``.
+
+    A block list is an ``nn.ModuleList`` of modules of one class with parameters, as long as the
+    config's layer count (``model.layers`` for Llama/Mistral/Qwen2, ``transformer.h`` for GPT-2,
+    ``encoder.layer`` for BERT/RoBERTa), found also through a peft wrapper.
+
+    Raises:
+        NoMatchError: no such list exists.
+    """
+    expected = num_layers(model)
+    lists = [
+        (name, mod) for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0
+        and len({type(child) for child in mod}) == 1
+        and any(True for _ in mod[0].parameters())
+    ]
+    chosen = [(n, m) for n, m in lists if expected is None or len(m) == expected]
+    if expected is None and len(chosen) > 1:
+        chosen = [max(chosen, key=lambda item: len(item[1]))]
+    if not chosen:
+        found = ", ".join(f"{n} ({len(m)} × {type(m[0]).__name__})" for n, m in lists) or "none"
+        raise NoMatchError(
+            f"`memory.checkpointing`: found no list of {expected} transformer layers in "
+            f"{type(base_model(model)).__name__} (module lists: {found}). Fix: set "
+            "`memory.checkpointing: none` for this architecture."
+        )
+    return [(f"{n}.{i}" if n else str(i), layer) for n, m in chosen for i, layer in enumerate(m)]
+
+
+# ---------------------------------------------------------------------------------- wrapping
+
+
+def _checkpointed(layer: nn.Module, forward: Callable[..., Any],
+                  context_fn: Callable[[], tuple[Any, Any]] | None) -> Callable[..., Any]:
+    """``forward`` run under non-reentrant checkpointing while the layer trains with grad."""
+    kwargs_ckpt: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs_ckpt["context_fn"] = context_fn
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not (layer.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        # Meta tensors have no RNG state to stash (the estimator may trace on meta).
+        on_meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values()))
+        return checkpoint(forward, *args, preserve_rng_state=not on_meta, **kwargs_ckpt, **kwargs)
+
+    run.__memtrain_checkpointed__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def wrap_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+                 ) -> Callable[[], None]:
+    """Replace ``module.forward`` by ``make(current_forward)`` on the instance; returns the undo."""
+    had_own = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = make(module.forward)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if had_own:
+            module.forward = previous  # type: ignore[method-assign]
+        else:
+            module.__dict__.pop("forward", None)
+
+    return undo
+
+
+def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
+    """Turn off the model's KV cache (returns the undo).
+
+    A training forward with ``use_cache`` builds a KV cache that keeps every layer's keys and
+    values alive on the device: a checkpoint recompute would fill it twice, and offloading them
+    would free nothing.
+    """
+    config = getattr(base_model(model), "config", None)
+    before = getattr(config, "use_cache", None)
+    if config is None or not before:
+        return lambda: None
+    config.use_cache = False
+
+    def restore() -> None:
+        config.use_cache = before
+
+    return restore
+
+
+def _layer_count(model: nn.Module, mode: Mode, total: int) -> int:
+    """How many layers ``mode`` checkpoints; bad modes raise naming the recipe field."""
+    if mode in ("full", "selective"):
+        return total
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise MemtrainError(
+            f"`memory.checkpointing` must be none, full, selective or a number of layers, got "
+            f"{mode!r}. Fix: use one of those (`auto` is decided by the planner first)."
+        )
+    if not 1 <= mode <= total:
+        raise MemtrainError(
+            f"`memory.checkpointing`: {mode} layers asked, but {type(base_model(model)).__name__} "
+            f"has {total}. Fix: use a number from 1 to {total}, or `full`."
+        )
+    return mode
 
 
 def apply(model: nn.Module, mode: Mode = "full") -> nn.Module:
-    """Enable activation checkpointing on every layer of a transformers model."""
-    if mode != "full":
-        raise ValueError(f"unsupported checkpointing mode {mode!r}")
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if hasattr(base, "enable_input_require_grads"):
-        base.enable_input_require_grads()
-    layers = [n for n, m in base.named_modules() if getattr(m, "gradient_checkpointing", False)]
-    add_records(model, [PatchRecord("checkpointing", layers, "full activation checkpointing",
-                                    undo=base.gradient_checkpointing_disable)])
+    """Checkpoint the model's transformer layers as ``mode`` says (see the module docstring).
+
+    Args:
+        model: a transformers model, possibly wrapped by peft and/or quantized.
+        mode: ``none``, ``full``, ``selective`` or a number of layers (the first ones).
+
+    Returns:
+        The same model, patched in place; :func:`undo` reverts it.
+    """
+    if mode == "none":
+        return model
+    layers = find_layers(model)
+    count = _layer_count(model, mode, len(layers))
+    base = base_model(model)
+    if getattr(base, "is_gradient_checkpointing", False):
+        base.gradient_checkpointing_disable()  # one recompute mechanism, not two nested
+    context_fn = _selective_context if mode == "selective" else None
+    undos = [wrap_forward(layer, functools.partial(_checkpointed, layer, context_fn=context_fn))
+             for _, layer in layers[:count]]
+    restore_cache = disable_kv_cache(model)
+
+    def undo_all() -> None:
+        for fn in undos:
+            fn()
+        restore_cache()
+
+    kind = {"full": "full", "selective": "selective (recompute element-wise and attention)"}
+    detail = kind.get(str(mode), f"{count} of {len(layers)} layers")
+    add_records(model, [PatchRecord("checkpointing", [n for n, _ in layers[:count]],
+                                    f"activation checkpointing: {detail}", undo=undo_all)])
     return model
+
+
+def undo(model: nn.Module) -> nn.Module:
+    """Remove the checkpointing this module applied to ``model``."""
+    for record in records(model):
+        if record.name == "checkpointing" and record.undo is not None:
+            record.undo()
+    kept = [r for r in records(model) if r.name != "checkpointing"]
+    model.__dict__["_memtrain_patch_records"] = kept
+    return model
+
+
+def is_checkpointed(layer: nn.Module) -> bool:
+    """Does ``layer``'s forward run under checkpointing (at any depth of forward wrappers)?"""
+    forward = layer.__dict__.get("forward")
+    while forward is not None:
+        if getattr(forward, "__memtrain_checkpointed__", False):
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
 
 
 @register("checkpointing", CHECKPOINTING)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    if cfg.memory.checkpointing in ("none", "auto"):
+    mode = cfg.memory.checkpointing
+    if mode == "auto":
+        raise MemtrainError("`memory.checkpointing` is `auto`: run the planner first "
+                            "(`memtrain plan`), or set none, full, selective or a layer count.")
+    if mode == "none":
         return None
-    return apply(model, cfg.memory.checkpointing)
+    return apply(model, mode)

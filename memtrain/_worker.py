@@ -1,0 +1,59 @@
+"""One training process of a multi-process run: ``python -m memtrain._worker RECIPE EXCHANGE_DIR``.
+
+Started by :func:`memtrain.launch.launch` (through torch's elastic agent, which sets
+``RANK``/``WORLD_SIZE``/...). It trains the resolved recipe and leaves what ``train`` returned in
+``EXCHANGE_DIR/rank<R>.pkl`` for the launcher. Rank 0 alone prints the start-up table, the
+progress bar and the result. A user mistake is recorded in torch's error file (the launcher shows
+its message) and ends the process with its exit status, without a traceback; anything else is a
+bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    """Train the recipe at ``argv[0]`` and write the result into the folder ``argv[1]``."""
+    from rich.console import Console
+
+    from memtrain.config import load_recipe
+    from memtrain.errors import MemtrainError
+    from memtrain.launch import RESULT_FILE, exit_with_parent
+    from memtrain.runner import train
+
+    exit_with_parent()
+    recipe, exchange = argv
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(level=logging.WARNING if rank == 0 else logging.ERROR, format="%(message)s")
+    try:
+        result = train(load_recipe(recipe), console=Console(quiet=rank != 0))
+    except MemtrainError as err:
+        _report(str(err))
+        return err.exit_code
+    result.model = None  # sharded over the processes; the saved files hold it whole
+    if rank != 0 and result.memory is not None:
+        result.memory.timeline = []  # only rank 0's goes into reports
+    Path(exchange, RESULT_FILE.format(rank=rank)).write_bytes(pickle.dumps(result))
+    return 0
+
+
+def _report(message: str) -> None:
+    """Leave a user error where torch's launcher looks for it (it becomes the launcher's message)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+    else:  # started by another launcher: the terminal is the only place
+        print(f"error: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)(sys.argv[1:]))

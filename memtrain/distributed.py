@@ -1,0 +1,295 @@
+"""Several processes: shard the model with FSDP2, run it in the Trainer, estimate one process.
+
+Saves: with N processes each holds 1/N of the parameters, gradients and optimizer state, plus the
+full weights (and, in backward, full gradients) of the layer being computed (FSDP2: Zhao et al.,
+2023, "PyTorch FSDP"; the ZeRO-3 partitioning of Rajbhandari et al., 2020). With
+``memory.offload.parameters`` the shards live in host memory and only the layer in use is on the
+device. Costs: an all-gather of every layer's weights in forward and again in backward, and a
+reduce-scatter of its gradients, on every step; with offload, host<->device copies as well.
+
+The Trainer runs it as accelerate's FSDP2 (``FullyShardedDataParallelPlugin``, ``fsdp_version=2``):
+no-sync gradient accumulation, DTensor-aware gradient clipping, full-state-dict saving. What is
+hand-written, and why: memtrain calls ``fully_shard`` itself (:func:`shard_model`; the units
+accelerate makes: each decoder layer, the input embedding, the output head, then the root)
+before the Trainer exists, so ``Accelerator.prepare`` finds an FSDP2 model and keeps it.
+Accelerate only enables FSDP on accelerators: on CPU it silently trains replicas with DDP. One
+code path keeps the CPU tests meaningful for GPU runs, and the estimator traces the very same
+function in a fake process group (:func:`estimate_process_step`). On CPU, :func:`adopt_fsdp`
+switches the accelerator's state from DDP to FSDP2 after creation.
+
+Starting the processes: :mod:`memtrain.launch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from memtrain import patches
+from memtrain.config import DistributedConfig, RunConfig
+from memtrain.errors import MemtrainError
+
+if TYPE_CHECKING:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from memtrain.memory.meter import StepMemory
+
+Config = DistributedConfig
+
+# ------------------------------------------------------------------------------------ sharding
+
+
+def layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The repeated block classes of a transformers model (its ``_no_split_modules``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    # the MRO, because FSDP2 swaps a sharded module's class for a subclass named FSDP<Name>
+    found = {c for m in base.modules() for c in type(m).__mro__ if c.__name__ in names}
+    if not found:
+        raise patches.NoMatchError(
+            f"`distributed.sharding`: cannot find the layers of {type(base).__name__} to shard (its "
+            f"`_no_split_modules` is {sorted(names) or 'empty'}). Fix: set `distributed.sharding: none` "
+            "to replicate the model in every process instead.")
+    return tuple(sorted(found, key=lambda c: c.__name__))
+
+
+def mixed_precision(model: nn.Module) -> Any:
+    """FSDP2's policy: weights stay in the dtype the recipe loaded them in (as with one process);
+    low-precision gradients are averaged across processes in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    return MixedPrecisionPolicy(reduce_dtype=torch.float32 if low else None)
+
+
+def shard_model(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Shard ``model`` over the processes with FSDP2, as ``distributed.*`` says.
+
+    Units: every decoder layer (resharded after its forward), the input embedding, the output
+    head (kept whole from the end of forward to its backward, which follows at once), then the
+    root for the rest. Tied input/output embeddings stay in the root: one parameter may only
+    belong to one unit. Returns the model unchanged for one process or ``sharding: none``.
+
+    Args:
+        model: the patched model, identical in every process (same seed or same weights).
+        cfg: the recipe; reads ``distributed`` and ``memory.offload.parameters``.
+        mesh: the process mesh; defaults to all processes of the default group on this device
+            (initialised here on first use).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    if not _sharded(cfg):
+        return model
+    mesh = mesh or _default_mesh()
+    kwargs = {"mesh": mesh, "mp_policy": mixed_precision(model),
+              "offload_policy": (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+                                 if cfg.memory.offload.parameters else OffloadPolicy())}
+    classes = layer_classes(model)
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, classes)]
+    inside = {id(sub) for _, unit in units for sub in unit.modules()}
+    for _, unit in units:
+        fully_shard(unit, reshard_after_forward=True, **kwargs)
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = inp is not None and out is not None and inp.weight is out.weight
+    names = {id(m): n for n, m in model.named_modules()}
+    for module, reshard in ((inp, True), (out, False)):
+        if module is not None and not tied and id(module) not in inside:
+            fully_shard(module, reshard_after_forward=reshard, **kwargs)
+            units.append((names[id(module)], module))
+    fully_shard(model, **kwargs)
+    local, total = _local_and_total_bytes(model)
+    offload = ", shards offloaded to the CPU" if cfg.memory.offload.parameters else ""
+    patches.add_records(model, [patches.PatchRecord(
+        "fsdp", [n for n, _ in units] + ["(root)"],
+        f"FSDP2 over {mesh.size()} processes, {len(units) + 1} units: {local / 2**20:.1f} of "
+        f"{total / 2**20:.1f} MiB of weights per process{offload}")])
+    return model
+
+
+def _sharded(cfg: RunConfig) -> bool:
+    """Does the recipe ask for FSDP2 (several processes, full sharding)?"""
+    if cfg.distributed.sharding == "auto" and cfg.distributed.processes > 1:
+        raise MemtrainError("`distributed.sharding`: `auto` must be resolved by the planner before "
+                            "training. Fix: set it to `full` (FSDP2) or `none` (replicas, DDP).")
+    sharded = cfg.distributed.processes > 1 and cfg.distributed.sharding == "full"
+    if cfg.memory.offload.parameters and not sharded:  # nothing would move: say so
+        raise MemtrainError(
+            "`memory.offload.parameters`: true keeps FSDP's parameter shards on the CPU, which needs "
+            f"several processes and `distributed.sharding: full` (got processes="
+            f"{cfg.distributed.processes}, sharding={cfg.distributed.sharding}). Fix: set "
+            "`distributed.processes` to 2 or more with full sharding, or offload the optimizer "
+            "instead (`memory.offload.optimizer: true`).")
+    return sharded
+
+
+def _default_mesh() -> DeviceMesh:
+    from accelerate import PartialState
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cuda = torch.cuda.is_available()
+    # The Trainer's own set-up (gloo on CPU, NCCL and one GPU per process on CUDA); it runs
+    # after the model is loaded because transformers writes files only on rank 0 once a
+    # process group exists (the quantized from-config load saves and reloads the model).
+    state = PartialState(cpu=not cuda)
+    return init_device_mesh(state.device.type, (state.num_processes,))
+
+
+def _local_and_total_bytes(model: nn.Module) -> tuple[int, int]:
+    from torch.distributed.tensor import DTensor
+
+    local = total = 0
+    for p in model.parameters():
+        size = p.element_size()
+        total += p.numel() * size
+        local += (p.to_local().numel() if isinstance(p, DTensor) else p.numel()) * size
+    return local, total
+
+
+def quant_storage(cfg: RunConfig) -> torch.dtype | None:
+    """The dtype 4-bit weights are stored in: FSDP shards them like the other weights only when
+    the packed bytes are viewed as a float dtype (bitsandbytes' FSDP guidance); None = default."""
+    if not _sharded(cfg) or cfg.model.quantization not in ("nf4", "fp4"):
+        return None
+    from memtrain.model import DTYPES
+
+    return DTYPES[cfg.model.compute_dtype or cfg.model.dtype]
+
+
+# ------------------------------------------------------------------------------------ Trainer
+
+
+def fsdp_plugin(model: nn.Module, cfg: RunConfig) -> FullyShardedDataParallelPlugin | None:
+    """accelerate's description of the sharding :func:`shard_model` applied (None: not sharded).
+
+    Every field is given, so that accelerate reads none of its ``FSDP_*`` environment variables.
+    """
+    if not _sharded(cfg):
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        reshard_after_forward=True,
+        # the model is wrapped already; accelerate would look for layer classes by name, which
+        # FSDP2 renamed (FSDPLlamaDecoderLayer), and fail
+        auto_wrap_policy="no_wrap",
+        mixed_precision_policy=mixed_precision(model),
+        cpu_offload=cfg.memory.offload.parameters,
+        state_dict_type="FULL_STATE_DICT",  # saving gathers whole weights that from_pretrained reads
+        activation_checkpointing=False,  # memtrain's checkpointing patch does it
+        cpu_ram_efficient_loading=False,
+    )
+
+
+def adopt_fsdp(trainer: Any, plugin: FullyShardedDataParallelPlugin) -> None:
+    """Make a Trainer (right after it created its Accelerator) treat the model as FSDP2.
+
+    On CUDA accelerate already chose FSDP from the plugin. On CPU it enables FSDP for no backend
+    and picked DDP (``MULTI_CPU``), which would wrap the sharded model in DistributedDataParallel;
+    switching the shared state to FSDP makes ``prepare`` keep the FSDP2 model and the Trainer use
+    its FSDP paths (no-sync accumulation, DTensor clipping, full-state-dict saving). Both shared
+    states change: every later ``AcceleratorState()`` copies ``distributed_type`` from
+    ``PartialState``, which would quietly turn the run back into DDP.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = trainer.accelerator.state
+    if state.distributed_type != DistributedType.FSDP:
+        PartialState().distributed_type = DistributedType.FSDP
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
+
+
+# ----------------------------------------------------------------------------------- estimate
+
+
+@contextlib.contextmanager
+def fake_process_group(processes: int, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+    """This process as rank 0 of ``processes`` fake ones: collectives do nothing, so a step can
+    be traced (under ``FakeTensorMode``) with one process's shapes and memory."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists; trace in a process without one")
+    dist.init_process_group("fake", rank=0, world_size=processes, store=FakeStore())
+    try:
+        yield init_device_mesh(device_type, (processes,))  # outside FakeTensorMode: it reads ranks
+    finally:
+        dist.destroy_process_group()
+
+
+def estimate_process_step(build_model: Callable[[], nn.Module], cfg: RunConfig,
+                          batch: dict[str, tuple[int, ...]], steps: int = 2,
+                          device_type: str = "cpu") -> StepMemory:
+    """Memory of one of ``cfg.distributed.processes`` processes for a training step, without weights.
+
+    The model is built on the meta device, materialised as fake tensors, sharded by
+    :func:`shard_model` in a fake process group and trained for ``steps`` steps under
+    ``FakeTensorMode``; the last step is measured (the first creates the optimizer state). Same
+    code, units and meter as a real run; only the values the tensors would hold are missing.
+
+    Args:
+        build_model: returns the patched model (called under ``torch.device("meta")``; it must not
+            need real weights, so no bitsandbytes quantization).
+        cfg: the recipe (sharding, offload, optimizer, learning rate, gradient clipping).
+        batch: shapes of the integer tensors of one micro-batch, e.g.
+            ``{"input_ids": (4, 512), "labels": (4, 512)}``.
+        steps: training steps to run; the last is measured.
+        device_type: the device the processes compute on.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtrain.memory.meter import MemoryMeter
+
+    make_optimizer = _optimizer_factory(cfg)  # before faking: it builds TrainingArguments
+    with torch.device("meta"):
+        model = build_model()
+    # allow_non_fake_inputs: to_empty turns the meta parameters into fake ones (building under
+    # FakeTensorMode directly fails when peft moves its adapters with `.to`).
+    with fake_process_group(cfg.distributed.processes, device_type) as mesh, \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device=device_type)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()  # to_empty gave tied weights one tensor each
+        model = shard_model(model, cfg, mesh)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        inputs = {k: torch.zeros(shape, dtype=torch.long, device=device_type) for k, shape in batch.items()}
+        for _ in range(steps - 1):
+            _step(model, optimizer, inputs, cfg.training.max_grad_norm)
+        with MemoryMeter(model, optimizer, inputs) as meter:
+            _step(model, optimizer, inputs, cfg.training.max_grad_norm)
+    return meter.result()
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, torch.Tensor],
+          max_grad_norm: float | None) -> None:
+    """One Trainer step without accumulation: forward, backward, clipping, update, zero_grad."""
+    loss = model(**inputs).loss
+    loss.backward()
+    del loss
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _optimizer_factory(cfg: RunConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """The optimizer the Trainer builds for the recipe (same class and arguments)."""
+    from transformers import Trainer
+
+    from memtrain.config.batch import Batch
+    from memtrain.trainer import training_arguments
+
+    args = training_arguments(cfg, Batch(1, 1, cfg.distributed.processes), tempfile.gettempdir(), False)
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    return lambda params: cls(params, **kwargs)

@@ -1,0 +1,122 @@
+"""Memory budgets: parse ``memory.budget``, detect free device memory, simulate a budget on CPU.
+
+:class:`SimulatedBudget` raises the framework's own out-of-memory error
+(``torch.OutOfMemoryError``, what CUDA raises) as soon as the live tensor bytes it tracks exceed a
+limit. With it, auto-fit and out-of-memory recovery run for real on a machine without a GPU: the
+code under test sees exactly the exception a GPU would raise, at the op that would have failed.
+It counts tensor bytes as the meter does (no allocator caching or fragmentation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from memtrain.memory.meter import _HOST_ON_CPU, _TOTAL_KEY, _Tracker
+from memtrain.units import format_bytes, parse_size
+
+
+def device_free_bytes(device: torch.device | str | None = None) -> int:
+    """Free memory of the compute device: CUDA's free bytes, or available RAM on CPU."""
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def resolve_budget(budget: str | None, device: torch.device | str | None = None) -> int | None:
+    """``memory.budget`` in bytes: ``auto`` detects the free memory, None means no budget."""
+    if budget is None:
+        return None
+    if budget == "auto":
+        return device_free_bytes(device)
+    return parse_size(budget)
+
+
+def usable_bytes(budget: int, margin: float) -> int:
+    """What plans may use of a budget: the safety margin is kept free."""
+    return int(budget * (1.0 - margin))
+
+
+class _BudgetTracker(_Tracker):
+    def __init__(self, device: torch.device, limit: int) -> None:
+        host = torch.device("cpu") if device.type != "cpu" else _HOST_ON_CPU
+        super().__init__(device, host, timeline=False)
+        self.limit = limit
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        live = self._curr_mem_snap.get(self.compute_device, {}).get(_TOTAL_KEY, 0)
+        if live > self.limit:
+            # The wording CUDA's allocator uses, so that code which recognises an out-of-memory
+            # error by its message (accelerate's find_executable_batch_size) sees this one too.
+            raise torch.OutOfMemoryError(
+                f"Simulated: tried to allocate past the budget, device out of memory. "
+                f"{format_bytes(live)} of live tensors exceed the simulated budget of "
+                f"{format_bytes(self.limit)} (memory.simulate_budget)."
+            )
+
+
+class SimulatedBudget:
+    """Context manager: raise ``torch.OutOfMemoryError`` when live tensor bytes exceed ``limit``.
+
+    Args:
+        limit: bytes, or a size like ``"2GiB"``.
+        track: modules, optimizers or tensors created before entering that count from the start.
+        device: the compute device whose bytes count (default: CUDA if present, else CPU).
+    """
+
+    def __init__(self, limit: int | str, *track: Any, device: torch.device | str | None = None) -> None:
+        self.limit = parse_size(limit)
+        device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+        self._tracker = _BudgetTracker(device, self.limit)
+        self._track = [t for t in track if t is not None]
+
+    def __enter__(self) -> SimulatedBudget:
+        if self._track:
+            self._tracker.track_external(*self._track)
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tracker.__exit__(*exc)
+
+    @property
+    def live_bytes(self) -> int:
+        return int(self._tracker._curr_mem_snap.get(self._tracker.compute_device, {}).get(_TOTAL_KEY, 0))
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self._tracker._peak_mem.get(self._tracker.compute_device, 0))
+
+
+class SimulatedBudgetCallback(TrainerCallback):
+    """Keep a :class:`SimulatedBudget` active from the start to the end of training."""
+
+    def __init__(self, limit: int | str) -> None:
+        self.limit = limit
+        self.budget: SimulatedBudget | None = None
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        opt = inner if isinstance(inner, torch.optim.Optimizer) else None
+        self.budget = SimulatedBudget(self.limit, model, opt, device=args.device)
+        self.budget.__enter__()
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the budget (also after training stopped with an exception)."""
+        if self.budget is not None:
+            self.budget.__exit__(None, None, None)
+            self.budget = None

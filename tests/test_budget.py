@@ -1,0 +1,36 @@
+"""Budgets: parsing, detection, and the simulated budget that raises torch's own OOM error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_meter import batch, tiny_llama
+
+from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
+from memtrain.memory.meter import measure_step
+
+
+def test_resolve_budget() -> None:
+    assert resolve_budget(None) is None
+    assert resolve_budget("2GiB") == 2 * 2**30
+    assert resolve_budget("auto", "cpu") > 0
+    assert usable_bytes(1000, 0.1) == 900
+
+
+def test_simulated_budget_raises_torch_oom_exactly_at_the_limit() -> None:
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    measure_step(model, batch(), opt)  # optimizer state exists from here on
+    peak = measure_step(model, batch(), opt).peak_bytes
+    with SimulatedBudget(peak, model, opt) as fits:  # exactly enough: runs
+        model(**batch()).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert fits.peak_bytes == peak
+    too_small = SimulatedBudget(peak - 1, model, opt)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated budget"), too_small:
+        model(**batch()).loss.backward()
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    # after the failure nothing stays registered: a normal step runs and measures the same
+    assert measure_step(model, batch(), opt).peak_bytes == peak
