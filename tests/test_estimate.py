@@ -43,13 +43,16 @@ CASES = {
                                                "memory": {"checkpointing": "full"}}),
     "gpt2-full-adamw8bit": ("gpt2", {"adapter": {"method": "full"}, "training": {"optimizer": "adamw_8bit"}}),
     "bert-lora-classification": ("bert", CLASSIFY),
+    "llama-qlora-accumulation-4": ("llama", {"model": {"dtype": "bf16", "quantization": "nf4"},
+                                             "memory": {"checkpointing": "full"},
+                                             "training": {"gradient_accumulation": 4}}),  # 2 traced
     "llama-offload-activations": ("llama", {"memory": {
         "checkpointing": "full", "offload": {"activations": True, "min_tensor_bytes": 0}}}),
 }
 
 
 SLOW_CASES = {"llama-lora-bf16", "gpt2-full-adamw8bit", "llama-qlora-checkpointing", "mistral-accumulation-3",
-              "gemma2-lora", "llama-selective-checkpointing"}
+              "gemma2-lora", "llama-selective-checkpointing", "llama-qlora-accumulation-4"}
 
 
 def _params(cases: dict) -> list:
