@@ -50,8 +50,10 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "qwen2": ["mlp.act_fn"],
 }
 
-# Elements encoded or decoded per step: bounds the int32/int64 temporaries to a few MiB.
-_CHUNK = 1 << 22
+# Elements encoded or decoded per step: the int32 bucket indices (forward) and int64 level
+# indices (backward) of one chunk are temporaries, so a chunk bounds them to 4-8 MiB instead of
+# 1-2x the activation's own size.
+_CHUNK = 1 << 20
 
 
 # ------------------------------------------------------------------ which function is it?
