@@ -209,7 +209,7 @@ def _encode_text(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
     def encode(batch: dict[str, list]) -> dict[str, list]:
         ids = tok(batch[cfg.text_column], add_special_tokens=True)["input_ids"]
         if cfg.packing and tok.eos_token_id is not None:
-            ids = [x + [tok.eos_token_id] for x in ids]
+            ids = [[*x, tok.eos_token_id] for x in ids]
         truncated = [cut and len(x) > cfg.max_length for x in ids]
         ids = [x[: cfg.max_length] if cut else x for x in ids]
         return {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids],

@@ -19,10 +19,12 @@ from transformers import TrainerCallback, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
 from memtrain import patches
+from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
+from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_model, load_tokenizer
 from memtrain.trainer import add_derived_metrics, build_trainer
 
@@ -39,6 +41,8 @@ class TrainResult:
     metrics: dict[str, float]
     batch: Batch
     patches: list[str] = field(default_factory=list)
+    memory: StepMemory | None = None  # the measured step with the highest peak
+    log_history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def train(cfg: RunConfig, console: Console | None = None,
@@ -61,7 +65,8 @@ def train(cfg: RunConfig, console: Console | None = None,
         model.config.label2id = {n: i for i, n in enumerate(data.label_names)}
     model = patches.apply_patches(model, cfg)
     _startup_table(console, cfg, model, data, batch)
-    trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), callbacks)
+    meter = MemoryMeterCallback()
+    trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), [meter, *(callbacks or [])])
     train_output = trainer.train(resume_from_checkpoint=resume_from)
     metrics: dict[str, Any] = dict(train_output.metrics)
     if data.eval is not None:
@@ -69,7 +74,8 @@ def train(cfg: RunConfig, console: Console | None = None,
     metrics = add_derived_metrics(metrics, cfg, data)
     _save_final(trainer, tokenizer, cfg, metrics, out)
     _summary(console, metrics, out)
-    return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)])
+    return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
+                       meter.worst, list(trainer.state.log_history))
 
 
 def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:

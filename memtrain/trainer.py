@@ -11,7 +11,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    EvalPrediction,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch

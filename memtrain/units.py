@@ -35,7 +35,7 @@ def parse_size(text: str | int) -> int:
         return text
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS and unit != "":
+    if not match or (unit not in _UNITS and unit != ""):
         raise ValueError(f"expected a size like '24GiB' or '512MiB', got {text!r}")
     return int(float(match.group(1)) * _UNITS[unit or "b"])
 

@@ -36,7 +36,8 @@ def resolve_batch(training: TrainingConfig, processes: int = 1) -> Batch:
     Raises:
         ValueError: a field is still ``auto`` (the planner must fill it first).
     """
-    eff, micro, accum = training.effective_batch_size, training.micro_batch_size, training.gradient_accumulation
+    eff = training.effective_batch_size
+    micro, accum = training.micro_batch_size, training.gradient_accumulation
     if micro == "auto" or accum == "auto":
         raise ValueError("micro_batch_size/gradient_accumulation are `auto`: run the planner first")
     if micro is not None and accum is not None:
