@@ -50,10 +50,10 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
     "qwen2": ["mlp.act_fn"],
 }
 
-# Elements encoded or decoded per step: the int32 bucket indices (forward) and int64 level
-# indices (backward) of one chunk are temporaries, so a chunk bounds them to 4-8 MiB instead of
-# 1-2x the activation's own size.
-_CHUNK = 1 << 20
+# Elements encoded or decoded per step. The int32 bucket indices, unpacked bit planes and
+# looked-up levels of one chunk are temporaries: a chunk bounds them to ~50 MiB rather than 2-3x
+# the activation's own size, while keeping the op count low (a fake-tensor trace pays per op).
+_CHUNK = 1 << 22
 
 
 # ------------------------------------------------------------------ which function is it?
@@ -105,24 +105,27 @@ def identify(module: nn.Module) -> str | None:
 # ------------------------------------------------------------------------------ bit packing
 
 
+def _shifts(n: int, device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.uint8, device=device).view(shape)
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack 1-D uint8 codes < 2**bits into a (bits, ceil(n / 8)) uint8 tensor of bit planes."""
+    """Pack 1-D uint8 codes < 2**bits into a (bits, ceil(n / 8)) uint8 tensor of bit planes.
+
+    Plane b, byte j holds bit b of codes 8j..8j+7. Plain uint8 shifts and sums: no custom
+    kernel, so it runs on any device, on meta and under FakeTensorMode.
+    """
     pad = -codes.numel() % 8
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    groups = codes.view(-1, 8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
-    planes = [(((groups >> b) & 1) << shifts).sum(-1, dtype=torch.uint8) for b in range(bits)]
-    return torch.stack(planes)
+    planes = (codes.view(1, -1, 8) >> _shifts(bits, codes.device, (bits, 1, 1))) & 1
+    return (planes << _shifts(8, codes.device, (8,))).sum(-1, dtype=torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: 1-D uint8 codes (a multiple of 8 of them)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    codes = torch.zeros(packed.shape[1], 8, dtype=torch.uint8, device=packed.device)
-    for b in range(bits):
-        codes |= ((packed[b, :, None] >> shifts) & 1) << b
-    return codes.view(-1)
+    planes = (packed[:, :, None] >> _shifts(8, packed.device, (8,))) & 1
+    return (planes << _shifts(bits, packed.device, (bits, 1, 1))).sum(0, dtype=torch.uint8).view(-1)
 
 
 def encode(x: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor:
@@ -147,7 +150,7 @@ def decode_mul(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor,
     for start in range(0, n, _CHUNK):
         end = min(n, start + _CHUNK)
         codes = unpack_codes(packed[:, start // 8:math.ceil(end / 8)], bits)[:end - start]
-        torch.mul(flat[start:end], levels[codes.long()], out=out[start:end])
+        torch.mul(flat[start:end], levels.index_select(0, codes.int()), out=out[start:end])
     return out.view(grad.shape)
 
 
