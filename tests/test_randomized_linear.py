@@ -252,3 +252,25 @@ def test_unknown_architecture_without_targets_raises() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
     with pytest.raises(MemtrainError, match=r"no default targets.*e\.g\. 0, 2"):
         randomized_linear.apply(model, RandomizedLinearConfig())
+
+
+def test_composes_with_lora_few_bit_and_checkpointing() -> None:
+    """Recompute under checkpointing draws a fresh seed and saves a matching sketch."""
+    from memtrain.config import FewBitConfig
+    from memtrain.patches import checkpointing, fewbit
+
+    model = lora.apply(tiny_model("bert"), AdapterConfig(r=4), "sequence-classification")
+    ids, labels = torch.randint(0, 512, (2, 16)), torch.tensor([0, 1])
+    model.eval()  # no dropout: compare outputs
+    before = model(input_ids=ids, labels=labels).logits
+    fewbit.apply(model, FewBitConfig(bits=3))
+    randomized_linear.apply(model, RandomizedLinearConfig(ratio=0.3))
+    checkpointing.apply(model)
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    out = model(input_ids=ids, labels=labels)
+    assert torch.equal(out.logits, before)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
