@@ -267,3 +267,9 @@ def test_bad_bits_in_recipe_is_reported(tmp_path: Any) -> None:
            "data": {"source": "builtin:shakespeare-text"}, "memory": {"activation_bits": 5}}
     with pytest.raises(RecipeError, match="activation_bits"):
         load_recipe(rec)
+
+
+def test_each_user_pattern_must_match() -> None:
+    model = tiny_model("bert")
+    with pytest.raises(NoMatchError, match=r"\['intermediate_act_fm'\]"):
+        fewbit.apply(model, FewBitConfig(bits=3, targets=["intermediate_act_fn", "intermediate_act_fm"]))

@@ -274,3 +274,11 @@ def test_composes_with_lora_few_bit_and_checkpointing() -> None:
     assert torch.equal(out.logits, before)
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_each_user_pattern_must_match_lora_forms_count() -> None:
+    model = lora.apply(tiny_model("llama"), AdapterConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(NoMatchError, match=r"\['self_attn\.k_proj'\]"):  # frozen: not adapted
+        randomized_linear.apply(model, RandomizedLinearConfig(targets=["q_proj", "self_attn.k_proj"]))
+    randomized_linear.apply(model, RandomizedLinearConfig(targets=["self_attn.q_proj", "v_proj"]))
+    assert len(patches.records(model)[-1].modules) == 2 * 2 * 2

@@ -2,7 +2,8 @@
 
 Saves: an activation such as GELU keeps its input (2-4 bytes per element) for backward; this
 patch keeps ``k/8`` bytes per element instead (k = 1..4, bit-packed for real: 3 bits cost 3/8
-byte). In a BERT layer at batch 128 × 128 tokens the GELU input is the largest single saved tensor.
+byte). In a BERT or RoBERTa layer the GELU input (tokens × 4 × hidden) is, with the attention
+probabilities, the largest tensor saved for backward.
 Costs: the backward uses a piecewise-constant derivative with 2^k levels (3 bits: expected squared
 error 1.9e-3 for GELU under N(0, 1) inputs, against a derivative variance of 0.21), plus a cheap
 element-wise encode in forward and decode in backward. The forward output is bit-identical: the
@@ -37,6 +38,7 @@ from memtrain.patches import (
     set_submodule,
 )
 from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, fewbit_table
+from memtrain.patches._targets import check_every_pattern
 
 Config = FewBitConfig
 
@@ -214,6 +216,8 @@ def apply(model: nn.Module, cfg: FewBitConfig,
     """
     targets = cfg.targets or _default_targets(model, field)
     found = find_modules(model, targets, lambda m: identify(m) is not None, field)
+    if cfg.targets:  # a user's pattern that matches nothing is a typo, even if others match
+        check_every_pattern(cfg.targets, [name for name, _ in found], field)
     originals: dict[str, nn.Module] = {}
     functions: set[str] = set()
     for name, module in found:

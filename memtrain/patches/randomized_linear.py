@@ -6,9 +6,11 @@ k = ceil(ratio × N) (Gaussian or Rademacher entries, E[S S^T] = k I), plus the 
 generated S: ``ratio`` of the input's bytes. Backward regenerates S from the seed and returns the
 unbiased estimate (S^T G)^T (S^T X) / k of the weight gradient; the input gradient G W and the
 bias gradient stay exact, and so does the forward output (bit-identical: the same op computes it).
-Costs: gradient noise on the weights, and extra matmuls, 2 N k (d_in + d_out) + 2 k d_in d_out
-FLOPs per step against 2 N d_in d_out for the exact weight gradient, i.e. a factor of about
-ratio × N × (1/d_in + 1/d_out): large for long batches of narrow layers (see docs/bench/approx.md).
+Costs: gradient noise on the weights (variance ~ 1/k), and compute: the weight gradient takes
+2 N k (d_in + d_out) + 2 k d_in d_out FLOPs (sketching X and G, then the small product) instead
+of 2 N d_in d_out, a factor of about ratio × (1 + N (1/d_in + 1/d_out)). That is a saving only for
+short batches of wide layers; at N = 16384 rows of a 384-wide layer it is ~17x the exact weight
+gradient (docs/bench/approx.md measures whole steps), plus drawing the N × k sketch twice.
 Frozen layers (LoRA base weights, quantized weights) are left alone: without a weight gradient a
 plain linear saves no input at all, and this patch never changes that.
 
@@ -43,6 +45,7 @@ from memtrain.patches import (
     register,
     set_submodule,
 )
+from memtrain.patches._targets import check_every_pattern
 
 Config = RandomizedLinearConfig
 
@@ -248,9 +251,10 @@ def apply(model: nn.Module, cfg: RandomizedLinearConfig, seed: int = 0,
         NoMatchError: the patterns match no trainable linear layer.
     """
     targets = cfg.targets or _default_targets(model, field)
-    patterns = list(targets) + [f"{p}.lora_{ab}.*" for p in targets if not p.startswith("re:")
-                                for ab in "AB"]
+    patterns = list(targets) + [q for p in targets for q in _lora_forms(p)]
     found = find_modules(model, patterns, lambda m: replacement(m) is not None, field)
+    if cfg.targets:  # a user's pattern that matches nothing is a typo, even if others match
+        check_every_pattern(cfg.targets, [name for name, _ in found], field, _lora_forms)
     originals: dict[str, nn.Module] = {}
     for name, module in found:
         cls = replacement(module)
@@ -265,6 +269,11 @@ def apply(model: nn.Module, cfg: RandomizedLinearConfig, seed: int = 0,
     detail = f"randomized backward ({cfg.sketch}, ratio {cfg.ratio:g}) on {len(originals)} linears"
     add_records(model, [PatchRecord("randomized_linear", list(originals), detail, undo)])
     return model
+
+
+def _lora_forms(pattern: str) -> list[str]:
+    """The trainable linears peft puts inside a LoRA-adapted layer that ``pattern`` names."""
+    return [] if pattern.startswith("re:") else [f"{pattern}.lora_A.*", f"{pattern}.lora_B.*"]
 
 
 def _default_targets(model: nn.Module, field: str) -> list[str]:
