@@ -96,7 +96,8 @@ def identify(module: nn.Module) -> str | None:
     for matcher in MATCHERS:
         name = matcher(module)
         if name is not None:
-            with unset_fake_temporarily(), torch.no_grad():
+            # A real CPU probe, also inside a fake-tensor trace or a meta-device context.
+            with unset_fake_temporarily(), torch.no_grad(), torch.device("cpu"):
                 probe = torch.linspace(-6.0, 6.0, 241)
                 if torch.allclose(module(probe.clone()), FUNCTIONS[name](probe), rtol=0, atol=1e-5):
                     return name
