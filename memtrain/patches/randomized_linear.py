@@ -18,7 +18,7 @@ Follows Bershatsky et al., 2022, "Memory-Efficient Backpropagation through Large
 (randomized matrix multiplication over the flattened batch axis). Written here rather than taken
 from their code so that it runs on every device, under ``FakeTensorMode`` and on meta tensors (the
 estimator traces it), regenerates the sketch block by block (the full N × k sketch is never held),
-and also covers GPT-2's ``Conv1D`` and peft's LoRA linears.
+and also covers GPT-2's ``Conv1D`` and peft's LoRA ``lora_A`` linears.
 """
 
 from __future__ import annotations
@@ -238,7 +238,9 @@ def apply(model: nn.Module, cfg: RandomizedLinearConfig, seed: int = 0,
     """Give the targeted trainable linear layers a randomized weight-gradient backward (in place).
 
     A glob pattern naming a LoRA-adapted layer (``attention.self.query``) also selects its
-    trainable ``lora_A``/``lora_B`` linears; frozen layers never match.
+    trainable ``lora_A`` linear, whose input is the layer's full-width input. Not ``lora_B``: its
+    input has only r columns, so sketching it would save almost nothing and still add gradient
+    noise (target ``*.lora_B.*`` explicitly to have it anyway). Frozen layers never match.
 
     Args:
         model: a (possibly peft-wrapped) transformers model.
@@ -272,8 +274,8 @@ def apply(model: nn.Module, cfg: RandomizedLinearConfig, seed: int = 0,
 
 
 def _lora_forms(pattern: str) -> list[str]:
-    """The trainable linears peft puts inside a LoRA-adapted layer that ``pattern`` names."""
-    return [] if pattern.startswith("re:") else [f"{pattern}.lora_A.*", f"{pattern}.lora_B.*"]
+    """The wide-input trainable linear peft puts inside a LoRA-adapted layer ``pattern`` names."""
+    return [] if pattern.startswith("re:") else [f"{pattern}.lora_A.*"]
 
 
 def _default_targets(model: nn.Module, field: str) -> list[str]:
