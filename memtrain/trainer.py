@@ -25,7 +25,9 @@ from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.data import PreparedData
 from memtrain.errors import MemtrainError
+from memtrain.recovery import MicroBatchRecovery
 from memtrain.safety import STAGING, NonFiniteLossGuard, check_disk_space, checkpoint_bytes, publish
+from memtrain.units import parse_size
 
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
     "adamw": ("adamw_torch", None),
@@ -115,16 +117,27 @@ class MemtrainTrainer(Trainer):
     - with ``offload_optimizer`` (``memory.offload.optimizer``), optimizer state and step live on
       the CPU (:mod:`memtrain.optim_offload`), and gradient clipping reaches the host copies;
     - with several processes, the FSDP2 sharding the model already has (``fsdp_plugin``,
-      accelerate's description of it, see :mod:`memtrain.distributed`) is what accelerate runs.
+      accelerate's description of it, see :mod:`memtrain.distributed`) is what accelerate runs;
+    - a micro-batch that runs out of memory is split in two and its optimizer step redone
+      (:mod:`memtrain.recovery`), unless ``recover_oom`` is False.
     """
 
     def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,
-                 fsdp_plugin: Any = None, **kwargs: Any) -> None:
+                 fsdp_plugin: Any = None, recover_oom: bool = True, budget_bytes: int | None = None,
+                 **kwargs: Any) -> None:
         self.offload_optimizer = offload_optimizer
         self.fsdp_plugin = fsdp_plugin  # read while Trainer.__init__ creates the Accelerator
         super().__init__(*args, **kwargs)
         self.nonfinite = NonFiniteLossGuard(max_nonfinite_steps)
         self.add_callback(self.nonfinite)
+        self.oom_recovery = (MicroBatchRecovery(self, super().training_step, budget_bytes)
+                             if recover_oom else None)
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        if self.oom_recovery is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        return self.oom_recovery.training_step(model, inputs, num_items_in_batch)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
@@ -242,4 +255,6 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
     if offload and cfg.model.dtype == "fp16":
         raise MemtrainError("`memory.offload.optimizer` does not work with fp16 loss scaling "
                             "(`model.dtype: fp16`). Fix: use bf16 or fp32, or turn offload off.")
-    return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload)}
+    budget = cfg.memory.simulate_budget or (cfg.memory.budget if cfg.memory.budget != "auto" else None)
+    return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload),
+            "budget_bytes": parse_size(budget) if budget else None}
