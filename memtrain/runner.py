@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
-from memtrain import distributed, launch, patches
+from memtrain import autofit, distributed, launch, patches
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
@@ -67,6 +67,11 @@ def train(cfg: RunConfig, console: Console | None = None,
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
+    # micro_batch_size: auto is predicted here and confirmed by a probe step once the Trainer exists
+    choices = autofit.valid_batches(cfg.training, cfg.distributed.processes) if (
+        cfg.training.micro_batch_size == "auto") else None
+    if choices:
+        cfg = autofit.predict(cfg)[0]
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
@@ -80,6 +85,8 @@ def train(cfg: RunConfig, console: Console | None = None,
         trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
                                 [*guards, stopper, *(callbacks or [])],
                                 fsdp_plugin=distributed.fsdp_plugin(model, cfg))
+        if choices:
+            batch = _confirm_batch(trainer, cfg, batch, choices, console)
         try:
             train_output = trainer.train(resume_from_checkpoint=resume_from)
         finally:  # leave the dispatch modes in reverse order, also when a step raised
@@ -107,6 +114,14 @@ def train(cfg: RunConfig, console: Console | None = None,
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
+
+
+def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],
+                   console: Console) -> Batch:
+    """``micro_batch_size: auto``: one real probe step confirms (or steps down) the predicted batch."""
+    probe = autofit.confirm(trainer, cfg, batch, choices=choices)
+    console.print(autofit.describe(probe, cfg.data.max_length))
+    return probe.batch
 
 
 def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) -> TrainResult:

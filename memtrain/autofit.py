@@ -1,0 +1,283 @@
+"""Auto-fit micro-batch (``training.micro_batch_size: auto``): predicted, then confirmed for real.
+
+The planner predicts the largest micro-batch whose step fits the budget, among those that keep
+effective = micro × accumulation × processes exact (:func:`predict`). Before training starts,
+:func:`confirm` runs one real probe step at that size with the worst case of the data — every
+example ``data.max_length`` tokens — on the real model with the Trainer's own optimizer, under the
+real or simulated budget. If it runs out of memory, the probe steps down to the next valid
+micro-batch (a divisor of the per-process effective batch) and tries again; the Trainer's batch
+arguments are then set to what fitted.
+
+Why a probe at all when the estimate is exact on CPU: on a GPU the caching allocator, the CUDA
+context and kernels' workspaces are modelled, not traced, and data can differ from the recipe's
+model of it. A probe costs one step; a step that fails at step 1000 costs much more (that case is
+handled by :mod:`memtrain.recovery`).
+
+What the probe leaves behind: nothing. Its optimizer is a separate instance of the one training
+will create (made by the Trainer's own ``create_optimizer``), run with learning rate 0 (parameters
+do not change: updates are ``0 × finite``), and dropped afterwards; gradients are set to None.
+Optimizer state exists during the probe, created by a one-example warm-up step of a few tokens,
+because a training step from step 2 on holds it.
+
+Compared with ``TrainingArguments(auto_find_batch_size=True)`` (accelerate's
+``find_executable_batch_size``): that halves the batch after each out-of-memory error, restarts
+the training loop, and changes the effective batch; ``scripts/bench_autofit.py`` measures both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.config import RunConfig
+from memtrain.config.batch import Batch
+from memtrain.config.schema import TrainingConfig
+from memtrain.errors import MemtrainError
+from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
+from memtrain.recovery import free_memory, reset_module_tracking
+from memtrain.units import format_bytes, parse_size
+
+log = logging.getLogger(__name__)
+
+MICRO_CAP = 1024  # largest micro-batch considered when the effective batch does not bound it
+
+
+@dataclass
+class Probe:
+    """What :func:`confirm` did: the batch it chose and each micro-batch it tried."""
+
+    batch: Batch
+    tried: list[tuple[int, bool]] = field(default_factory=list)  # (micro-batch, fitted)
+    peak_bytes: int | None = None  # live tensor bytes of the step that fitted (when tracked)
+    limit_bytes: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> int:
+        """Out-of-memory attempts before the probe that fitted."""
+        return sum(1 for _, ok in self.tried if not ok)
+
+
+def valid_batches(training: TrainingConfig, processes: int = 1) -> list[tuple[int, int]]:
+    """The (micro, accumulation) pairs ``micro_batch_size: auto`` may choose, smallest first.
+
+    With an effective batch, the micro-batches that divide it per process (and a fixed
+    accumulation, if one is given); without one, any micro-batch with the given accumulation.
+    """
+    eff, accum = training.effective_batch_size, training.gradient_accumulation
+    if eff is None:
+        fixed = accum if isinstance(accum, int) else 1
+        return [(m, fixed) for m in range(1, MICRO_CAP + 1)]
+    per_process = eff // processes
+    if isinstance(accum, int):
+        return [(per_process // accum, accum)]
+    return [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
+
+
+def budget_limit(cfg: RunConfig) -> int | None:
+    """The bytes a probe step must stay under: the simulated budget, else the budget's usable part."""
+    if cfg.memory.simulate_budget is not None:
+        return parse_size(cfg.memory.simulate_budget)
+    budget = resolve_budget(cfg.memory.budget)
+    return None if budget is None else usable_bytes(budget, cfg.memory.margin)
+
+
+def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch, int]:
+    """The predicted largest micro-batch: the recipe with it filled in, the batch, the predicted peak.
+
+    Uses the planner (:func:`memtrain.planner.fit_micro_batch`) when it is installed, else the
+    estimator's micro-batch sweep. ``usable`` defaults to the budget (or simulated budget) minus
+    ``memory.margin``.
+
+    Raises:
+        MemtrainError: no budget to fit into, or not even the smallest micro-batch fits.
+    """
+    if usable is None:
+        total = resolve_budget(cfg.memory.budget or cfg.memory.simulate_budget)
+        if total is None:
+            raise MemtrainError("`training.micro_batch_size: auto` needs a budget to fit into. Fix: set "
+                                "`memory.budget` (e.g. `24GiB` or `auto`), or a number of examples.")
+        usable = usable_bytes(total, cfg.memory.margin)
+    pairs = valid_batches(cfg.training, cfg.distributed.processes)
+    try:
+        from memtrain.planner import fit_micro_batch
+    except ImportError:  # the planner is not part of this installation yet: sweep the estimator
+        micro, peak = _sweep_fit(cfg, pairs, usable)
+    else:
+        micro, _accum, peak = fit_micro_batch(cfg, usable)
+    accum = dict(pairs)[micro]
+    return with_batch(cfg, micro, accum), Batch(micro, accum, cfg.distributed.processes), peak
+
+
+def _sweep_fit(cfg: RunConfig, pairs: list[tuple[int, int]], usable: int) -> tuple[int, int]:
+    from memtrain.memory.estimate import sweep
+
+    first = with_batch(cfg, *pairs[0])
+    points = sweep(first, micro_batch_sizes=[m for m, _ in pairs], seq_lens=[cfg.data.max_length])
+    fits = [(m, total) for m, _peak, total in points.micro_batch_size if total <= usable]
+    if not fits:
+        smallest = points.micro_batch_size[0]
+        raise MemtrainError(f"`training.micro_batch_size: auto`: micro-batch {smallest[0]} is predicted to "
+                            f"need {format_bytes(smallest[2])}, more than the {format_bytes(usable)} usable. "
+                            "Fix: raise `memory.budget` or save memory (`memtrain plan`).")
+    return max(fits)
+
+
+def with_batch(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
+    """``cfg`` with the micro-batch and accumulation set (the effective batch is unchanged)."""
+    training = cfg.training.model_copy(update={"micro_batch_size": micro,
+                                               "gradient_accumulation": accumulation})
+    return cfg.model_copy(update={"training": training})
+
+
+def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[int, int]] | None = None,
+            limit: int | None = None, seq_len: int | None = None) -> Probe:
+    """Confirm ``batch`` with one real probe step, stepping down until a step fits; set the Trainer.
+
+    Args:
+        trainer: the Trainer about to train (``memtrain.trainer.build_trainer``); its model is
+            probed, and its batch arguments are set to the batch that fits.
+        cfg: the recipe (optimizer, clipping, task); ``training.micro_batch_size`` may be ``auto``.
+        batch: the predicted batch (:func:`predict`).
+        choices: the (micro, accumulation) pairs the recipe allows, :func:`valid_batches` of the
+            recipe as written (before ``auto`` was filled in); default: every micro-batch that
+            divides ``batch``'s per-process effective batch.
+        limit: bytes the step must stay under (default: :func:`budget_limit`); ``None`` runs the
+            probe without a tracker, so only a real out-of-memory error stops it.
+        seq_len: tokens per example (default ``data.max_length``, the worst case).
+
+    Raises:
+        MemtrainError: not even the smallest valid micro-batch fits (the message has the numbers).
+    """
+    start = time.perf_counter()
+    limit = budget_limit(cfg) if limit is None else limit
+    seq_len = seq_len or cfg.data.max_length
+    per_process = batch.micro * batch.accumulation
+    if choices is None:
+        choices = [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
+    pairs = [p for p in choices if p[0] < batch.micro] + [(batch.micro, batch.accumulation)]
+    probe = Probe(batch, limit_bytes=limit)
+    model = trainer.model
+    with _probe_optimizer(trainer, cfg, model) as optimizer:
+        for micro, accum in sorted(pairs, reverse=True):
+            fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), seq_len, limit)
+            probe.tried.append((micro, fits))
+            if fits:
+                probe.batch, probe.peak_bytes = Batch(micro, accum, batch.processes), peak
+                break
+    probe.seconds = time.perf_counter() - start
+    if not probe.tried[-1][1]:
+        raise MemtrainError(
+            f"`training.micro_batch_size: auto`: not even micro-batch {probe.tried[-1][0]} of "
+            f"{seq_len} tokens fits {_limit_text(limit)} (probe step on the real model). Fix: raise "
+            "`memory.budget`, shorten `data.max_length`, or save memory (`memtrain plan`).")
+    set_batch(trainer, probe.batch)
+    log.info(describe(probe, seq_len))
+    return probe
+
+
+def set_batch(trainer: Any, batch: Batch) -> None:
+    """Point a Trainer that has not started training at another micro-batch and accumulation."""
+    trainer.args.per_device_train_batch_size = batch.micro
+    trainer.args.per_device_eval_batch_size = batch.micro
+    trainer.args.gradient_accumulation_steps = batch.accumulation
+    trainer._train_batch_size = trainer.args.train_batch_size
+
+
+# ------------------------------------------------------------------------------ the probe
+
+
+@contextlib.contextmanager
+def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator[torch.optim.Optimizer]:
+    """The optimizer training will create, at learning rate 0, with its state; gone afterwards."""
+    from memtrain.memory.build import example_batch, recipe_stage
+
+    if trainer.optimizer is not None:
+        raise ValueError("auto-fit probes before training: the Trainer must not have an optimizer yet")
+    # The Trainer's own create_optimizer (memtrain.memory.build.build_optimizer would make new
+    # TrainingArguments, which resets accelerate's state under a live Trainer); training makes its own.
+    optimizer = trainer.create_optimizer()
+    trainer.optimizer = None
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    was_training = model.training
+    try:
+        # a one-example, few-token step creates the optimizer state a training step holds
+        config = getattr(model, "config", None)
+        tiny = example_batch(cfg, config, 1, min(8, cfg.data.max_length), _device(model))
+        with recipe_stage("training.micro_batch_size", "the auto-fit probe's warm-up step"):
+            _step(model, optimizer, [tiny], None)
+        yield optimizer
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        del optimizer
+        free_memory()
+
+
+def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, micro: int,
+              micro_batches: int, seq_len: int, limit: int | None) -> tuple[bool, int | None]:
+    """Run the probe step: whether it fitted, and its peak (None when untracked)."""
+    from memtrain.memory.build import example_batch
+
+    budget = SimulatedBudget(limit, model, optimizer) if limit is not None else contextlib.nullcontext()
+    try:
+        with budget:
+            inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])  # as collators send it
+            _step(model, optimizer, [inputs] * micro_batches, cfg.training.max_grad_norm)
+            del inputs
+    except torch.OutOfMemoryError:
+        failed = True
+    else:
+        failed = False
+    model.zero_grad(set_to_none=True)  # outside the except block: the failed step's tensors are gone
+    free_memory()
+    reset_module_tracking()
+    if failed:
+        log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, seq_len)
+        return False, None
+    return True, budget.peak_bytes if isinstance(budget, SimulatedBudget) else None
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
+          max_grad_norm: float | None) -> None:
+    """Forward + backward per micro-batch, clipping, an optimizer step that changes nothing."""
+    model.train()
+    for inputs in micro_batches:
+        loss = model(**inputs).loss / len(micro_batches)
+        loss.backward()
+        del loss
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
+    if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+        for g in grads:  # 0 × NaN is NaN: a non-finite gradient must not reach the parameters
+            g.zero_()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _limit_text(limit: int | None) -> str:
+    return f"the {format_bytes(limit)} limit" if limit is not None else "the device's memory"
+
+
+def describe(probe: Probe, seq_len: int) -> str:
+    """One line: the batch a probe confirmed, what it tried, its peak and time."""
+    b = probe.batch
+    steps = ", ".join(f"{m} {'fits' if ok else 'out of memory'}" for m, ok in probe.tried)
+    peak = f", peak {format_bytes(probe.peak_bytes)}" if probe.peak_bytes is not None else ""
+    return (f"auto-fit: micro-batch {b.micro} × {b.accumulation} accumulated (effective {b.effective}) "
+            f"confirmed by a probe step of {seq_len} tokens per example under "
+            f"{_limit_text(probe.limit_bytes)} ({steps}{peak}; {probe.seconds:.1f} s)")
