@@ -12,10 +12,12 @@ from memtrain.patches import apply_patches
 
 if TYPE_CHECKING:
     from memtrain.memory.estimate import Estimate, estimate
+    from memtrain.plugin import MemoryBudgetCallback, prepare_for_budget
 
 __version__ = "0.1.0"
 
-__all__ = ["Estimate", "MemtrainError", "RunConfig", "apply_patches", "estimate", "load_recipe"]
+__all__ = ["Estimate", "MemoryBudgetCallback", "MemtrainError", "RunConfig", "apply_patches", "estimate",
+           "load_recipe", "prepare_for_budget"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from memtrain.memory import estimate as module
 
         return getattr(module, name)
+    if name in ("MemoryBudgetCallback", "prepare_for_budget"):  # the plain-Trainer plugin, same reason
+        from memtrain import plugin
+
+        return getattr(plugin, name)
     raise AttributeError(f"module 'memtrain' has no attribute {name!r}")

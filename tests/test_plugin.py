@@ -1,0 +1,82 @@
+"""The plugin for a plain ``transformers.Trainer`` script: MemoryBudgetCallback and prepare_for_budget."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from plain_trainer import arguments, collate, tiny_model, token_dataset
+from test_recovery import LENGTHS
+from transformers import Trainer
+
+import memtrain
+from memtrain.errors import MemtrainError
+from memtrain.plugin import MemoryBudgetCallback, prepare_for_budget, recipe_for
+
+MiB = 2**20
+LONG = [200 if n == 40 else n for n in LENGTHS]  # one micro-batch is much longer than the others
+
+
+def plain_run(tmp_path: Path, callback: MemoryBudgetCallback, lengths: list[int] = LONG,
+              micro: int = 4, accumulation: int = 2, model=None) -> Trainer:
+    trainer = Trainer(model=model or tiny_model(), args=arguments(tmp_path, micro, accumulation, 2),
+                      train_dataset=token_dataset("causal-lm", lengths), data_collator=collate,
+                      callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def test_callback_logs_measured_and_predicted_memory_and_recovers(tmp_path: Path) -> None:
+    assert memtrain.MemoryBudgetCallback is MemoryBudgetCallback  # the public two-line import
+    measure = plain_run(tmp_path / "a", MemoryBudgetCallback())
+    peaks = [e["memory/peak_mib"] for e in measure.state.log_history if "memory/peak_mib" in e]
+    assert len(peaks) == 2 and max(peaks) > 2 * min(peaks)  # one step holds the long micro-batch
+    budget = int((max(peaks) + min(peaks)) / 2 * MiB)  # the long micro-batch of 4 does not fit; of 2 it does
+    callback = MemoryBudgetCallback(budget, simulate=True, predicted=f"{int(max(peaks) * MiB)}B")
+    trainer = plain_run(tmp_path / "b", callback)
+    assert trainer.state.global_step == 2
+    history = trainer.state.log_history
+    logged = [e for e in history if "loss" in e]
+    assert all("memory/peak_mib" in e and "memory/predicted_peak_mib" in e for e in logged)
+    assert all(e["memory/budget_usable_mib"] == pytest.approx(0.9 * budget / MiB) for e in logged)
+    assert max(e["memory/peak_mib"] for e in logged) <= budget / MiB  # the simulated budget held
+    assert [e["memory/recovered_micro_batch"] for e in history if "memory/recovered_micro_batch" in e] == [2]
+    assert callback.recovery is not None and callback.recovery.parts == 2
+
+
+def test_callback_warns_over_the_usable_budget(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    callback = MemoryBudgetCallback("1MiB", recover=False)
+    with caplog.at_level(logging.WARNING, logger="memtrain.plugin"):
+        plain_run(tmp_path, callback, lengths=[8] * 16)
+    assert callback.over_budget == [1, 2]
+    assert "exceeds the usable budget 921.60 KiB" in caplog.text
+    with pytest.raises(MemtrainError, match="needs `budget` or `simulate_budget`"):
+        MemoryBudgetCallback(simulate=True)
+
+
+@pytest.mark.slow
+def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
+    from memtrain.memory.estimate import estimate
+
+    args = arguments(tmp_path, 16, 1, 2)
+    model = tiny_model()
+    cfg = recipe_for(model, args, max_length=32)
+    assert cfg.model.task == "causal-lm" and cfg.adapter.method == "full"
+    assert cfg.training.optimizer == "adamw" and cfg.training.effective_batch_size == 16
+    from memtrain.autofit import with_batch
+
+    peak4 = estimate(with_batch(cfg, 4, 4)).total_bytes
+    budget = int(peak4 / 0.9) + 2**16  # micro-batch 4 fits the usable part, 8 does not
+    model, new_args = prepare_for_budget(model, args, budget, max_length=32)
+    assert (new_args.per_device_train_batch_size, new_args.gradient_accumulation_steps) == (4, 4)
+    assert new_args.learning_rate == args.learning_rate and new_args.optim == args.optim
+    callback = MemoryBudgetCallback(budget, simulate=True)
+    trainer = Trainer(model=model, args=new_args, train_dataset=token_dataset("causal-lm", [32] * 32),
+                      data_collator=collate, callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert callback.recovery is not None and callback.recovery.events == []  # the prediction held
+    assert not callback.over_budget
+    with pytest.raises(MemtrainError, match="nothing fits"):
+        prepare_for_budget(tiny_model(), args, "1MiB", max_length=32)
