@@ -117,16 +117,25 @@ def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch
 
 
 def _sweep_fit(cfg: RunConfig, pairs: list[tuple[int, int]], usable: int) -> tuple[int, int]:
-    from memtrain.memory.estimate import sweep
+    """The estimator's micro-batch sweep (two traced sizes, exact per op; no sequence-length axis)."""
+    from memtrain.memory import estimate as est
+    from memtrain.memory.trace import in_batch
 
-    first = with_batch(cfg, *pairs[0])
-    points = sweep(first, micro_batch_sizes=[m for m, _ in pairs], seq_lens=[cfg.data.max_length])
-    fits = [(m, total) for m, _peak, total in points.micro_batch_size if total <= usable]
+    plan = est._plan(with_batch(cfg, *pairs[0]), (), None)
+    low = pairs[0][0]
+    c1, counts, method = est._candidates(plan, low, plan.seq_len, False)
+    c2, _, _ = est._candidates(plan, low + 1, plan.seq_len, False)
+    totals = []
+    for micro, _accum in pairs:
+        cands = in_batch(c1, c2, low, low + 1, micro)
+        if cands is None:  # per-op structure differs between sizes: trace this one
+            cands = est._candidates(plan, micro, plan.seq_len, False)[0]
+        totals.append((micro, est._summarize(plan, cands, counts, method, 0.0).total_bytes))
+    fits = [(m, total) for m, total in totals if total <= usable]
     if not fits:
-        smallest = points.micro_batch_size[0]
-        raise MemtrainError(f"`training.micro_batch_size: auto`: micro-batch {smallest[0]} is predicted to "
-                            f"need {format_bytes(smallest[2])}, more than the {format_bytes(usable)} usable. "
-                            "Fix: raise `memory.budget` or save memory (`memtrain plan`).")
+        raise MemtrainError(f"`training.micro_batch_size: auto`: micro-batch {totals[0][0]} is predicted "
+                            f"to need {format_bytes(totals[0][1])}, more than the {format_bytes(usable)} "
+                            "usable. Fix: raise `memory.budget` or save memory (`memtrain plan`).")
     return max(fits)
 
 

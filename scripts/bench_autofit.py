@@ -1,0 +1,341 @@
+"""Benchmark auto-fit micro-batch against ``TrainingArguments(auto_find_batch_size=True)``.
+
+Two models (the pretrained MiniLM classifier with LoRA, as in ``recipes/quickstart.yaml``, and the
+tiny Llama trained in full, as in ``recipes/tiny-llama-shakespeare.yaml``), each under 6 simulated
+budgets (``memory.simulate_budget``: torch's out-of-memory error when live tensor bytes exceed the
+limit). The user's effective batch is 12 examples; every batch holds ``data.max_length`` tokens per
+example (packed text; classification texts longer than the limit), so every step is the worst case.
+
+- **HF**: a plain ``transformers.Trainer`` with ``per_device_train_batch_size=12`` and
+  ``auto_find_batch_size=True`` (accelerate's ``find_executable_batch_size``: on out-of-memory,
+  restart the training loop with the batch × 0.9; accumulation stays 1).
+- **memtrain**: ``training.micro_batch_size: auto`` as ``memtrain train`` runs it: prediction
+  (:func:`memtrain.autofit.predict`), one probe step (:func:`memtrain.autofit.confirm`), then
+  training with out-of-memory recovery; with the default ``memory.margin`` (0.1) and with 0.
+- **Truth**: real 2-step Trainer runs at fixed micro-batches under the budget, searched exhaustively
+  (binary search over a monotone fits/does-not-fit): the largest micro-batch that divides 12 (what
+  keeps the effective batch exact) and the largest of any size (accumulation 1, as HF runs it).
+
+Both sides train 2 optimizer steps; the clock runs from the start of sizing (prediction, or the
+Trainer's ``train()``) to the end of optimizer step 1. Model loading and data preparation are
+outside the clock for both. Writes docs/bench/autofit.md.
+
+    PYTHONPATH=$PWD python scripts/bench_autofit.py           # the table in docs/
+    PYTHONPATH=$PWD python scripts/bench_autofit.py --quick   # 1 model, 2 budgets
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import gc
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import accelerate
+import torch
+import transformers
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from memtrain import autofit
+from memtrain.config import RunConfig, load_recipe
+from memtrain.data import PreparedData, prepare_data
+from memtrain.memory.budget import SimulatedBudgetCallback
+from memtrain.memory.build import build_model
+from memtrain.memory.estimate import sweep
+from memtrain.model import load_tokenizer
+from memtrain.trainer import build_trainer, optimizer_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "bench" / "autofit.md"
+EFFECTIVE = 12
+# Budgets: the predicted peak of this many examples per micro-batch (fractional: between sizes).
+LEVELS = (1.6, 2.5, 3.6, 5.2, 7.5, 11.0)
+MiB = 2**20
+
+
+@dataclass
+class Setup:
+    name: str
+    cfg: RunConfig  # micro_batch_size: auto, effective 12, 2 steps, no budget yet
+    tokenizer: Any
+    data: PreparedData
+
+
+class Timer(TrainerCallback):
+    """Clock to optimizer step 1; count training-loop starts (HF restarts after out-of-memory)."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.first_step_s, self.starts, self.micro_at_first = start, None, 0, None
+        self.starts_before_first = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.starts += 1
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 1 and self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.start
+            self.starts_before_first = self.starts
+            self.micro_at_first = state.train_batch_size
+
+
+class RestartingBudget(SimulatedBudgetCallback):
+    """The simulated budget, re-entered when HF restarts its loop (the failed loop never ended)."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+        super().on_train_begin(args, state, control, **kwargs)
+
+
+def setups(tmp: Path, quick: bool) -> list[Setup]:
+    text = tmp / "cls.csv"
+    words = ["thou", "art", "more", "lovely", "and", "more", "temperate", "rough", "winds", "do",
+             "shake", "the", "darling", "buds", "of", "may"]
+    with text.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        for i in range(2 * EFFECTIVE + 8):
+            writer.writerow([" ".join(words[(i + k) % len(words)] for k in range(60)), i % 2])
+    common = {"training": {"micro_batch_size": "auto", "gradient_accumulation": None,
+                           "effective_batch_size": EFFECTIVE, "max_steps": 2, "logging_steps": 1,
+                           "save_strategy": "no", "warmup": 0}}
+    minilm = {"data": {"source": str(text), "format": "classification", "max_length": 24,
+                       "eval_split": 0.0, "max_examples": None}, "output": {"report": False}, **common}
+    llama = {"data": {"max_examples": 3000, "eval_split": 0.0, "max_length": 64},
+             "output": {"report": False}, **common}
+    out = []
+    for name, recipe, extra in (("MiniLM + LoRA (classification)", "quickstart", minilm),
+                                ("tiny Llama, full (causal LM)", "tiny-llama-shakespeare", llama)):
+        overrides = [f"output.dir={tmp / recipe}"]
+        raw = load_recipe(ROOT / "recipes" / f"{recipe}.yaml", overrides).model_dump(mode="json")
+        cfg = load_recipe(_merge(raw, extra))
+        tokenizer = load_tokenizer(cfg.model)
+        out.append(Setup(name, cfg, tokenizer, prepare_data(cfg, tokenizer)))
+        if quick:
+            break
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def with_budget(cfg: RunConfig, limit: int, margin: float = 0.1) -> RunConfig:
+    memory = cfg.memory.model_copy(update={"simulate_budget": f"{limit}B", "margin": margin})
+    return cfg.model_copy(update={"memory": memory})
+
+
+def model_for(s: Setup) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(s.cfg, s.data.num_labels, s.tokenizer.pad_token_id, s.data.label_names)
+
+
+def hf_args(s: Setup, out: Path, micro: int, accumulation: int, auto: bool) -> TrainingArguments:
+    """What a user's own script would pass: the recipe's optimizer and schedule, 2 steps, on CPU."""
+    t = s.cfg.training
+    return TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        auto_find_batch_size=auto, max_steps=2, **optimizer_arguments(s.cfg),
+        lr_scheduler_type=t.lr_scheduler,
+        max_grad_norm=t.max_grad_norm or 0.0, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, seed=t.seed, remove_unused_columns=False, label_names=["labels"], disable_tqdm=True,
+        train_sampling_strategy="sequential", dataloader_num_workers=0)
+
+
+def run_fixed(s: Setup, tmp: Path, limit: int, micro: int, accumulation: int) -> bool:
+    """Truth: does a 2-step run at this fixed micro-batch fit the budget?"""
+    model = model_for(s)
+    args = hf_args(s, tmp / "truth", micro, accumulation, auto=False)
+    budget = SimulatedBudgetCallback(limit)
+    trainer = Trainer(model=model, args=args, train_dataset=s.data.train, data_collator=s.data.collator,
+                      callbacks=[budget])
+    try:
+        trainer.train()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        budget.close()
+        del trainer, model
+        gc.collect()
+
+
+def largest(fits: Any, sizes: list[int]) -> int:
+    """Largest size for which fits(size) holds, by binary search (fits is monotone)."""
+    lo, hi, best = 0, len(sizes) - 1, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(sizes[mid]):
+            best, lo = sizes[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def run_hf(s: Setup, tmp: Path, limit: int) -> dict[str, Any]:
+    model = model_for(s)
+    args = hf_args(s, tmp / "hf", EFFECTIVE, 1, auto=True)
+    budget = RestartingBudget(limit)
+    start = time.perf_counter()
+    timer = Timer(start)
+    trainer = Trainer(model=model, args=args, train_dataset=s.data.train, data_collator=s.data.collator,
+                      callbacks=[budget, timer])
+    try:
+        trainer.train()
+    finally:
+        budget.close()
+    micro = timer.micro_at_first
+    return {"failed": timer.starts_before_first - 1, "later": timer.starts - timer.starts_before_first,
+            "seconds": timer.first_step_s, "micro": micro,
+            "effective": micro * args.gradient_accumulation_steps}
+
+
+def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float) -> dict[str, Any]:
+    cfg = with_budget(s.cfg, limit, margin)
+    model = model_for(s)
+    choices = autofit.valid_batches(cfg.training, cfg.distributed.processes)
+    budget = SimulatedBudgetCallback(limit)
+    start = time.perf_counter()
+    timer = Timer(start)
+    planned, batch, _ = autofit.predict(cfg)
+    trainer = build_trainer(planned, model, s.tokenizer, s.data, batch, str(tmp / "mt"), [budget, timer])
+    trainer.args.train_sampling_strategy = "sequential"
+    trainer.args.disable_tqdm = True
+    probe = autofit.confirm(trainer, planned, batch, choices=choices)
+    try:
+        trainer.train()
+    finally:
+        budget.close()
+    recovered = trainer.oom_recovery.events
+    before = [e for e in recovered if e["step"] == 1]
+    micro = min([e["micro_batch"] for e in recovered] or [probe.batch.micro])
+    return {"failed": probe.failed + len(before), "later": len(recovered) - len(before),
+            "seconds": timer.first_step_s, "micro": micro, "predicted": batch.micro,
+            "effective": probe.batch.micro * probe.batch.accumulation}
+
+
+def bench(s: Setup, tmp: Path, levels: tuple[float, ...]) -> list[dict[str, Any]]:
+    points = sweep(autofit.with_batch(s.cfg, 1, EFFECTIVE), micro_batch_sizes=[1, 2],
+                   seq_lens=[s.cfg.data.max_length]).micro_batch_size
+    fixed, per_example = points[0][1], points[1][1] - points[0][1]
+    divisors = [m for m in range(1, EFFECTIVE + 1) if EFFECTIVE % m == 0]
+    rows = []
+    for x in levels:
+        limit = int(fixed + per_example * (x - 1))
+        # the peak is reached from the second micro-batch of step 2 on: 2 micro-batches show it
+        valid = largest(lambda m, lim=limit: run_fixed(s, tmp, lim, m, min(EFFECTIVE // m, 2)), divisors)
+        nxt = [d for d in divisors if d > valid]
+        upper = nxt[0] - 1 if nxt else EFFECTIVE
+        any_size = largest(lambda m, lim=limit: run_fixed(s, tmp, lim, m, 1),
+                           list(range(max(valid, 1), upper + 1)))
+        row = {"model": s.name, "budget": limit, "valid": valid, "any": any_size,
+               "hf": run_hf(s, tmp, limit), "mt": run_memtrain(s, tmp, limit, 0.1),
+               "mt0": run_memtrain(s, tmp, limit, 0.0)}
+        rows.append(row)
+        print(summary(row), flush=True)
+    return rows
+
+
+def summary(r: dict[str, Any]) -> str:
+    return (f"{r['model']} {r['budget'] / MiB:.1f} MiB: truth {r['valid']}/{r['any']}; "
+            + "; ".join(f"{k} micro {r[k]['micro']} failed {r[k]['failed']} {r[k]['seconds']:.2f}s"
+                        for k in ("hf", "mt", "mt0")))
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| model | budget MiB | truth: largest valid / any | method | micro-batch found "
+             "| found / valid | failed attempts before step 1 | later OOM restarts/recoveries | s to step 1 "
+             "| effective batch |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    names = {"hf": "HF auto_find_batch_size", "mt": "memtrain auto (margin 0.1)",
+             "mt0": "memtrain auto (margin 0)"}
+    for r in rows:
+        for key, label in names.items():
+            m = r[key]
+            kept = (f"kept ({EFFECTIVE})" if m["effective"] == EFFECTIVE
+                    else f"**changed to {m['effective']}**")
+            lines.append(f"| {r['model']} | {r['budget'] / MiB:.1f} | {r['valid']} / {r['any']} | {label} | "
+                         f"{m['micro']} | {m['micro'] / r['valid']:.0%} | {m['failed']} | {m['later']} | "
+                         f"{m['seconds']:.2f} | {kept} |")
+    return lines
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| target | memtrain (margin 0.1) | memtrain (margin 0) | HF auto_find_batch_size |",
+           "|---|---|---|---|"]
+    cells: dict[str, list[str]] = {}
+    for key in ("mt", "mt0", "hf"):
+        runs = [r[key] for r in rows]
+        no_fail = sum(1 for m in runs if m["failed"] == 0) / len(runs)
+        ratios = [r["hf"]["seconds"] / r[key]["seconds"] for r in rows]
+        share = [r[key]["micro"] / r["valid"] for r in rows]
+        kept = all(m["effective"] == EFFECTIVE for m in runs)
+        enough = sum(s >= 0.95 for s in share)
+        cells[key] = [f"{no_fail:.0%} of cases",
+                      f"median {statistics.median(ratios):.2f}×, min {min(ratios):.2f}×",
+                      f"min {min(share):.0%}, median {statistics.median(share):.0%} ({enough}/{len(share)} "
+                      "cases ≥ 95%)", "always" if kept else "not always"]
+    labels = ["no failed attempt (target ≥ 90% of cases)", "speed-up to step 1 vs HF (target ≥ 3×)",
+              "micro-batch / largest valid (target ≥ 95%)", "effective batch preserved (target: always)"]
+    for i, label in enumerate(labels):
+        out.append(f"| {label} | {cells['mt'][i]} | {cells['mt0'][i]} | {cells['hf'][i]} |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one model, two budgets (smoke run)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.disable(logging.WARNING)
+    transformers.logging.set_verbosity_error()
+    start = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-autofit-") as tmp:
+        for s in setups(Path(tmp), args.quick):
+            rows += bench(s, Path(tmp), LEVELS[1::3] if args.quick else LEVELS)
+    load = os.getloadavg()
+    command = "PYTHONPATH=$PWD python scripts/bench_autofit.py" + (" --quick" if args.quick else "")
+    lines = [
+        "# Auto-fit micro-batch vs `auto_find_batch_size`", "",
+        f"Command: `{command}`  ",
+        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, accelerate "
+        f"{accelerate.__version__}, Python {platform.python_version()}  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU, torch threads {args.threads}; "
+        f"load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (cores shared with other "
+        f"jobs); total run {time.perf_counter() - start:.0f} s.", "",
+        __doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0], "",
+        "Budgets are simulated on CPU (exact live tensor bytes, no allocator caching). *Failed attempts*: "
+        "out-of-memory errors before optimizer step 1 completed (HF: loop restarts; memtrain: probe steps "
+        "that ran out of memory plus recoveries in step 1). *Later*: out-of-memory restarts (HF) or "
+        "recoveries (memtrain) in step 2.", "",
+        "## Targets", "", *targets(rows), "",
+        "## Every case", "", *table(rows), "",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.quick:
+        OUT.write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
