@@ -71,6 +71,7 @@ class MicroBatchRecovery:
         self.events: list[dict[str, Any]] = []  # one per recovery, for reports and tests
         self._loss_is_mean: bool | None = None  # found on the first split
         self._step: int | None = None
+        self._state: Any = None
         self._done: list[dict[str, Any]] = []  # inputs of this optimizer step's finished micro-batches
 
     def install(self) -> MicroBatchRecovery:
@@ -83,9 +84,10 @@ class MicroBatchRecovery:
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
         """The Trainer's ``training_step``, recovering from out-of-memory errors (same signature)."""
-        step = self.trainer.state.global_step
-        if step != self._step:  # a new optimizer step: its earlier micro-batches are done with
-            self._step, self._done = step, []
+        state = self.trainer.state  # a new object when a training loop (re)starts
+        step = state.global_step
+        if step != self._step or state is not self._state:  # a new optimizer step: forget the last one's
+            self._state, self._step, self._done = state, step, []
         replay = False
         while True:
             try:

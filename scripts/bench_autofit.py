@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain import autofit
 from memtrain.config import RunConfig, load_recipe
 from memtrain.data import PreparedData, prepare_data
+from memtrain.errors import MemtrainError
 from memtrain.memory.budget import SimulatedBudgetCallback
 from memtrain.memory.build import build_model
 from memtrain.memory.estimate import sweep
@@ -215,7 +216,11 @@ def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float) -> dict[str, An
     budget = SimulatedBudgetCallback(limit)
     start = time.perf_counter()
     timer = Timer(start)
-    planned, batch, _ = autofit.predict(cfg)
+    try:
+        planned, batch, _ = autofit.predict(cfg)
+    except MemtrainError:  # nothing fits the budget minus the margin: memtrain refuses, with numbers
+        return {"failed": 0, "later": 0, "seconds": time.perf_counter() - start, "micro": 0,
+                "predicted": 0, "effective": EFFECTIVE, "refused": True}
     trainer = build_trainer(planned, model, s.tokenizer, s.data, batch, str(tmp / "mt"), [budget, timer])
     trainer.args.train_sampling_strategy = "sequential"
     trainer.args.disable_tqdm = True
@@ -257,6 +262,7 @@ def bench(s: Setup, tmp: Path, levels: tuple[float, ...]) -> list[dict[str, Any]
 def summary(r: dict[str, Any]) -> str:
     return (f"{r['model']} {r['budget'] / MiB:.1f} MiB: truth {r['valid']}/{r['any']}; "
             + "; ".join(f"{k} micro {r[k]['micro']} failed {r[k]['failed']} {r[k]['seconds']:.2f}s"
+                        f"{' refused' if r[k].get('refused') else ''}"
                         for k in ("hf", "mt", "mt0")))
 
 
@@ -272,8 +278,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             m = r[key]
             kept = (f"kept ({EFFECTIVE})" if m["effective"] == EFFECTIVE
                     else f"**changed to {m['effective']}**")
+            found = "refused (nothing fits the budget minus the margin)" if m.get("refused") else m["micro"]
             lines.append(f"| {r['model']} | {r['budget'] / MiB:.1f} | {r['valid']} / {r['any']} | {label} | "
-                         f"{m['micro']} | {m['micro'] / r['valid']:.0%} | {m['failed']} | {m['later']} | "
+                         f"{found} | {m['micro'] / r['valid']:.0%} | {m['failed']} | {m['later']} | "
                          f"{m['seconds']:.2f} | {kept} |")
     return lines
 
@@ -285,7 +292,7 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     for key in ("mt", "mt0", "hf"):
         runs = [r[key] for r in rows]
         no_fail = sum(1 for m in runs if m["failed"] == 0) / len(runs)
-        ratios = [r["hf"]["seconds"] / r[key]["seconds"] for r in rows]
+        ratios = [r["hf"]["seconds"] / r[key]["seconds"] for r in rows if not r[key].get("refused")]
         share = [r[key]["micro"] / r["valid"] for r in rows]
         kept = all(m["effective"] == EFFECTIVE for m in runs)
         enough = sum(s >= 0.95 for s in share)
@@ -327,7 +334,9 @@ def main() -> None:
         "Budgets are simulated on CPU (exact live tensor bytes, no allocator caching). *Failed attempts*: "
         "out-of-memory errors before optimizer step 1 completed (HF: loop restarts; memtrain: probe steps "
         "that ran out of memory plus recoveries in step 1). *Later*: out-of-memory restarts (HF) or "
-        "recoveries (memtrain) in step 2.", "",
+        "recoveries (memtrain) in step 2. *Refused*: memtrain predicted that not even micro-batch 1 fits the "
+        "budget minus `memory.margin` and stopped with that message instead of training (counted as 0% of "
+        "the largest valid micro-batch, left out of the speed ratio).", "",
         "## Targets", "", *targets(rows), "",
         "## Every case", "", *table(rows), "",
     ]
