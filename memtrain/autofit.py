@@ -117,7 +117,18 @@ def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch
 
 
 def _sweep_fit(cfg: RunConfig, pairs: list[tuple[int, int]], usable: int) -> tuple[int, int]:
-    """The estimator's micro-batch sweep (two traced sizes, exact per op; no sequence-length axis)."""
+    """The largest micro-batch whose predicted total fits ``usable``, and that total."""
+    totals = sweep_totals(cfg, pairs)
+    fits = [(m, total) for m, total in totals if total <= usable]
+    if not fits:
+        raise MemtrainError(f"`training.micro_batch_size: auto`: micro-batch {totals[0][0]} is predicted "
+                            f"to need {format_bytes(totals[0][1])}, more than the {format_bytes(usable)} "
+                            "usable. Fix: raise `memory.budget` or save memory (`memtrain plan`).")
+    return max(fits)
+
+
+def sweep_totals(cfg: RunConfig, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Predicted total bytes per micro-batch: the estimator's sweep (two traced sizes, exact per op)."""
     from memtrain.memory import estimate as est
     from memtrain.memory.trace import in_batch
 
@@ -131,12 +142,7 @@ def _sweep_fit(cfg: RunConfig, pairs: list[tuple[int, int]], usable: int) -> tup
         if cands is None:  # per-op structure differs between sizes: trace this one
             cands = est._candidates(plan, micro, plan.seq_len, False)[0]
         totals.append((micro, est._summarize(plan, cands, counts, method, 0.0).total_bytes))
-    fits = [(m, total) for m, total in totals if total <= usable]
-    if not fits:
-        raise MemtrainError(f"`training.micro_batch_size: auto`: micro-batch {totals[0][0]} is predicted "
-                            f"to need {format_bytes(totals[0][1])}, more than the {format_bytes(usable)} "
-                            "usable. Fix: raise `memory.budget` or save memory (`memtrain plan`).")
-    return max(fits)
+    return totals
 
 
 def with_batch(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
