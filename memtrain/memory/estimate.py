@@ -35,6 +35,7 @@ from memtrain.memory.trace import (
     ROUNDED,
     Candidates,
     Trace,
+    Work,
     direct,
     extrapolate_depth,
     in_batch,
@@ -43,6 +44,7 @@ from memtrain.memory.trace import (
 )
 
 PHASES = ("forward", "backward", "optimizer")
+Counts = tuple[int, int, list[str], "Work | None"]  # parameters, trainable, patches, work
 # Up to this depth a full trace costs no more than tracing 2 + 3 layers, and needs no extrapolation.
 FULL_TRACE_DEPTH = 5
 
@@ -67,6 +69,7 @@ class Estimate:
     method: str
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    work: Work | None = None  # FLOPs, ops and bytes written (the planner's cost model)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -256,7 +259,7 @@ def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
 
 
 def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
-                ) -> tuple[Candidates, tuple[int, int, list[str]], str]:
+                ) -> tuple[Candidates, Counts, str]:
     """Candidate peak ops of the full-depth step, parameter counts, and how they were obtained."""
     if exact or plan.depth <= FULL_TRACE_DEPTH:
         return _full_depth(plan, micro_batch, seq_len)
@@ -266,8 +269,10 @@ def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
         return _full_depth(plan, micro_batch, seq_len)
     a = _trace(plan, 2, micro_batch, seq_len)
     b = _trace(plan, 3, micro_batch, seq_len)
-    counts = (a.parameters + (plan.depth - 2) * (b.parameters - a.parameters),
-              a.trainable + (plan.depth - 2) * (b.trainable - a.trainable), b.patches)
+    steps = plan.depth - 2
+    work = None if a.work is None or b.work is None else a.work + (b.work + a.work.scaled(-1)).scaled(steps)
+    counts = (a.parameters + steps * (b.parameters - a.parameters),
+              a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
     found = extrapolate_depth(a, b, plan.depth)
     if found is not None:
         return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
@@ -276,9 +281,10 @@ def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
 
 
 def _full_depth(plan: _Plan, micro_batch: int, seq_len: int
-                ) -> tuple[Candidates, tuple[int, int, list[str]], str]:
+                ) -> tuple[Candidates, Counts, str]:
     full = _trace(plan, plan.depth, micro_batch, seq_len)
-    return direct(full), (full.parameters, full.trainable, full.patches), f"traced all {plan.depth} layers"
+    return (direct(full), (full.parameters, full.trainable, full.patches, full.work),
+            f"traced all {plan.depth} layers")
 
 
 def _trace(plan: _Plan, depth: int, micro_batch: int, seq_len: int) -> Trace:
@@ -291,7 +297,7 @@ def _trace(plan: _Plan, depth: int, micro_batch: int, seq_len: int) -> Trace:
 # --------------------------------------------------------------------------------- reporting
 
 
-def _summarize(plan: _Plan, cands: Candidates, counts: tuple[int, int, list[str]], method: str,
+def _summarize(plan: _Plan, cands: Candidates, counts: Counts, method: str,
                seconds: float) -> Estimate:
     values = np.rint(cands.values).astype(np.int64)
     totals = values[:, :HOST].sum(axis=1)
@@ -321,7 +327,7 @@ def _summarize(plan: _Plan, cands: Candidates, counts: tuple[int, int, list[str]
         trainable=counts[1], peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
         category_at_phase_peak=at_phase, host_peak_bytes=int(values[:, HOST].max()),
         overheads=overheads, overhead_sources=sources, total_bytes=peak + sum(overheads.values()),
-        method=method, notes=list(plan.notes), seconds=round(seconds, 3),
+        method=method, notes=list(plan.notes), seconds=round(seconds, 3), work=counts[3],
     )
 
 
