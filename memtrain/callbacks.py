@@ -42,11 +42,14 @@ class MemoryMeterCallback(TrainerCallback):
             tensor op).
         keep_timeline: keep the per-op timeline of the measured step with the highest peak
             (for the memory report plot).
+        predicted_bytes: the estimator's predicted peak, logged as ``memory/predicted_peak_mib``.
     """
 
-    def __init__(self, every: int = 1, keep_timeline: bool = True) -> None:
+    def __init__(self, every: int = 1, keep_timeline: bool = True,
+                 predicted_bytes: int | None = None) -> None:
         self.every = every
         self.keep_timeline = keep_timeline
+        self.predicted_bytes = predicted_bytes  # the estimator's peak, logged beside the measured one
         self.steps: dict[int, StepMemory] = {}  # global step -> measurement
         self.worst: StepMemory | None = None
         self._meter: MemoryMeter | None = None
@@ -102,6 +105,8 @@ class MemoryMeterCallback(TrainerCallback):
         if logs is None or not self._since_log or not any(k in logs for k in ("loss", "train_loss")):
             return
         entries = memory_logs(max(self._since_log, key=lambda r: r.peak_bytes))
+        if self.predicted_bytes:
+            entries["memory/predicted_peak_mib"] = self.predicted_bytes / 2**20
         logs.update(entries)  # what trackers (TensorBoard, W&B, ...) receive
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(entries)  # the Trainer stored its copy before on_log

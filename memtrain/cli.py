@@ -164,6 +164,40 @@ def estimate(
         err_console.print(f"curves saved to {plot}")
 
 
+@app.command()
+@user_errors
+def plan(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    budget: Annotated[str | None, typer.Option(
+        help="Memory per device, like 24GiB (default: memory.budget, else the free memory).")] = None,
+    device: Annotated[str | None, typer.Option(
+        help="Where the run will train: cuda or cpu (default: this machine's device).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Choose the `auto` settings: the fastest combination whose predicted peak fits the budget."""
+    from memtrain import planner
+    from memtrain.config import load_recipe
+    from memtrain.plan_view import print_plan
+
+    cfg = load_recipe(recipe, overrides or [])
+    result = planner.plan(cfg, budget, device=device)
+    if as_json:
+        console.print_json(json.dumps(planner.describe(result), default=str))
+    else:
+        print_plan(console, result)
+        overrides_line = " ".join(f"{k}={_yaml_value(v)}" for k, v in result.settings().items())
+        console.print(f"train with: memtrain train {recipe} {overrides_line}", highlight=False)
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items() if v is not None) + "}"
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _print_estimate(result: Any) -> None:
     from memtrain.units import format_bytes as fmt
 

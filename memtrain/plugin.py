@@ -82,10 +82,10 @@ class MemoryBudgetCallback(MemoryMeterCallback):
     def __init__(self, budget: str | int | None = None, *, margin: float = 0.1,
                  predicted: str | int | None = None, simulate: bool = False,
                  simulate_budget: str | int | None = None, recover: bool = True, every: int = 1) -> None:
-        super().__init__(every=every, keep_timeline=False)
+        self.predicted = parse_size(predicted) if predicted is not None else None
+        super().__init__(every=every, keep_timeline=False, predicted_bytes=self.predicted)
         self.budget = budget if isinstance(budget, int) or budget is None else resolve_budget(budget)
         self.usable = usable_bytes(self.budget, margin) if self.budget is not None else None
-        self.predicted = parse_size(predicted) if predicted is not None else None
         limit = simulate_budget if simulate_budget is not None else (self.budget if simulate else None)
         if limit is None and simulate:
             raise MemtrainError("MemoryBudgetCallback(simulate=True) needs `budget` or `simulate_budget`.")
@@ -119,8 +119,7 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         if logs is None or measured is None or "memory/peak_mib" not in logs:
             return
         extra: dict[str, float] = {}
-        if self.predicted is not None:
-            extra["memory/predicted_peak_mib"] = self.predicted / MiB
+        if self.predicted is not None:  # memory/predicted_peak_mib: logged by MemoryMeterCallback
             error = (self.predicted - measured.peak_bytes) / measured.peak_bytes
             extra["memory/predicted_error_pct"] = 100.0 * error
         if self.usable is not None:

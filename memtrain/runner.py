@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
-from memtrain import autofit, distributed, launch, patches
+from memtrain import autofit, distributed, launch, patches, planner
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
@@ -26,6 +27,7 @@ from memtrain.data import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
 from memtrain.memory.budget import SimulatedBudgetCallback
 from memtrain.memory.build import build_model
+from memtrain.memory.estimate import Estimate, estimate
 from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_tokenizer
 from memtrain.report import Report, build_report, save_report
@@ -60,6 +62,12 @@ def train(cfg: RunConfig, console: Console | None = None,
     """
     console = console or Console()
     out = Path(cfg.output.dir)
+    # micro_batch_size: auto is predicted by the planner and confirmed by a probe step once the
+    # Trainer exists, among the batches the recipe as written allows
+    choices = autofit.valid_batches(cfg.training, cfg.distributed.processes) if (
+        cfg.training.micro_batch_size == "auto") else None
+    if planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ):
+        cfg = _plan(cfg, console)  # once, before any process starts: every process gets the decision
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
         return _launch(cfg, out, callbacks)
     launch.bind_device()
@@ -67,16 +75,13 @@ def train(cfg: RunConfig, console: Console | None = None,
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
-    # micro_batch_size: auto is predicted here and confirmed by a probe step once the Trainer exists
-    choices = autofit.valid_batches(cfg.training, cfg.distributed.processes) if (
-        cfg.training.micro_batch_size == "auto") else None
-    if choices:
-        cfg = autofit.predict(cfg)[0]
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
     _startup_table(console, cfg, model, data, batch)
-    meter = MemoryMeterCallback(every=cfg.training.logging_steps)
+    predicted = _predict(cfg) if cfg.output.report else None
+    meter = MemoryMeterCallback(every=cfg.training.logging_steps,
+                                predicted_bytes=predicted.peak_bytes if predicted else None)
     guards: list[TrainerCallback] = [meter]
     if cfg.memory.simulate_budget is not None:
         guards.insert(0, SimulatedBudgetCallback(cfg.memory.simulate_budget))
@@ -108,7 +113,8 @@ def train(cfg: RunConfig, console: Console | None = None,
     metrics = add_derived_metrics(metrics, cfg, data)
     report = None
     if cfg.output.report and meter.worst is not None:
-        report = build_report(meter.worst, trainer.state.log_history, None,
+        report = build_report(meter.worst, trainer.state.log_history,
+                              predicted.to_dict() if predicted else None,
                               {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
     _save_final(trainer, tokenizer, cfg, metrics, out, report)
     _summary(console, metrics, out)
@@ -122,6 +128,29 @@ def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tup
     probe = autofit.confirm(trainer, cfg, batch, choices=choices)
     console.print(autofit.describe(probe, cfg.data.max_length))
     return probe.batch
+
+
+def _plan(cfg: RunConfig, console: Console) -> RunConfig:
+    """Decide the recipe's `auto` fields (or check the fixed ones fit its budget) and say why."""
+    from memtrain.plan_view import print_plan
+
+    try:
+        decided = planner.plan(cfg)
+    except planner.NothingFits as err:
+        raise MemtrainError(str(err)) from None
+    print_plan(console, decided)
+    return decided.apply(cfg)
+
+
+def _predict(cfg: RunConfig) -> Estimate | None:
+    """The estimator's prediction of this run's step (for the report), or None if it cannot say."""
+    if cfg.distributed.processes > 1:
+        return None  # the report shows each process's measurement; sharding is not estimated
+    try:
+        return estimate(cfg)
+    except (MemtrainError, RuntimeError, ValueError, NotImplementedError) as err:
+        log.warning("no memory prediction for the report: %s", err)
+        return None
 
 
 def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) -> TrainResult:

@@ -6,6 +6,7 @@ resume) and only adds what a memory-bounded run needs on top of it, in :class:`M
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,14 @@ class MemtrainTrainer(Trainer):
             out = (dead, out[1]) if return_outputs else dead
         return out
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The stock evaluation, with memory tracking paused: it measures and limits training steps."""
+        with contextlib.ExitStack() as stack:
+            for callback in self.callback_handler.callbacks:
+                if hasattr(callback, "paused"):
+                    stack.enter_context(callback.paused())
+            return super().evaluate(*args, **kwargs)
+
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         final_root = Path(self.args.output_dir)
         staging_root = final_root / STAGING
@@ -222,7 +231,7 @@ def build_trainer(
     """A ready-to-train Trainer for a resolved recipe (``fsdp_plugin``: see MemtrainTrainer)."""
     args = training_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
     classification = cfg.model.task == "sequence-classification"
-    return MemtrainTrainer(
+    trainer = MemtrainTrainer(
         **trainer_options(cfg),
         model=model,
         args=args,
@@ -234,6 +243,13 @@ def build_trainer(
         callbacks=callbacks or [],
         fsdp_plugin=fsdp_plugin,
     )
+    if classification:
+        # Transformers 5 assumes a model whose forward takes **kwargs normalises its loss by
+        # `num_items_in_batch`; sequence classifiers take **kwargs but return a plain mean, so
+        # the Trainer would skip dividing by the accumulation steps and the gradient would grow
+        # with the accumulation (tests/test_train.py checks the equivalence).
+        trainer.loss_is_scaled_for_ga = False
+    return trainer
 
 
 def trainer_options(cfg: RunConfig) -> dict[str, Any]:

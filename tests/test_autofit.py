@@ -105,11 +105,12 @@ def test_prediction_is_the_largest_that_fits(tmp_path: Path, tiny_text_file: Pat
 @pytest.mark.slow
 def test_recipe_run_with_auto_micro_batch_trains_within_the_budget(
         tmp_path: Path, tiny_text_file: Path, peaks: dict[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrain import runner
     from memtrain.runner import train
 
     cfg = auto_recipe(tmp_path, tiny_text_file, f"{peaks[4] + 2**16}B")
-    optimistic = autofit.with_batch(cfg, 16, 1)
-    monkeypatch.setattr(autofit, "predict", lambda c: (optimistic, Batch(16, 1), 0))
+    optimistic = autofit.with_batch(cfg, 16, 1)  # the planner's prediction, two valid sizes too large
+    monkeypatch.setattr(runner, "_plan", lambda c, console: optimistic)
     result = train(cfg)
     assert result.batch == Batch(4, 4)
     assert not [e for e in result.log_history if "memory/recovered_micro_batch" in e]

@@ -329,3 +329,15 @@ def test_estimate_matches_a_real_cuda_step(tmp_path: Path, tiny_text_file: Path)
     assert measured.cuda_max_allocated is not None
     assert abs(predicted.peak_bytes + predicted.overheads["allocator_rounding"] - measured.peak_bytes) \
         <= 0.02 * measured.peak_bytes
+
+
+@pytest.mark.slow
+def test_fsdp_recipe_is_estimated_per_process_with_sharded_state() -> None:
+    base = ["training.micro_batch_size=2", "training.gradient_accumulation=1", "data.max_length=32",
+            "adapter.method=full"]
+    one = estimate("recipes/tiny-llama-shakespeare.yaml", base)
+    two = estimate("recipes/tiny-llama-shakespeare.yaml", [*base, "distributed.processes=2"])
+    assert "FSDP2" in two.method and not any("not modelled" in n for n in two.notes)
+    for category in ("parameters", "optimizer_state"):
+        assert two.by_phase and two.category_at_phase_peak["optimizer"][category] == pytest.approx(
+            one.category_at_phase_peak["optimizer"][category] / 2, rel=0.01)

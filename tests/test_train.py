@@ -105,6 +105,27 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
         torch.testing.assert_close(small[name], big[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_gradient_accumulation_matches_for_classification(tmp_path: Path,
+                                                          tiny_classification_file: Path) -> None:
+    # Transformers 5 skips the 1/accumulation scaling for models whose forward takes **kwargs,
+    # which sequence classifiers do although their loss is a plain mean: memtrain restores it.
+    grads = []
+    for micro, accum in ((8, 1), (2, 4)):
+        probe = GradProbe()
+        recipe = causal_recipe(tmp_path / f"{micro}x{accum}", tiny_classification_file, arch="bert",
+                               training={"micro_batch_size": micro, "gradient_accumulation": accum,
+                                         "max_steps": 1, "max_grad_norm": None})
+        recipe["model"]["task"] = "sequence-classification"
+        recipe["model"]["from_config"].update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        recipe["data"]["format"] = "classification"
+        train(load_recipe(recipe), callbacks=[probe])
+        grads.append(probe.grads[0])
+    big, small = grads
+    assert big.keys() == small.keys() and big
+    for name in big:
+        torch.testing.assert_close(small[name], big[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_resume_continues_at_the_saved_step(tmp_path: Path, corpus: Path) -> None:
     sections = {"training": {"max_steps": 6, "save_strategy": "steps", "save_steps": 3,
                              "save_total_limit": None}}

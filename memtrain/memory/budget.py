@@ -9,6 +9,8 @@ It counts tensor bytes as the meter does (no allocator caching or fragmentation)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -108,12 +110,28 @@ class SimulatedBudgetCallback(TrainerCallback):
                        model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)
         opt = inner if isinstance(inner, torch.optim.Optimizer) else None
+        self._tracked, self._device = (model, opt), args.device
         self.budget = SimulatedBudget(self.limit, model, opt, device=args.device)
         self.budget.__enter__()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         self.close()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No limit inside (evaluation): tracking every op would slow it several times over."""
+        active = self.budget
+        if active is None:
+            yield
+            return
+        model, optimizer = self._tracked
+        active.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.budget = SimulatedBudget(self.limit, model, optimizer, device=self._device)
+            self.budget.__enter__()
 
     def close(self) -> None:
         """Leave the budget (also after training stopped with an exception)."""

@@ -136,6 +136,10 @@ def measure_rates(device: str, quick: bool = False) -> dict[str, Any]:
     dst = torch.empty_like(src)
     copy = _median_time(lambda: dst.copy_(src), dev)
     rates: dict[str, Any] = {"matmul_flops": matmul, "matmul_size": n, "memory_bandwidth": 2 * size / copy}
+    tiny = torch.ones(16, device=dev)
+    rates["op_seconds"] = _median_time(lambda: [tiny.add(1.0) for _ in range(100)], dev) / 100
+    rates["optimizer_seconds_per_parameter"] = _optimizer_rates(dev, quick)
+    rates["dequantize_nf4_elements"] = _dequantize_rate(dev, quick)
     if dev.type == "cuda":
         host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         to_device = _median_time(lambda: src.copy_(host, non_blocking=True), dev)
@@ -143,6 +147,46 @@ def measure_rates(device: str, quick: bool = False) -> dict[str, Any]:
         rates["host_to_device_bandwidth"] = size / to_device
         rates["device_to_host_bandwidth"] = size / to_host
     return rates
+
+
+def _optimizer_rates(device: torch.device, quick: bool) -> dict[str, float]:
+    """Seconds per parameter of one optimizer step (state already created), per optimizer."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from memtrain.trainer import OPTIMIZERS
+
+    numel = (2 if quick else 8) * 2**20
+    out = {}
+    for name, (optim, optim_args) in OPTIMIZERS.items():
+        if name.startswith("paged") and device.type != "cuda":
+            continue  # falls back to the non-paged optimizer off CUDA
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, optim=optim, optim_args=optim_args, report_to="none",
+                                     use_cpu=device.type == "cpu")
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+        params = [torch.nn.Parameter(torch.randn(numel // 4, 4, device=device)) for _ in range(4)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        try:
+            opt = cls(params, **kwargs)
+            out[name] = _median_time(opt.step, device, repeats=3) / numel
+        except (ImportError, RuntimeError, ValueError):  # no kernel for this device
+            continue
+    return out
+
+
+def _dequantize_rate(device: torch.device, quick: bool) -> float | None:
+    """NF4 weight elements dequantized per second (what a QLoRA forward pays per weight)."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except ImportError:
+        return None
+    n = 1024 if quick else 2048
+    weight = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(weight, quant_type="nf4")
+    return n * n / _median_time(lambda: bnbf.dequantize_4bit(packed, state), device, repeats=3)
 
 
 def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:

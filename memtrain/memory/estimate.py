@@ -35,6 +35,7 @@ from memtrain.memory.trace import (
     ROUNDED,
     Candidates,
     Trace,
+    Work,
     direct,
     extrapolate_depth,
     in_batch,
@@ -43,6 +44,7 @@ from memtrain.memory.trace import (
 )
 
 PHASES = ("forward", "backward", "optimizer")
+Counts = tuple[int, int, list[str], "Work | None"]  # parameters, trainable, patches, work
 # Up to this depth a full trace costs no more than tracing 2 + 3 layers, and needs no extrapolation.
 FULL_TRACE_DEPTH = 5
 
@@ -67,6 +69,7 @@ class Estimate:
     method: str
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    work: Work | None = None  # FLOPs, ops and bytes written (the planner's cost model)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
@@ -118,8 +121,55 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
     """
     start = time.perf_counter()
     plan = _plan(recipe, overrides, device)
+    if _fsdp(plan.cfg):
+        return _sharded_estimate(plan, start)
     candidates, counts, method = _candidates(plan, plan.micro_batch, plan.seq_len, exact)
     return _summarize(plan, candidates, counts, method, time.perf_counter() - start)
+
+
+def _fsdp(cfg: RunConfig) -> bool:
+    """Sharded with FSDP2 and buildable on the meta device (bitsandbytes needs real weights)."""
+    d = cfg.distributed
+    return d.processes > 1 and d.sharding == "full" and cfg.model.quantization == "none"
+
+
+def _sharded_estimate(plan: _Plan, start: float) -> Estimate:
+    """One process of an FSDP2 run: the real sharding code traced in a fake process group
+    (:func:`memtrain.distributed.estimate_process_step`); every layer is traced."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from memtrain import distributed
+    from memtrain.memory.build import apply_patches
+    from memtrain.model import count_parameters
+
+    cfg = plan.cfg
+    auto = AutoModelForCausalLM if cfg.model.task == "causal-lm" else AutoModelForSequenceClassification
+
+    def build() -> torch.nn.Module:
+        return apply_patches(auto.from_config(plan.config), cfg)
+
+    with torch.device("meta"):
+        total, trainable = count_parameters(build())
+    tokens = (plan.micro_batch, plan.seq_len)
+    labels = (plan.micro_batch,) if cfg.model.task == "sequence-classification" else tokens
+    shapes = {"input_ids": tokens, "labels": labels}
+    step = distributed.estimate_process_step(build, cfg, shapes, device_type=plan.trace_device)
+    plan.notes = [n for n in plan.notes if "sharding is not modelled" not in n]
+    plan.notes.append(f"one of {cfg.distributed.processes} FSDP2 processes, traced in a fake process group "
+                      "(parameters, gradients and optimizer state sharded; gathered layers as `unsharded`)")
+    overheads, sources = _overheads(plan, step.peak_bytes, step.peak_bytes)
+    settings = {"task": cfg.model.task, "dtype": cfg.model.dtype, "quantization": "none",
+                "adapter": cfg.adapter.method,
+                "optimizer": cfg.training.optimizer, "micro_batch_size": plan.micro_batch,
+                "seq_len": plan.seq_len, "checkpointing": cfg.memory.checkpointing,
+                "processes": cfg.distributed.processes, "layers": plan.depth}
+    return Estimate(
+        model=plan.label, device=plan.device, settings=settings, parameters=total, trainable=trainable,
+        peak_bytes=step.peak_bytes, by_category=step.peak_by_category, by_phase=step.peak_by_phase,
+        category_at_phase_peak=step.category_at_phase_peak, host_peak_bytes=step.host_peak_bytes,
+        overheads=overheads, overhead_sources=sources, total_bytes=step.peak_bytes + sum(overheads.values()),
+        method=f"traced all {plan.depth} layers of one FSDP2 process", notes=list(plan.notes),
+        seconds=round(time.perf_counter() - start, 3))
 
 
 def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
@@ -181,8 +231,8 @@ def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], devic
     if target == "cuda" and trace_device == "cpu":
         notes.append("CUDA run traced on CPU fake tensors, with CUDA's multi-tensor optimizer kernels; "
                      "int8 layers follow their CPU path")
-    if cfg.distributed.processes > 1:
-        notes.append(f"distributed.processes = {cfg.distributed.processes}: sharding is not modelled, "
+    if cfg.distributed.processes > 1 and not _fsdp(cfg):
+        notes.append(f"distributed.processes = {cfg.distributed.processes}: this sharding is not modelled, "
                      "figures are for one unsharded process (an upper bound)")
     if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
         notes.append("optimizer offload copies nothing on a CPU trace: its state is counted on the "
@@ -256,7 +306,7 @@ def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
 
 
 def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
-                ) -> tuple[Candidates, tuple[int, int, list[str]], str]:
+                ) -> tuple[Candidates, Counts, str]:
     """Candidate peak ops of the full-depth step, parameter counts, and how they were obtained."""
     if exact or plan.depth <= FULL_TRACE_DEPTH:
         return _full_depth(plan, micro_batch, seq_len)
@@ -266,8 +316,10 @@ def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
         return _full_depth(plan, micro_batch, seq_len)
     a = _trace(plan, 2, micro_batch, seq_len)
     b = _trace(plan, 3, micro_batch, seq_len)
-    counts = (a.parameters + (plan.depth - 2) * (b.parameters - a.parameters),
-              a.trainable + (plan.depth - 2) * (b.trainable - a.trainable), b.patches)
+    steps = plan.depth - 2
+    work = None if a.work is None or b.work is None else a.work + (b.work + a.work.scaled(-1)).scaled(steps)
+    counts = (a.parameters + steps * (b.parameters - a.parameters),
+              a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
     found = extrapolate_depth(a, b, plan.depth)
     if found is not None:
         return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
@@ -276,9 +328,10 @@ def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
 
 
 def _full_depth(plan: _Plan, micro_batch: int, seq_len: int
-                ) -> tuple[Candidates, tuple[int, int, list[str]], str]:
+                ) -> tuple[Candidates, Counts, str]:
     full = _trace(plan, plan.depth, micro_batch, seq_len)
-    return direct(full), (full.parameters, full.trainable, full.patches), f"traced all {plan.depth} layers"
+    return (direct(full), (full.parameters, full.trainable, full.patches, full.work),
+            f"traced all {plan.depth} layers")
 
 
 def _trace(plan: _Plan, depth: int, micro_batch: int, seq_len: int) -> Trace:
@@ -291,7 +344,7 @@ def _trace(plan: _Plan, depth: int, micro_batch: int, seq_len: int) -> Trace:
 # --------------------------------------------------------------------------------- reporting
 
 
-def _summarize(plan: _Plan, cands: Candidates, counts: tuple[int, int, list[str]], method: str,
+def _summarize(plan: _Plan, cands: Candidates, counts: Counts, method: str,
                seconds: float) -> Estimate:
     values = np.rint(cands.values).astype(np.int64)
     totals = values[:, :HOST].sum(axis=1)
@@ -321,7 +374,7 @@ def _summarize(plan: _Plan, cands: Candidates, counts: tuple[int, int, list[str]
         trainable=counts[1], peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
         category_at_phase_peak=at_phase, host_peak_bytes=int(values[:, HOST].max()),
         overheads=overheads, overhead_sources=sources, total_bytes=peak + sum(overheads.values()),
-        method=method, notes=list(plan.notes), seconds=round(seconds, 3),
+        method=method, notes=list(plan.notes), seconds=round(seconds, 3), work=counts[3],
     )
 
 

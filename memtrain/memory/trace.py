@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
+from torch.utils.flop_counter import flop_registry
 from transformers import PretrainedConfig
 
 from memtrain import patches
@@ -70,6 +71,31 @@ class Trace:
     parameters: int
     trainable: int
     patches: list[str]  # what the applied patches did
+    work: Work | None = None  # what the step computes, for the planner's cost model
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one traced step computes: the planner's cost model turns it into seconds.
+
+    Forward and backward figures cover ``micro_batches`` micro-batches (recompute included);
+    optimizer figures cover one optimizer step (with gradient clipping).
+    """
+
+    micro_batches: int
+    flops: float  # matmul / attention FLOPs of forward + backward (torch's FlopCounterMode rules)
+    ops: int  # ops dispatched in forward + backward (each costs a launch on a GPU)
+    written: int  # bytes of the tensors forward + backward allocate (memory traffic)
+    optimizer_ops: int
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.micro_batches, self.flops + other.flops, self.ops + other.ops,
+                    self.written + other.written, self.optimizer_ops + other.optimizer_ops)
+
+    def scaled(self, factor: float) -> Work:
+        """Every figure times ``factor`` (a linear extrapolation step)."""
+        return Work(self.micro_batches, self.flops * factor, round(self.ops * factor),
+                    round(self.written * factor), round(self.optimizer_ops * factor))
 
 
 @dataclass
@@ -91,12 +117,21 @@ class _EventTracker(meter_mod._Tracker):
         self._rounded = 0
         self.phases: list[str] = []
         self.rows: list[tuple[int, ...]] = []
+        self.ops = {"step": 0, "optimizer": 0}
+        self.written = 0
+        self.flops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
         if func is torch.ops.prim.device.default:
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        phase = self.phase()
+        self.ops["optimizer" if phase == "optimizer" else "step"] += 1
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
+            self.flops += count(*args, **(kwargs or {}), out_val=out)
+        return out
 
     def _update_snap(self, u_type: _UpdateType, winfo: object, old_mem_consumed: int | None = None,
                      old_reftype: _MemRefType | None = None) -> None:
@@ -115,6 +150,8 @@ class _EventTracker(meter_mod._Tracker):
         if u_type == _UpdateType.ADD:
             counts[slot] += raw
             delta_rounded = _round(raw)
+            if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
+                self.written += raw
         elif u_type == _UpdateType.DEL:
             counts[slot] -= old
             delta_rounded = -_round(old)
@@ -212,8 +249,11 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             training_step(*step)
         total, trainable = count_parameters(model)
         done = [r.detail or r.name for r in patches.records(model)]
-    rows = np.array(meter.tracker.rows, dtype=np.int64)
-    return Trace(meter.tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done)
+    tracker = meter.tracker
+    work = Work(accumulation, float(tracker.flops), tracker.ops["step"], tracker.written,
+                tracker.ops["optimizer"])
+    rows = np.array(tracker.rows, dtype=np.int64)
+    return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work)
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

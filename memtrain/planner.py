@@ -1,0 +1,457 @@
+"""Choose the settings a recipe left ``auto``: the fastest combination whose peak fits the budget.
+
+``memtrain plan RECIPE`` and ``memtrain train`` (when a recipe has ``auto`` fields or a budget) run
+:func:`plan`. Only fields set to ``auto`` are chosen; everything the user fixed stays as written,
+and the effective batch size is never changed: the micro-batch is a divisor of it and the
+gradient accumulation makes up the rest.
+
+How the search works. Each combination of the ``auto`` fields is a *candidate*. Its peak memory
+comes from the estimator (fake-tensor traces at micro-batch 1 and 2, exact for every micro-batch
+because each op is linear in it, see :mod:`memtrain.memory.trace`), its step time from the cost
+model (:mod:`memtrain.costmodel`) applied to the same traces' FLOPs, ops and bytes. Tracing costs
+seconds, so the search prunes:
+
+- *branch and bound on time*: a candidate's time at the largest micro-batch (accumulation 1) is a
+  lower bound of its time at any micro-batch it fits with; candidates are traced in the order of
+  that bound (computed from one trace per adapter and quantization choice plus the known extra
+  costs of each technique) and the search stops once the bound exceeds the best time found;
+- *memory dominance*: each technique has an order from "keeps more" to "keeps less" (no
+  checkpointing > selective > full, AdamW > 8-bit AdamW, ...); a candidate that keeps at least as
+  much as one that does not fit at micro-batch 1 in every field does not fit either.
+
+Approximate-gradient layers change the gradients, so they are candidates only when the recipe sets
+``memory.allow_approximate: true``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from memtrain import costmodel
+from memtrain.config import RunConfig
+from memtrain.config.batch import Batch, resolve_batch
+from memtrain.errors import MemtrainError
+from memtrain.memory import estimate as est
+from memtrain.memory.budget import resolve_budget, usable_bytes
+from memtrain.memory.trace import Work, in_batch
+from memtrain.units import format_bytes, parse_size
+
+# Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
+APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
+MICRO_CAP = 256  # largest micro-batch tried when no effective batch size bounds it
+
+
+class NothingFits(MemtrainError):
+    """No candidate fits the budget; the message names the smallest reachable peak."""
+
+
+@dataclass
+class Candidate:
+    """One combination of values for the ``auto`` fields, with its predictions."""
+
+    values: dict[str, Any]  # dotted field -> value (the `auto` fields only)
+    micro: int = 0
+    accumulation: int = 0
+    peak: int = 0  # predicted device bytes (tensors + CUDA overheads) at the chosen micro-batch
+    seconds: float = math.inf  # predicted seconds per optimizer step
+    parts: dict[str, float] = field(default_factory=dict)
+    min_peak: int = 0  # predicted peak at the smallest micro-batch
+    reason: str = ""  # why it was not chosen
+
+    def label(self) -> str:
+        shown = dict(self.values)
+        if self.micro:
+            shown.update(micro=self.micro, accumulation=self.accumulation)
+        return ", ".join(f"{k.split('.')[-1] if k != 'memory.offload.activations' else 'offload_act'}"
+                         f"={_show(v)}" for k, v in shown.items())
+
+
+@dataclass
+class Plan:
+    """The planner's decision and its explanation."""
+
+    budget: int
+    usable: int
+    device: str
+    auto: list[str]
+    chosen: Candidate
+    alternatives: list[Candidate]  # the next best that fit, fastest first
+    rejected: list[Candidate]  # traced or pruned, each with its reason
+    rates_source: str
+    seconds: float  # planning time
+
+    def settings(self) -> dict[str, Any]:
+        """The decided values, as ``dotted.field: value`` (batch fields included)."""
+        out = dict(self.chosen.values)
+        out["training.micro_batch_size"] = self.chosen.micro
+        out["training.gradient_accumulation"] = self.chosen.accumulation
+        return out
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """``cfg`` with every ``auto`` field set to the decided value."""
+        return with_values(cfg, self.settings())
+
+
+def auto_fields(cfg: RunConfig) -> list[str]:
+    """The dotted fields of ``cfg`` the planner must decide."""
+    paths = [*est._NEEDS_VALUE, "distributed.sharding"]
+    return [p for p in paths if est._get(cfg, p) == "auto"]
+
+
+def needs_plan(cfg: RunConfig) -> bool:
+    """True when training must plan first: ``auto`` fields, or a budget to check the run against."""
+    return bool(auto_fields(cfg)) or cfg.memory.budget is not None
+
+
+def budget_bytes(cfg: RunConfig, budget: str | int | None = None, device: str | None = None) -> int:
+    """The budget in bytes: the argument, else ``memory.budget``, else the simulated one, else free memory."""
+    if isinstance(budget, int):
+        return budget
+    chosen = budget or cfg.memory.budget or cfg.memory.simulate_budget or "auto"
+    if chosen != "auto":
+        return parse_size(chosen)
+    return int(resolve_budget("auto", device))
+
+
+def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None = None) -> Plan:
+    """Decide every ``auto`` field of ``cfg`` (see the module docstring).
+
+    Args:
+        cfg: a validated recipe.
+        budget: bytes or a size like ``"24GiB"``; default ``memory.budget`` (or the simulated
+            budget, or the device's free memory).
+        device: ``cuda`` or ``cpu``, where the run trains (default: CUDA when present).
+
+    Raises:
+        NothingFits: no candidate fits; the message gives the smallest peak and its settings.
+    """
+    start = time.perf_counter()
+    target = device or ("cuda" if _cuda() else "cpu")
+    total = budget_bytes(cfg, budget, target)
+    usable = usable_bytes(total, cfg.memory.margin)
+    search = _Search(cfg, target, usable)
+    chosen = search.run()
+    fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
+                  key=lambda c: c.seconds)
+    rejected = [c for c in search.done + search.pruned if c.seconds == math.inf]
+    if chosen is None:
+        smallest = min(search.done, key=lambda c: c.min_peak)
+        raise NothingFits(
+            f"Nothing fits the budget: {format_bytes(usable)} usable ({format_bytes(total)} minus the "
+            f"{cfg.memory.margin:.0%} margin, `memory.margin`). The smallest reachable peak is "
+            f"{format_bytes(smallest.min_peak)}, with {smallest.label() or 'the recipe as written'}. "
+            f"Fix: raise `memory.budget` to at "
+            f"least {format_bytes(int(smallest.min_peak / (1 - cfg.memory.margin)) + 1)}, set more fields "
+            "to `auto` (or `memory.allow_approximate: true`), or train a smaller model.")
+    return Plan(total, usable, target, auto_fields(cfg), chosen, fits, rejected, search.rates.source,
+                time.perf_counter() - start)
+
+
+def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None) -> tuple[int, int, int]:
+    """The largest micro-batch (and its accumulation) whose predicted peak fits ``usable`` bytes.
+
+    Every other field must be decided. Returns ``(micro, accumulation, predicted peak bytes)``;
+    effective = micro × accumulation × processes holds exactly.
+
+    Raises:
+        NothingFits: not even the smallest micro-batch fits.
+    """
+    target = device or ("cuda" if _cuda() else "cpu")
+    search = _Search(with_values(cfg, {"training.micro_batch_size": "auto"}), target, usable, fields=[])
+    cand = Candidate({})
+    search.evaluate(cand)
+    if cand.seconds == math.inf:
+        raise NothingFits(f"Micro-batch {cand.micro} needs {format_bytes(cand.min_peak)}, more than the "
+                          f"{format_bytes(usable)} usable. Fix: raise `memory.budget` or use techniques "
+                          "that save memory (`memtrain plan`).")
+    return cand.micro, cand.accumulation, cand.peak
+
+
+def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """A re-validated copy of ``cfg`` with dotted fields set.
+
+    Raises:
+        ValueError: the combination is invalid (e.g. a quantized base trained in full).
+    """
+    data = cfg.model_dump(mode="json")
+    for path, value in values.items():
+        node = data
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    context: dict[str, Any] = {"problems": []}
+    new = RunConfig.model_validate(data, context=context)
+    if context["problems"]:
+        raise ValueError("; ".join(str(p) for p in context["problems"]))
+    return new
+
+
+# ------------------------------------------------------------------------------------- search
+
+
+def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
+    """Candidate values of one `auto` field, from most memory kept to least."""
+    approx = cfg.memory.allow_approximate
+    return {
+        "model.quantization": ["none", "nf4"],
+        "adapter.method": ["full", "lora"],
+        "training.optimizer": ["adamw", "adamw_8bit"],
+        "memory.checkpointing": ["none", "selective", max(1, depth // 2), "full"],
+        "memory.offload.activations": [False, True],
+        "memory.offload.optimizer": [False, True] if cfg.distributed.processes == 1 else [False],
+        "memory.activation_bits": [None, 3] if approx else [None],
+        "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
+        "distributed.sharding": ["none", "full"],
+    }[path]
+
+
+def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
+    """Position of ``value`` in its field's memory order, as a vector (checkpointing is 2-D:
+    selective and n-of-L are not comparable)."""
+    if path == "memory.checkpointing":
+        return {"none": (0, 0), "selective": (1, 0), "full": (1, 1)}.get(value, (0, 1))  # type: ignore[arg-type]
+    if path == "model.quantization":
+        return (0,) if value == "none" else (1,)
+    if path == "adapter.method":
+        return (0,) if value == "full" else (1,)
+    if path == "training.optimizer":
+        return (0,) if value == "adamw" else (1,)
+    if path == "distributed.sharding":
+        return (0,) if value == "none" else (1,)
+    return (0,) if value in (None, False) else (1,)
+
+
+class _Search:
+    """Enumerate, bound and evaluate candidates (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None) -> None:
+        self.cfg, self.device, self.usable = cfg, device, usable
+        config, _ = est.resolve_config(cfg.model)
+        self.depth = int(config.num_hidden_layers)
+        self.fields = [f for f in auto_fields(cfg) if not f.startswith("training.micro")
+                       and not f.startswith("training.gradient")] if fields is None else fields
+        self.batches = _batches(cfg)
+        self.rates = costmodel.rates(device)
+        self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates
+        self.done: list[Candidate] = []
+        self.pruned: list[Candidate] = []
+        self._traces: dict[str, tuple[Any, Any, est.Counts, est.Counts]] = {}
+        self._points: dict[tuple[str, int, int], Any] = {}
+
+    def candidates(self) -> Iterator[Candidate]:
+        domains = [_options(self.cfg, f, self.depth) for f in self.fields]
+        for combo in itertools.product(*domains):
+            values = dict(zip(self.fields, combo, strict=True))
+            if values.get("model.quantization", self.cfg.model.quantization) not in ("none", "auto") and \
+                    values.get("adapter.method", self.cfg.adapter.method) == "full":
+                continue  # a quantized base cannot be trained in full
+            yield Candidate(values)
+
+    def run(self) -> Candidate | None:
+        cands = list(self.candidates())
+        bounds = [(self.lower_bound(c), i) for i, c in enumerate(cands)]
+        best: Candidate | None = None
+        too_big: list[Candidate] = []
+        for bound, i in sorted(bounds):
+            cand = cands[i]
+            if best is not None and bound >= best.seconds:
+                cand.reason = (f"slower: at least {bound:.3g} s per step, the choice needs "
+                               f"{best.seconds:.3g} s")
+                self.pruned.append(cand)
+                continue
+            if (big := next((t for t in too_big if self._dominated(cand, t)), None)) is not None:
+                cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
+                self.pruned.append(cand)
+                continue
+            self.evaluate(cand)
+            if cand.seconds == math.inf:
+                too_big.append(cand)
+            elif best is None or cand.seconds < best.seconds:
+                if best is not None:
+                    best.reason = f"slower: {best.seconds:.3g} s per step vs {cand.seconds:.3g} s"
+                best = cand
+            else:
+                cand.reason = f"slower: {cand.seconds:.3g} s per step vs {best.seconds:.3g} s"
+        return best
+
+    def _dominated(self, cand: Candidate, small: Candidate) -> bool:
+        """``cand`` keeps at least as much memory as ``small`` in every field."""
+        return all(a <= b for f in self.fields for a, b in zip(
+            _rank(f, cand.values[f], self.depth), _rank(f, small.values[f], self.depth), strict=True))
+
+    def lower_bound(self, cand: Candidate) -> float:
+        """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base."""
+        base = {f: v for f, v in cand.values.items() if f in ("model.quantization", "adapter.method")}
+        cfg = with_values(self.cfg, {**base, **self._plain(cand)})
+        micro, accumulation = self.batches[-1]
+        held = 2 if any(a > 1 for _, a in self.batches) else 1
+        _, _, counts2, counts3 = self._traced(cfg, held)
+        work = _work_at(counts2[3], counts3[3], micro)
+        ckpt = cand.values.get("memory.checkpointing", self.cfg.memory.checkpointing)
+        if ckpt == "full" or isinstance(ckpt, int):  # recompute: one more forward, >= 1/3 of the FLOPs
+            share = 1.0 if ckpt == "full" else min(1.0, ckpt / self.depth)
+            work = Work(1, work.flops * (1 + share / 3), work.ops, work.written, work.optimizer_ops)
+        return self._cost(cfg, cand.values, work, counts2, accumulation, 0).seconds
+
+    def _plain(self, cand: Candidate) -> dict[str, Any]:
+        plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
+                 "memory.offload.activations": False, "memory.offload.optimizer": False,
+                 "memory.activation_bits": None, "memory.randomized_linear": None,
+                 "distributed.sharding": "none"}
+        return {f: v for f, v in plain.items() if f in self.fields}
+
+    def evaluate(self, cand: Candidate) -> None:
+        """Trace ``cand``, pick its largest fitting micro-batch, predict its time.
+
+        Accumulation matters to the peak: from the second micro-batch on, gradients are held
+        during the forward. Traces with two accumulated micro-batches bound every pair from
+        above; a pair without accumulation is traced on its own only when the gradients it does
+        not hold could make the difference.
+        """
+        cfg = with_values(self.cfg, cand.values)
+        held = 2 if any(a > 1 for _, a in self.batches) else 1
+        fitted = None
+        traced = self._traced(cfg, held)
+        for micro, accumulation in reversed(self.batches):
+            if micro >= 2 and self._summary(cfg, traced, max(micro, 2), held).total_bytes > self.usable \
+                    and accumulation > 1:
+                continue  # cheap linear check before any single-example trace
+            summary = self._summary(cfg, traced, micro, held)
+            if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \
+                    and summary.total_bytes - self._grad_bytes(cfg, traced) <= self.usable:
+                summary = self._summary(cfg, self._traced(cfg, 1), micro, 1)
+                if summary.total_bytes <= self.usable:
+                    traced = self._traced(cfg, 1)
+            if summary.total_bytes <= self.usable:
+                fitted = (micro, accumulation, summary, traced)
+                break
+        if fitted is None:
+            cand.micro, cand.accumulation = self.batches[0]
+            cand.min_peak = self._summary(cfg, traced, cand.micro, held).total_bytes
+            cand.reason = (f"does not fit: {format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
+                           f"{format_bytes(self.usable)} usable")
+            self.done.append(cand)
+            return
+        micro, accumulation, summary, traced = fitted
+        cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
+        first = self.batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
+        cand.min_peak = self._summary(cfg, traced, max(first, 2) if first == 1 and micro > 1 else first,
+                                      held).total_bytes
+        work = _work_at(traced[2][3], traced[3][3], micro)
+        cost = self._cost(cfg, cand.values, work, traced[2], accumulation, summary.host_peak_bytes)
+        cand.seconds, cand.parts = cost.seconds, cost.parts
+        self.done.append(cand)
+
+    def _grad_bytes(self, cfg: RunConfig, traced: tuple[Any, Any, est.Counts, est.Counts]) -> int:
+        return traced[2][1] * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)
+
+    def _summary(self, cfg: RunConfig, traced: tuple[Any, Any, est.Counts, est.Counts], micro: int,
+                 accumulation: int) -> est.Estimate:
+        """The estimate at ``micro``: linear from the traces at 2 and 3 (size 1 is traced itself:
+        some models take other paths for a single example)."""
+        c2, c3, counts2, _ = traced
+        plan = self._est_plan(cfg, accumulation)
+        cands = in_batch(c2, c3, 2, 3, micro) if micro >= 2 else None
+        if cands is None:
+            key = (cfg.model_dump_json(), micro, accumulation)
+            if key not in self._points:
+                self._points[key] = est._candidates(plan, micro, plan.seq_len, False)[0]
+            cands = self._points[key]
+        return est._summarize(plan, cands, counts2, "", 0.0)
+
+    def _cost(self, cfg: RunConfig, values: dict[str, Any], work: Work, counts: est.Counts,
+              accumulation: int, offloaded: int) -> costmodel.StepCost:
+        get = lambda path: values.get(path, est._get(self.cfg, path))  # noqa: E731
+        quantized = get("model.quantization") not in ("none", "auto")
+        ckpt = get("memory.checkpointing")
+        passes = 1.0 if ckpt == "full" else (min(1.0, ckpt / self.depth) if isinstance(ckpt, int) else 0.0)
+        frozen = counts[0] - counts[1]
+        opt_off = bool(get("memory.offload.optimizer"))
+        return costmodel.step_seconds(
+            work, micro_batches=accumulation, rates=self.rates, dtype=cfg.model.dtype,
+            optimizer=str(get("training.optimizer")), trainable=counts[1],
+            quantized_elements=int(frozen * 0.9) if quantized else 0, recompute_passes=passes,
+            offloaded_bytes=offloaded, optimizer_offloaded=opt_off,
+            optimizer_rates=self.host_rates if opt_off else None,
+            parameter_bytes=2 if cfg.model.dtype in ("bf16", "fp16") else 4)
+
+    def _est_plan(self, cfg: RunConfig, accumulation: int) -> Any:
+        one = {"training.micro_batch_size": 1, "training.effective_batch_size": None,
+               "training.gradient_accumulation": min(accumulation, 2)}
+        return est._plan(with_values(cfg, one), (), self.device)
+
+    def _traced(self, cfg: RunConfig, accumulation: int) -> tuple[Any, Any, est.Counts, est.Counts]:
+        """Candidates and counts at micro-batch 2 and 3 (cached per settings and accumulation)."""
+        key = cfg.model_dump_json(include={"model", "adapter", "training", "memory", "distributed"},
+                                  exclude={"training": {"micro_batch_size", "gradient_accumulation",
+                                                        "effective_batch_size"}}) + f"|{min(accumulation, 2)}"
+        if key not in self._traces:
+            plan = self._est_plan(cfg, accumulation)
+            c2, counts2, _ = est._candidates(plan, 2, plan.seq_len, False)
+            c3, counts3, _ = est._candidates(plan, 3, plan.seq_len, False)
+            self._traces[key] = (c2, c3, counts2, counts3)
+        return self._traces[key]
+
+
+def _work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:
+    """Work of one micro-batch of ``micro`` examples (plus one optimizer step), from traces at
+    micro-batch 2 and 3: FLOPs and bytes are linear in the batch, op counts do not depend on it."""
+    if w2 is None or w3 is None:
+        raise MemtrainError("the estimate did not record the step's work (FLOPs); cannot plan")
+    f2, f3 = w2.flops / w2.micro_batches, w3.flops / w3.micro_batches
+    b2, b3 = w2.written / w2.micro_batches, w3.written / w3.micro_batches
+    return Work(1, max(0.0, f2 + (micro - 2) * (f3 - f2)), round(w2.ops / w2.micro_batches),
+                max(0, round(b2 + (micro - 2) * (b3 - b2))), w2.optimizer_ops)
+
+
+def _batches(cfg: RunConfig) -> list[tuple[int, int]]:
+    """Valid (micro, accumulation) pairs, smallest micro first; the effective batch never changes."""
+    t, procs = cfg.training, cfg.distributed.processes
+    if t.micro_batch_size != "auto" and t.gradient_accumulation != "auto":
+        batch: Batch = resolve_batch(t, procs)
+        return [(batch.micro, batch.accumulation)]
+    if t.effective_batch_size is None:
+        accum = t.gradient_accumulation if isinstance(t.gradient_accumulation, int) else 1
+        if t.micro_batch_size == "auto":
+            return [(m, accum) for m in range(1, MICRO_CAP + 1)]
+        return [(t.micro_batch_size or 8, 1)]
+    per_process = t.effective_batch_size // procs
+    if isinstance(t.micro_batch_size, int):
+        return [(t.micro_batch_size, per_process // t.micro_batch_size)]
+    if isinstance(t.gradient_accumulation, int):
+        return [(per_process // t.gradient_accumulation, t.gradient_accumulation)]
+    return [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"ratio {value['ratio']}"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def describe(p: Plan) -> dict[str, Any]:
+    """JSON-ready summary of a plan."""
+    def row(c: Candidate) -> dict[str, Any]:
+        return {"values": c.values, "micro_batch_size": c.micro, "gradient_accumulation": c.accumulation,
+                "peak_bytes": c.peak, "min_peak_bytes": c.min_peak, "seconds_per_step": c.seconds
+                if c.seconds < math.inf else None, "time_parts": c.parts, "reason": c.reason}
+    return {"budget_bytes": p.budget, "usable_bytes": p.usable, "device": p.device, "auto_fields": p.auto,
+            "chosen": row(p.chosen), "alternatives": [row(c) for c in p.alternatives],
+            "rejected": [row(c) for c in p.rejected], "rates": p.rates_source,
+            "planning_seconds": round(p.seconds, 2)}
+
+
+__all__ = ["Candidate", "NothingFits", "Plan", "auto_fields", "budget_bytes", "describe", "fit_micro_batch",
+           "needs_plan", "plan", "with_values"]

@@ -1,0 +1,112 @@
+"""The planner: decides only `auto` fields, keeps the effective batch, fits the budget, explains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import causal_recipe
+from typer.testing import CliRunner
+
+from memtrain import planner
+from memtrain.cli import app
+from memtrain.config import load_recipe
+from memtrain.memory.estimate import estimate
+from memtrain.units import parse_size
+
+
+@pytest.fixture(autouse=True)
+def _rates(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # quick CPU rates, measured once per test session into a private profile
+    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path_factory.getbasetemp() / "calibration.json"))
+
+
+@pytest.fixture
+def corpus(tiny_text_file: Path) -> Path:
+    return tiny_text_file
+
+
+def _recipe(tmp_path: Path, corpus: Path, **training: object) -> dict:
+    return causal_recipe(tmp_path, corpus, data={"max_length": 64},
+                         training={"effective_batch_size": 16, "micro_batch_size": "auto",
+                                   "gradient_accumulation": "auto", **training})
+
+
+@pytest.mark.slow
+def test_micro_batch_is_the_largest_that_fits_and_keeps_the_effective_batch(tmp_path: Path,
+                                                                           corpus: Path) -> None:
+    cfg = load_recipe(_recipe(tmp_path, corpus))
+    peaks = {m: estimate(planner.with_values(cfg, {"training.micro_batch_size": m,
+                                                   "training.gradient_accumulation": 16 // m})).peak_bytes
+             for m in (1, 2, 4, 8, 16)}
+    budget = int((peaks[4] + peaks[8]) / 2 / 0.9)  # fits 4, not 8 (10% margin)
+    decided = planner.plan(cfg, budget)
+    assert (decided.chosen.micro, decided.chosen.accumulation) == (4, 4)
+    assert decided.chosen.peak == peaks[4]
+    resolved = decided.apply(cfg)
+    assert resolved.training.micro_batch_size * resolved.training.gradient_accumulation == 16
+    assert planner.fit_micro_batch(cfg, int(budget * 0.9))[:2] == (4, 4)
+
+
+def test_user_fixed_fields_are_never_overridden(tmp_path: Path, corpus: Path) -> None:
+    recipe = _recipe(tmp_path, corpus, optimizer="adamw")
+    recipe["memory"] = {"checkpointing": "auto"}
+    cfg = load_recipe(recipe)
+    decided = planner.plan(cfg, "200MiB")
+    assert set(decided.settings()) == {"memory.checkpointing", "training.micro_batch_size",
+                                       "training.gradient_accumulation"}
+    resolved = decided.apply(cfg)
+    assert resolved.training.optimizer == "adamw" and resolved.adapter.method == "lora"
+    assert resolved.training.learning_rate == cfg.training.learning_rate
+    assert resolved.training.effective_batch_size == 16
+
+
+@pytest.mark.slow
+def test_a_tight_budget_turns_on_the_technique_that_saves_memory(tmp_path: Path, corpus: Path) -> None:
+    recipe = _recipe(tmp_path, corpus)
+    recipe["training"].update(micro_batch_size=16, gradient_accumulation=1)
+    recipe["memory"] = {"checkpointing": "auto"}
+    cfg = load_recipe(recipe)
+    plain = estimate(planner.with_values(cfg, {"memory.checkpointing": "none"})).total_bytes
+    full = estimate(planner.with_values(cfg, {"memory.checkpointing": "full"})).total_bytes
+    assert full < plain
+    generous = planner.plan(cfg, int(plain / 0.9) + 1)
+    assert generous.chosen.values["memory.checkpointing"] == "none"  # no recompute when it fits
+    tight = planner.plan(cfg, int(full / 0.9) + 1)
+    assert tight.chosen.values["memory.checkpointing"] != "none"
+    assert tight.chosen.peak <= tight.usable
+
+
+def test_an_impossible_budget_exits_2_with_the_numbers(tmp_path: Path, corpus: Path) -> None:
+    path = tmp_path / "recipe.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, corpus)))
+    result = CliRunner().invoke(app, ["plan", str(path), "--budget", "1MiB"])
+    assert result.exit_code == 2
+    assert "Nothing fits the budget" in result.output and "smallest reachable peak" in result.output
+    assert "Traceback" not in result.output
+    needed = result.output.split("at least ")[1].split(",")[0].replace("\n", "").replace(" ", "")
+    assert parse_size(needed) > parse_size("1MiB")
+
+
+def test_plan_command_prints_the_choice_and_a_train_command(tmp_path: Path, corpus: Path) -> None:
+    import yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, corpus)))
+    result = CliRunner().invoke(app, ["plan", str(path), "--budget", "4GiB"])
+    assert result.exit_code == 0, result.output
+    assert "chosen" in result.output and "training.micro_batch_size=16" in result.output
+
+
+@pytest.mark.slow
+def test_train_plans_auto_fields_and_saves_the_decision(tmp_path: Path, corpus: Path) -> None:
+    from memtrain.runner import train
+
+    recipe = _recipe(tmp_path, corpus, max_steps=2)
+    recipe["memory"] = {"budget": "4GiB"}
+    result = train(load_recipe(recipe))
+    assert result.batch.effective == 16 and result.batch.micro == 16
+    saved = load_recipe(str(result.output_dir / "recipe.yaml"))
+    assert saved.training.micro_batch_size == 16
