@@ -92,6 +92,8 @@ def train(cfg: RunConfig, console: Console | None = None,
                                 fsdp_plugin=distributed.fsdp_plugin(model, cfg))
         if choices:
             batch = _confirm_batch(trainer, cfg, batch, choices, console)
+            cfg = planner.with_values(cfg, {"training.micro_batch_size": batch.micro,
+                                            "training.gradient_accumulation": batch.accumulation})
         try:
             train_output = trainer.train(resume_from_checkpoint=resume_from)
         finally:  # leave the dispatch modes in reverse order, also when a step raised
