@@ -99,6 +99,11 @@ class MemoryBudgetCallback(MemoryMeterCallback):
                     **kwargs: Any) -> None:
         _move_before_integrations(self)
         trainer = find_trainer()
+        if trainer is not None and trainer.loss_is_scaled_for_ga is None and _is_classifier(trainer.model):
+            # Transformers 5 would skip 1/accumulation for sequence classifiers (their forward takes
+            # **kwargs, but the loss is a plain mean): gradients would grow with the accumulation
+            # that prepare_for_budget raises. Same fix as memtrain.trainer.build_trainer.
+            trainer.loss_is_scaled_for_ga = False
         if self.recover and trainer is not None and getattr(trainer, "oom_recovery", None) is None:
             self.recovery = MicroBatchRecovery(trainer, budget_bytes=self.limit or self.budget).install()
 
@@ -145,6 +150,11 @@ class MemoryBudgetCallback(MemoryMeterCallback):
 
 
 # ---------------------------------------------------------------------------- prepare_for_budget
+
+
+def _is_classifier(model: nn.Module) -> bool:
+    inner = getattr(model, "get_base_model", lambda: model)()
+    return type(inner).__name__.endswith("ForSequenceClassification")
 
 
 def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | int, *,

@@ -80,3 +80,19 @@ def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
     assert not callback.over_budget
     with pytest.raises(MemtrainError, match="nothing fits"):
         prepare_for_budget(tiny_model(), args, "1MiB", max_length=32)
+
+
+def test_callback_keeps_accumulated_classifier_gradients_equal_to_one_big_batch(tmp_path: Path) -> None:
+    # Transformers 5 alone would not divide a sequence classifier's loss by the accumulation.
+    from plain_trainer import GradCapture, max_grad_difference
+
+    data = token_dataset("classification", [12] * 8)
+    grads = []
+    for micro, accumulation in ((8, 1), (2, 4)):
+        capture = GradCapture()
+        trainer = Trainer(model=tiny_model("classification"), train_dataset=data, data_collator=collate,
+                          args=arguments(tmp_path / f"{micro}", micro, accumulation, 1, max_grad_norm=0.0),
+                          callbacks=[MemoryBudgetCallback(recover=False), capture])
+        trainer.train()
+        grads.append(capture.grads[0])
+    assert max_grad_difference(*grads) < 1e-4
