@@ -92,9 +92,8 @@ def budget_limit(cfg: RunConfig) -> int | None:
 def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch, int]:
     """The predicted largest micro-batch: the recipe with it filled in, the batch, the predicted peak.
 
-    Uses the planner (:func:`memtrain.planner.fit_micro_batch`) when it is installed, else the
-    estimator's micro-batch sweep. ``usable`` defaults to the budget (or simulated budget) minus
-    ``memory.margin``.
+    Uses the planner (:func:`memtrain.planner.fit_micro_batch`: the estimator's traces, exact in
+    the micro-batch). ``usable`` defaults to the budget (or simulated budget) minus ``memory.margin``.
 
     Raises:
         MemtrainError: no budget to fit into, or not even the smallest micro-batch fits.
@@ -105,44 +104,12 @@ def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch
             raise MemtrainError("`training.micro_batch_size: auto` needs a budget to fit into. Fix: set "
                                 "`memory.budget` (e.g. `24GiB` or `auto`), or a number of examples.")
         usable = usable_bytes(total, cfg.memory.margin)
+    from memtrain.planner import fit_micro_batch
+
     pairs = valid_batches(cfg.training, cfg.distributed.processes)
-    try:
-        from memtrain.planner import fit_micro_batch
-    except ImportError:  # the planner is not part of this installation yet: sweep the estimator
-        micro, peak = _sweep_fit(cfg, pairs, usable)
-    else:
-        micro, _accum, peak = fit_micro_batch(cfg, usable)
+    micro, _accum, peak = fit_micro_batch(cfg, usable)
     accum = dict(pairs)[micro]
     return with_batch(cfg, micro, accum), Batch(micro, accum, cfg.distributed.processes), peak
-
-
-def _sweep_fit(cfg: RunConfig, pairs: list[tuple[int, int]], usable: int) -> tuple[int, int]:
-    """The largest micro-batch whose predicted total fits ``usable``, and that total."""
-    totals = sweep_totals(cfg, pairs)
-    fits = [(m, total) for m, total in totals if total <= usable]
-    if not fits:
-        raise MemtrainError(f"`training.micro_batch_size: auto`: micro-batch {totals[0][0]} is predicted "
-                            f"to need {format_bytes(totals[0][1])}, more than the {format_bytes(usable)} "
-                            "usable. Fix: raise `memory.budget` or save memory (`memtrain plan`).")
-    return max(fits)
-
-
-def sweep_totals(cfg: RunConfig, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Predicted total bytes per micro-batch: the estimator's sweep (two traced sizes, exact per op)."""
-    from memtrain.memory import estimate as est
-    from memtrain.memory.trace import in_batch
-
-    plan = est._plan(with_batch(cfg, *pairs[0]), (), None)
-    low = pairs[0][0]
-    c1, counts, method = est._candidates(plan, low, plan.seq_len, False)
-    c2, _, _ = est._candidates(plan, low + 1, plan.seq_len, False)
-    totals = []
-    for micro, _accum in pairs:
-        cands = in_batch(c1, c2, low, low + 1, micro)
-        if cands is None:  # per-op structure differs between sizes: trace this one
-            cands = est._candidates(plan, micro, plan.seq_len, False)[0]
-        totals.append((micro, est._summarize(plan, cands, counts, method, 0.0).total_bytes))
-    return totals
 
 
 def with_batch(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:

@@ -227,6 +227,10 @@ def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
     return (0,) if value in (None, False) else (1,)
 
 
+_TRACES: dict[str, tuple[Any, Any, est.Counts, est.Counts]] = {}
+_POINTS: dict[tuple[str, int, int], Any] = {}
+
+
 class _Search:
     """Enumerate, bound and evaluate candidates (see the module docstring)."""
 
@@ -241,8 +245,8 @@ class _Search:
         self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates
         self.done: list[Candidate] = []
         self.pruned: list[Candidate] = []
-        self._traces: dict[str, tuple[Any, Any, est.Counts, est.Counts]] = {}
-        self._points: dict[tuple[str, int, int], Any] = {}
+        self._traces = _TRACES  # shared by every search in this process: a trace depends only on
+        self._points = _POINTS  # the settings in its key, never on the budget
 
     def candidates(self) -> Iterator[Candidate]:
         domains = [_options(self.cfg, f, self.depth) for f in self.fields]
@@ -359,7 +363,7 @@ class _Search:
         plan = self._est_plan(cfg, accumulation)
         cands = in_batch(c2, c3, 2, 3, micro) if micro >= 2 else None
         if cands is None:
-            key = (cfg.model_dump_json(), micro, accumulation)
+            key = (cfg.model_dump_json() + self.device, micro, accumulation)
             if key not in self._points:
                 self._points[key] = est._candidates(plan, micro, plan.seq_len, False)[0]
             cands = self._points[key]
@@ -388,9 +392,10 @@ class _Search:
 
     def _traced(self, cfg: RunConfig, accumulation: int) -> tuple[Any, Any, est.Counts, est.Counts]:
         """Candidates and counts at micro-batch 2 and 3 (cached per settings and accumulation)."""
-        key = cfg.model_dump_json(include={"model", "adapter", "training", "memory", "distributed"},
+        key = cfg.model_dump_json(include={"model", "data", "adapter", "training", "memory", "distributed"},
                                   exclude={"training": {"micro_batch_size", "gradient_accumulation",
-                                                        "effective_batch_size"}}) + f"|{min(accumulation, 2)}"
+                                                        "effective_batch_size"}})
+        key += f"|{min(accumulation, 2)}|{self.device}"
         if key not in self._traces:
             plan = self._est_plan(cfg, accumulation)
             c2, counts2, _ = est._candidates(plan, 2, plan.seq_len, False)

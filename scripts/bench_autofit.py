@@ -216,21 +216,7 @@ def run_hf(s: Setup, tmp: Path, limit: int) -> dict[str, Any]:
             "effective": micro * args.gradient_accumulation_steps}
 
 
-PREDICTIONS: dict[str, tuple[list[tuple[int, int]], float]] = {}  # model -> (totals, seconds to trace)
-
-
-def cached_totals(name: str) -> Any:
-    """The estimator's per-micro-batch totals do not depend on the budget: trace them once per model
-    (timed) and reuse them; every memtrain run adds the measured tracing time to its clock."""
-    def totals(cfg: RunConfig, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        if name not in PREDICTIONS:
-            start = time.perf_counter()
-            PREDICTIONS[name] = (TRACE(cfg, pairs), time.perf_counter() - start)
-        return PREDICTIONS[name][0]
-    return totals
-
-
-TRACE = autofit.sweep_totals
+FIRST_PREDICTION: dict[str, float] = {}  # model -> seconds of its first prediction (the traces)
 
 
 def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float) -> dict[str, Any]:
@@ -238,15 +224,17 @@ def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float) -> dict[str, An
     model = model_for(s)
     choices = autofit.valid_batches(cfg.training, cfg.distributed.processes)
     budget = SimulatedBudgetCallback(limit)
-    autofit.sweep_totals = cached_totals(s.name)
-    cached = s.name in PREDICTIONS
-    start = time.perf_counter() - (PREDICTIONS[s.name][1] if cached else 0.0)
+    # The planner keeps its traces for the process (they do not depend on the budget), so only a
+    # model's first prediction traces; every later run adds that first prediction's time.
+    start = time.perf_counter() - FIRST_PREDICTION.get(s.name, 0.0)
     timer = Timer(start)
     try:
         planned, batch, _ = autofit.predict(cfg)
     except MemtrainError:  # nothing fits the budget minus the margin: memtrain refuses, with numbers
         return {"failed": 0, "later": 0, "seconds": time.perf_counter() - start, "micro": 0,
                 "predicted": 0, "effective": EFFECTIVE, "refused": True}
+    finally:
+        FIRST_PREDICTION.setdefault(s.name, time.perf_counter() - start)
     trainer = build_trainer(planned, model, s.tokenizer, s.data, batch, str(tmp / "mt"), [budget, timer])
     trainer.args.train_sampling_strategy = "sequential"
     trainer.args.disable_tqdm = True
