@@ -27,18 +27,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memtrain.config import FewBitConfig, RunConfig
-from memtrain.errors import MemtrainError
 from memtrain.patches import (
     APPROXIMATE,
     PatchRecord,
     add_records,
     find_modules,
-    model_type,
     register,
     set_submodule,
 )
 from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, fewbit_table
-from memtrain.patches._targets import check_every_pattern
+from memtrain.patches._targets import check_every_pattern, default_targets
 
 Config = FewBitConfig
 
@@ -238,15 +236,7 @@ def apply(model: nn.Module, cfg: FewBitConfig,
 
 
 def _default_targets(model: nn.Module, field: str) -> list[str]:
-    kind = model_type(model)
-    if kind in DEFAULT_TARGETS:
-        return DEFAULT_TARGETS[kind]
-    candidates = [n for n, m in model.named_modules() if n and identify(m) is not None]
-    shown = ", ".join(candidates[:4]) or "(this model has no supported activation module)"
-    raise MemtrainError(
-        f"`{field}`: few-bit backward has no default targets for model type {kind!r}. Fix: set "
-        f"`{field}` to activation module name patterns, e.g. {shown}."
-    )
+    return default_targets(model, field, DEFAULT_TARGETS, "few-bit backward", identify, "activation module")
 
 
 @register("fewbit", APPROXIMATE)

@@ -35,17 +35,15 @@ from torch._subclasses.fake_tensor import is_fake
 from transformers.pytorch_utils import Conv1D
 
 from memtrain.config import RandomizedLinearConfig, RunConfig
-from memtrain.errors import MemtrainError
 from memtrain.patches import (
     APPROXIMATE,
     PatchRecord,
     add_records,
     find_modules,
-    model_type,
     register,
     set_submodule,
 )
-from memtrain.patches._targets import check_every_pattern
+from memtrain.patches._targets import check_every_pattern, default_targets
 
 Config = RandomizedLinearConfig
 
@@ -279,15 +277,7 @@ def _lora_forms(pattern: str) -> list[str]:
 
 
 def _default_targets(model: nn.Module, field: str) -> list[str]:
-    kind = model_type(model)
-    if kind in DEFAULT_TARGETS:
-        return DEFAULT_TARGETS[kind]
-    candidates = [n for n, m in model.named_modules() if n and replacement(m) is not None]
-    shown = ", ".join(candidates[:4]) or "(this model has no trainable linear layer)"
-    raise MemtrainError(
-        f"`{field}`: randomized backward has no default targets for model type {kind!r}. Fix: "
-        f"set `{field}` to linear layer name patterns, e.g. {shown}."
-    )
+    return default_targets(model, field, DEFAULT_TARGETS, "randomized backward", replacement, "linear layer")
 
 
 @register("randomized_linear", APPROXIMATE)
