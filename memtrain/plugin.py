@@ -166,8 +166,8 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         model: the model the script trains (plain, or a peft LoRA model).
         args: its TrainingArguments; per-device batch × accumulation is kept exactly.
         budget: like ``"24GiB"``, bytes, or ``"auto"`` (the device's free memory).
-        allow_approximate: let the planner choose approximate-gradient layers (used once
-            :mod:`memtrain.planner` is installed; the estimator-only search never chooses them).
+        allow_approximate: let the planner also choose approximate-gradient layers (few-bit
+            activation backward, randomized linear backward), which change the gradients.
         max_length: the longest example in tokens (the step is sized for it: the worst case).
         margin: fraction of the budget kept free for what estimates miss.
 
@@ -178,34 +178,51 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     Raises:
         MemtrainError: nothing fits; the message has the smallest predicted peak.
     """
-    from memtrain import autofit
+    from memtrain import planner
 
     total = resolve_budget(budget) if isinstance(budget, str) else budget
-    usable = usable_bytes(int(total), margin)  # type: ignore[arg-type]
     base = recipe_for(model, args, max_length, allow_approximate)
-    steps = [{}, {"checkpointing": "full"}, {"checkpointing": "full", "optimizer": "adamw_8bit"}]
-    errors = []
-    for change in steps:
-        cfg = _changed(base, change)
+    auto: dict[str, Any] = {"training.micro_batch_size": "auto", "training.gradient_accumulation": "auto",
+                            "memory.checkpointing": "auto", "memory.margin": margin}
+    if allow_approximate:
+        auto.update({"memory.activation_bits": "auto", "memory.randomized_linear": "auto"})
+    optimizers = [base.training.optimizer]
+    if "8bit" not in base.training.optimizer:
+        optimizers.append("adamw_8bit")  # your optimizer first; the 8-bit one only if nothing else fits
+    failure = None
+    for optimizer in optimizers:
         try:
-            _, batch, peak = autofit.predict(cfg, usable)
-        except MemtrainError as err:
-            errors.append(str(err))
+            decided = planner.plan(planner.with_values(base, {**auto, "training.optimizer": optimizer}),
+                                   int(total))  # type: ignore[arg-type]
+        except planner.NothingFits as err:
+            failure = err
             continue
-        if change.get("checkpointing"):
-            from memtrain.patches import checkpointing
+        return _apply_plan(model, args, decided, optimizer != base.training.optimizer)
+    raise MemtrainError(f"prepare_for_budget: {failure}")
 
-            checkpointing.apply(model, "full")
-        updates: dict[str, Any] = {"per_device_train_batch_size": batch.micro,
-                                   "gradient_accumulation_steps": batch.accumulation}
-        if "optimizer" in change:
-            updates["optim"] = "adamw_bnb_8bit"
-        log.info("prepare_for_budget: micro-batch %d × %d accumulated%s, predicted peak %s of %s usable",
-                 batch.micro, batch.accumulation, "".join(f", {k} {v}" for k, v in change.items()),
-                 format_bytes(peak), format_bytes(usable))
-        return model, dataclasses.replace(args, **updates)
-    raise MemtrainError(f"prepare_for_budget: nothing fits {format_bytes(usable)} usable, even with "
-                        f"activation checkpointing and an 8-bit optimizer. Last estimate: {errors[-1]}")
+
+def _apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, new_optimizer: bool
+                ) -> tuple[nn.Module, TrainingArguments]:
+    """Patch ``model`` as the plan says and return the matching TrainingArguments."""
+    from memtrain.config import FewBitConfig, RandomizedLinearConfig
+    from memtrain.patches import checkpointing, fewbit, randomized_linear
+    from memtrain.trainer import OPTIMIZERS
+
+    settings = decided.settings()
+    mode = settings["memory.checkpointing"]
+    if mode != "none":
+        checkpointing.apply(model, mode)
+    if settings.get("memory.activation_bits"):
+        fewbit.apply(model, FewBitConfig(bits=settings["memory.activation_bits"]))
+    if settings.get("memory.randomized_linear"):
+        randomized_linear.apply(model, RandomizedLinearConfig(**settings["memory.randomized_linear"]))
+    updates: dict[str, Any] = {"per_device_train_batch_size": settings["training.micro_batch_size"],
+                               "gradient_accumulation_steps": settings["training.gradient_accumulation"]}
+    if new_optimizer:
+        updates["optim"] = OPTIMIZERS["adamw_8bit"][0]
+    log.info("prepare_for_budget: %s; predicted peak %s of %s usable", decided.chosen.label(),
+             format_bytes(decided.chosen.peak), format_bytes(decided.usable))
+    return model, dataclasses.replace(args, **updates)
 
 
 def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
@@ -249,9 +266,3 @@ def _adapter(model: nn.Module) -> dict[str, Any]:
     targets = lora.target_modules
     return {"method": "lora", "r": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
             "target_modules": "all-linear" if targets == "all-linear" else sorted(targets)}
-
-
-def _changed(cfg: RunConfig, change: dict[str, Any]) -> RunConfig:
-    memory = cfg.memory.model_copy(update={"checkpointing": change.get("checkpointing", "none")})
-    training = cfg.training.model_copy(update={"optimizer": change.get("optimizer", cfg.training.optimizer)})
-    return cfg.model_copy(update={"memory": memory, "training": training})

@@ -69,7 +69,9 @@ def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
     peak4 = estimate(with_batch(cfg, 4, 4)).total_bytes
     budget = int(peak4 / 0.9) + 2**16  # micro-batch 4 fits the usable part, 8 does not
     model, new_args = prepare_for_budget(model, args, budget, max_length=32)
-    assert (new_args.per_device_train_batch_size, new_args.gradient_accumulation_steps) == (4, 4)
+    micro, accumulation = new_args.per_device_train_batch_size, new_args.gradient_accumulation_steps
+    assert micro * accumulation == 16 and micro < 16  # the effective batch is kept; 16 does not fit
+    assert micro >= 4  # at least what fits without any technique
     assert new_args.learning_rate == args.learning_rate and new_args.optim == args.optim
     callback = MemoryBudgetCallback(budget, simulate=True)
     trainer = Trainer(model=model, args=new_args, train_dataset=token_dataset("causal-lm", [32] * 32),
@@ -78,7 +80,7 @@ def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
     assert trainer.state.global_step == 2
     assert callback.recovery is not None and callback.recovery.events == []  # the prediction held
     assert not callback.over_budget
-    with pytest.raises(MemtrainError, match="nothing fits"):
+    with pytest.raises(MemtrainError, match=r"(?i)nothing fits.*smallest reachable peak"):
         prepare_for_budget(tiny_model(), args, "1MiB", max_length=32)
 
 
