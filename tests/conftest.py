@@ -84,3 +84,17 @@ def merge(base: dict, extra: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def tiny_model(arch: str, **overrides: Any) -> Any:
+    """A tiny model of ``arch`` from TINY_CONFIGS (vocabulary 512, seeded): a classifier for BERT and
+    RoBERTa, a causal LM otherwise."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    values = {**copy.deepcopy(TINY_CONFIGS[arch]), "vocab_size": 512, **overrides}
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    if arch in ("bert", "roberta"):
+        return AutoModelForSequenceClassification.from_config(config)
+    return AutoModelForCausalLM.from_config(config)

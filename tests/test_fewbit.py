@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 from collections.abc import Callable
@@ -10,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MINILM, TINY_CONFIGS
+from conftest import MINILM, TINY_CONFIGS, tiny_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from memtrain import patches
 from memtrain.config import FewBitConfig, load_recipe
@@ -20,15 +18,6 @@ from memtrain.errors import MemtrainError
 from memtrain.patches import NoMatchError, fewbit
 from memtrain.patches._fewbit_tables import FUNCTIONS, derivative, fewbit_table, normal_pdf
 from memtrain.patches.fewbit import FewBitActivation, identify, pack_codes, unpack_codes
-
-
-def tiny_model(arch: str, **overrides: Any) -> nn.Module:
-    values = {**copy.deepcopy(TINY_CONFIGS[arch]), "vocab_size": 512, **overrides}
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    torch.manual_seed(0)
-    if arch in ("bert", "roberta"):
-        return AutoModelForSequenceClassification.from_config(config)
-    return AutoModelForCausalLM.from_config(config)
 
 
 def saved_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MINILM, TINY_CONFIGS
+from conftest import MINILM, TINY_CONFIGS, tiny_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
 from memtrain import patches
@@ -24,15 +23,6 @@ from memtrain.patches.randomized_linear import (
     sketch_product,
     sketch_rows,
 )
-
-
-def tiny_model(arch: str, **overrides: Any) -> nn.Module:
-    values = {**copy.deepcopy(TINY_CONFIGS[arch]), "vocab_size": 512, **overrides}
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    torch.manual_seed(0)
-    if arch in ("bert", "roberta"):
-        return AutoModelForSequenceClassification.from_config(config)
-    return AutoModelForCausalLM.from_config(config)
 
 
 def saved_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor] = ()) -> tuple[int, Any]:
