@@ -227,8 +227,19 @@ def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
     return (0,) if value in (None, False) else (1,)
 
 
-_TRACES: dict[str, tuple[Any, Any, est.Counts, est.Counts]] = {}
-_POINTS: dict[tuple[str, int, int], Any] = {}
+@dataclass
+class _Traced:
+    """A candidate's traces at micro-batch 2 and 3 (and single sizes traced on their own)."""
+
+    plan: Any  # the estimator's plan (settings, architecture, device)
+    c2: Any
+    c3: Any
+    counts2: est.Counts
+    counts3: est.Counts
+    points: dict[int, Any] = field(default_factory=dict)  # micro-batch -> candidates traced directly
+
+
+_TRACES: dict[str, _Traced] = {}
 
 
 class _Search:
@@ -246,7 +257,7 @@ class _Search:
         self.done: list[Candidate] = []
         self.pruned: list[Candidate] = []
         self._traces = _TRACES  # shared by every search in this process: a trace depends only on
-        self._points = _POINTS  # the settings in its key, never on the budget
+        # the settings in its key, never on the budget
 
     def candidates(self) -> Iterator[Candidate]:
         domains = [_options(self.cfg, f, self.depth) for f in self.fields]
@@ -295,13 +306,13 @@ class _Search:
         cfg = with_values(self.cfg, {**base, **self._plain(cand)})
         micro, accumulation = self.batches[-1]
         held = 2 if any(a > 1 for _, a in self.batches) else 1
-        _, _, counts2, counts3 = self._traced(cfg, held)
-        work = _work_at(counts2[3], counts3[3], micro)
+        traced = self._traced(cfg, held)
+        work = _work_at(traced.counts2[3], traced.counts3[3], micro)
         ckpt = cand.values.get("memory.checkpointing", self.cfg.memory.checkpointing)
         if ckpt == "full" or isinstance(ckpt, int):  # recompute: one more forward, >= 1/3 of the FLOPs
             share = 1.0 if ckpt == "full" else min(1.0, ckpt / self.depth)
             work = Work(1, work.flops * (1 + share / 3), work.ops, work.written, work.optimizer_ops)
-        return self._cost(cfg, cand.values, work, counts2, accumulation, 0).seconds
+        return self._cost(cfg, cand.values, work, traced.counts2, accumulation, 0).seconds
 
     def _plain(self, cand: Candidate) -> dict[str, Any]:
         plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
@@ -323,13 +334,10 @@ class _Search:
         fitted = None
         traced = self._traced(cfg, held)
         for micro, accumulation in reversed(self.batches):
-            if micro >= 2 and self._summary(cfg, traced, max(micro, 2), held).total_bytes > self.usable \
-                    and accumulation > 1:
-                continue  # cheap linear check before any single-example trace
-            summary = self._summary(cfg, traced, micro, held)
+            summary = self._summary(traced, micro)
             if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \
                     and summary.total_bytes - self._grad_bytes(cfg, traced) <= self.usable:
-                summary = self._summary(cfg, self._traced(cfg, 1), micro, 1)
+                summary = self._summary(self._traced(cfg, 1), micro)
                 if summary.total_bytes <= self.usable:
                     traced = self._traced(cfg, 1)
             if summary.total_bytes <= self.usable:
@@ -337,7 +345,7 @@ class _Search:
                 break
         if fitted is None:
             cand.micro, cand.accumulation = self.batches[0]
-            cand.min_peak = self._summary(cfg, traced, cand.micro, held).total_bytes
+            cand.min_peak = self._summary(traced, cand.micro).total_bytes
             cand.reason = (f"does not fit: {format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
                            f"{format_bytes(self.usable)} usable")
             self.done.append(cand)
@@ -345,29 +353,25 @@ class _Search:
         micro, accumulation, summary, traced = fitted
         cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
         first = self.batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
-        cand.min_peak = self._summary(cfg, traced, max(first, 2) if first == 1 and micro > 1 else first,
-                                      held).total_bytes
-        work = _work_at(traced[2][3], traced[3][3], micro)
-        cost = self._cost(cfg, cand.values, work, traced[2], accumulation, summary.host_peak_bytes)
+        smallest = 2 if first == 1 and micro > 1 else first
+        cand.min_peak = self._summary(traced, smallest).total_bytes
+        work = _work_at(traced.counts2[3], traced.counts3[3], micro)
+        cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary.host_peak_bytes)
         cand.seconds, cand.parts = cost.seconds, cost.parts
         self.done.append(cand)
 
-    def _grad_bytes(self, cfg: RunConfig, traced: tuple[Any, Any, est.Counts, est.Counts]) -> int:
-        return traced[2][1] * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)
+    def _grad_bytes(self, cfg: RunConfig, traced: _Traced) -> int:
+        return traced.counts2[1] * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)
 
-    def _summary(self, cfg: RunConfig, traced: tuple[Any, Any, est.Counts, est.Counts], micro: int,
-                 accumulation: int) -> est.Estimate:
+    def _summary(self, traced: _Traced, micro: int) -> est.Estimate:
         """The estimate at ``micro``: linear from the traces at 2 and 3 (size 1 is traced itself:
         some models take other paths for a single example)."""
-        c2, c3, counts2, _ = traced
-        plan = self._est_plan(cfg, accumulation)
-        cands = in_batch(c2, c3, 2, 3, micro) if micro >= 2 else None
+        cands = in_batch(traced.c2, traced.c3, 2, 3, micro) if micro >= 2 else None
         if cands is None:
-            key = (cfg.model_dump_json() + self.device, micro, accumulation)
-            if key not in self._points:
-                self._points[key] = est._candidates(plan, micro, plan.seq_len, False)[0]
-            cands = self._points[key]
-        return est._summarize(plan, cands, counts2, "", 0.0)
+            if micro not in traced.points:
+                traced.points[micro] = est._candidates(traced.plan, micro, traced.plan.seq_len, False)[0]
+            cands = traced.points[micro]
+        return est._summarize(traced.plan, cands, traced.counts2, "", 0.0)
 
     def _cost(self, cfg: RunConfig, values: dict[str, Any], work: Work, counts: est.Counts,
               accumulation: int, offloaded: int) -> costmodel.StepCost:
@@ -385,22 +389,19 @@ class _Search:
             optimizer_rates=self.host_rates if opt_off else None,
             parameter_bytes=2 if cfg.model.dtype in ("bf16", "fp16") else 4)
 
-    def _est_plan(self, cfg: RunConfig, accumulation: int) -> Any:
-        one = {"training.micro_batch_size": 1, "training.effective_batch_size": None,
-               "training.gradient_accumulation": min(accumulation, 2)}
-        return est._plan(with_values(cfg, one), (), self.device)
-
-    def _traced(self, cfg: RunConfig, accumulation: int) -> tuple[Any, Any, est.Counts, est.Counts]:
+    def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
         """Candidates and counts at micro-batch 2 and 3 (cached per settings and accumulation)."""
         key = cfg.model_dump_json(include={"model", "data", "adapter", "training", "memory", "distributed"},
                                   exclude={"training": {"micro_batch_size", "gradient_accumulation",
                                                         "effective_batch_size"}})
         key += f"|{min(accumulation, 2)}|{self.device}"
         if key not in self._traces:
-            plan = self._est_plan(cfg, accumulation)
+            one = {"training.micro_batch_size": 1, "training.effective_batch_size": None,
+                   "training.gradient_accumulation": min(accumulation, 2)}
+            plan = est._plan(with_values(cfg, one), (), self.device)
             c2, counts2, _ = est._candidates(plan, 2, plan.seq_len, False)
             c3, counts3, _ = est._candidates(plan, 3, plan.seq_len, False)
-            self._traces[key] = (c2, c3, counts2, counts3)
+            self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
         return self._traces[key]
 
 
