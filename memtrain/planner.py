@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memtrain import costmodel
+from memtrain.autofit import valid_batches
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.errors import MemtrainError
@@ -43,7 +44,6 @@ from memtrain.units import format_bytes, parse_size
 
 # Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
 APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
-MICRO_CAP = 256  # largest micro-batch tried when no effective batch size bounds it
 
 
 class NothingFits(MemtrainError):
@@ -422,17 +422,12 @@ def _batches(cfg: RunConfig) -> list[tuple[int, int]]:
     if t.micro_batch_size != "auto" and t.gradient_accumulation != "auto":
         batch: Batch = resolve_batch(t, procs)
         return [(batch.micro, batch.accumulation)]
+    if t.micro_batch_size == "auto" or (t.micro_batch_size is None and t.effective_batch_size is not None):
+        return valid_batches(t, procs)  # the same choices the probe step confirms among
     if t.effective_batch_size is None:
-        accum = t.gradient_accumulation if isinstance(t.gradient_accumulation, int) else 1
-        if t.micro_batch_size == "auto":
-            return [(m, accum) for m in range(1, MICRO_CAP + 1)]
         return [(t.micro_batch_size or 8, 1)]
     per_process = t.effective_batch_size // procs
-    if isinstance(t.micro_batch_size, int):
-        return [(t.micro_batch_size, per_process // t.micro_batch_size)]
-    if isinstance(t.gradient_accumulation, int):
-        return [(per_process // t.gradient_accumulation, t.gradient_accumulation)]
-    return [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
+    return [(t.micro_batch_size, per_process // t.micro_batch_size)]
 
 
 def _show(value: Any) -> str:
