@@ -34,3 +34,23 @@ def test_simulated_budget_raises_torch_oom_exactly_at_the_limit() -> None:
     opt.zero_grad(set_to_none=True)
     # after the failure nothing stays registered: a normal step runs and measures the same
     assert measure_step(model, batch(), opt).peak_bytes == peak
+
+
+def test_simulated_budget_callback_is_paused_for_evaluation_and_resumes() -> None:
+    from types import SimpleNamespace
+
+    from memtrain.memory.budget import SimulatedBudgetCallback
+
+    model = tiny_llama()
+    guard = SimulatedBudgetCallback(2**20)  # 1 MiB: far below what the model already holds
+    guard.on_train_begin(SimpleNamespace(device=torch.device("cpu")), None, None, model=model)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2**20, dtype=torch.uint8)
+        with guard.paused(), torch.no_grad():  # evaluation: no limit, no per-op tracking
+            model(**batch())
+        with pytest.raises(torch.OutOfMemoryError):  # training resumes under the limit
+            torch.empty(2**20, dtype=torch.uint8)
+    finally:
+        guard.close()
+    torch.empty(2**20, dtype=torch.uint8)  # closed: nothing left tracking
