@@ -17,7 +17,9 @@ What the probe leaves behind: nothing. Its optimizer is a separate instance of t
 will create (made by the Trainer's own ``create_optimizer``), run with learning rate 0 (parameters
 do not change: updates are ``0 × finite``), and dropped afterwards; gradients are set to None.
 Optimizer state exists during the probe, created by a one-example warm-up step of a few tokens,
-because a training step from step 2 on holds it.
+because a training step from step 2 on holds it. With gradient accumulation the probe runs one
+micro-batch on zero gradients held for every trainable parameter, the state every micro-batch after
+the first runs in (the step's peak), at the cost of one forward and backward.
 
 Compared with ``TrainingArguments(auto_find_batch_size=True)`` (accelerate's
 ``find_executable_batch_size``): that halves the batch after each out-of-memory error, restarts
@@ -86,7 +88,7 @@ def budget_limit(cfg: RunConfig) -> int | None:
     if cfg.memory.simulate_budget is not None:
         return parse_size(cfg.memory.simulate_budget)
     budget = resolve_budget(cfg.memory.budget)
-    return None if budget is None else usable_bytes(budget, cfg.memory.margin)
+    return None if budget is None else usable_bytes(budget, cfg.memory.margin_fraction)
 
 
 def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch, int]:
@@ -103,7 +105,7 @@ def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch
         if total is None:
             raise MemtrainError("`training.micro_batch_size: auto` needs a budget to fit into. Fix: set "
                                 "`memory.budget` (e.g. `24GiB` or `auto`), or a number of examples.")
-        usable = usable_bytes(total, cfg.memory.margin)
+        usable = usable_bytes(total, cfg.memory.margin_fraction)
     from memtrain.planner import fit_micro_batch
 
     pairs = valid_batches(cfg.training, cfg.distributed.processes)
@@ -207,14 +209,16 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
 def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, micro: int,
               micro_batches: int, seq_len: int, limit: int | None) -> tuple[bool, int | None]:
     """Run the probe step: whether it fitted, and its peak (None when untracked)."""
-    from memtrain.memory.build import example_batch
+    from memtrain.memory.build import example_batch, hold_gradients
 
+    if micro_batches > 1:  # the earlier micro-batches' gradients: one forward+backward shows the peak
+        hold_gradients(model)
     budget = SimulatedBudget(limit, model, optimizer) if limit is not None else contextlib.nullcontext()
     try:
         with budget:
             inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])  # as collators send it
-            _step(model, optimizer, [inputs] * micro_batches, cfg.training.max_grad_norm)
+            _step(model, optimizer, [inputs], cfg.training.max_grad_norm, accumulation=micro_batches)
             del inputs
     except torch.OutOfMemoryError:
         failed = True
@@ -230,11 +234,15 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
-          max_grad_norm: float | None) -> None:
-    """Forward + backward per micro-batch, clipping, an optimizer step that changes nothing."""
+          max_grad_norm: float | None, accumulation: int | None = None) -> None:
+    """Forward + backward per micro-batch, clipping, an optimizer step that changes nothing.
+
+    ``accumulation``: the micro-batches of the whole step (default: those given; more when the
+    earlier ones are stood in for by held gradients), for the 1/accumulation loss scale.
+    """
     model.train()
     for inputs in micro_batches:
-        loss = model(**inputs).loss / len(micro_batches)
+        loss = model(**inputs).loss / (accumulation or len(micro_batches))
         loss.backward()
         del loss
     grads = [p.grad for p in model.parameters() if p.grad is not None]

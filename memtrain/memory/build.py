@@ -145,14 +145,22 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
 
 
 def training_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                  accumulation: int = 1, max_grad_norm: float | None = None) -> None:
+                  accumulation: int = 1, max_grad_norm: float | None = None, *,
+                  held_gradients: bool = False) -> None:
     """One optimizer step as the Trainer runs it, for memory purposes.
 
     ``accumulation`` micro-batches of forward + backward (loss scaled by 1/accumulation), gradient
     clipping when ``max_grad_norm`` is set, the optimizer step, then ``zero_grad(set_to_none=True)``.
+
+    With ``held_gradients``, only the last micro-batch runs: the earlier ones are stood in for by
+    what they leave behind, a gradient for every trainable parameter (see :func:`hold_gradients`).
+    From the second micro-batch on, every micro-batch holds the same memory, so the step's peak is
+    the same and its forward and backward cost a single micro-batch.
     """
     model.train()
-    for _ in range(accumulation):
+    if held_gradients and accumulation > 1:
+        hold_gradients(model)
+    for _ in range(1 if held_gradients else accumulation):
         loss = model(**batch).loss
         if accumulation > 1:
             loss = loss / accumulation
@@ -166,6 +174,18 @@ def training_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer: t
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=foreach)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def hold_gradients(model: nn.Module) -> None:
+    """Give every trainable parameter without one a zero gradient: what a micro-batch leaves behind.
+
+    Gradients have the parameter's shape, dtype and placement whatever their values, so the next
+    micro-batch accumulates into them exactly as it would after a real one.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
 
 def measure_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: int | None = None,

@@ -120,14 +120,16 @@ class _MeterMixin:
 
     def phase(self) -> str:
         # Work outside any module after a backward (gradient clipping, zero_grad) belongs to the
-        # optimizer step; a module running again means the next micro-batch's forward.
+        # optimizer step; a module running again means the next micro-batch's forward, and the
+        # work outside modules after it (the loss scaled by 1/accumulation) belongs to that forward.
         if self._in_opt:  # type: ignore[attr-defined]
             return "optimizer"
         if self._mod_tracker.is_bw:  # type: ignore[attr-defined]
             self._backward_seen = True
             return "backward"
-        if self._backward_seen and self._mod_tracker.parents <= {"Global"}:  # type: ignore[attr-defined]
-            return "optimizer"
+        if self._mod_tracker.parents <= {"Global"}:  # type: ignore[attr-defined]
+            return "optimizer" if self._backward_seen else "forward"
+        self._backward_seen = False
         return "forward"
 
     def _update_peak_stats(self, peak_state: Any) -> None:

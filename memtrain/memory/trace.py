@@ -1,7 +1,9 @@
 """Trace a training step on fake tensors and extrapolate it in depth and micro-batch size.
 
 :func:`trace_step` builds the recipe's model on fake tensors (:mod:`memtrain.memory.build`), runs
-a warm-up step (so optimizer state exists) and measures a second one with the memory meter,
+a warm-up step (so optimizer state exists) and measures a second one with the memory meter
+(with gradient accumulation, only its second micro-batch runs, on the gradients the first one
+leaves: every later micro-batch holds the same memory, and the trace costs one forward+backward),
 recording after every op the live bytes per category, the host bytes, the phase and the decoder
 layer the op ran in.
 
@@ -47,6 +49,7 @@ from memtrain.memory.build import (
     build_fake_model,
     build_optimizer,
     example_batch,
+    hold_gradients,
     recipe_stage,
     step_settings,
     training_step,
@@ -243,14 +246,16 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         batch = example_batch(cfg, config, batch_size, seq_len, device)
         step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])
         _create_optimizer_state(model, optimizer)
+        if accumulation > 1:  # the first micro-batch's gradients, in place before the meter starts
+            hold_gradients(model)
         layers = decoder_layers(model, config.num_hidden_layers)
         meter = _TracingMeter(model, optimizer, batch, layers)
         with recipe_stage("model", "a training step on fake tensors"), meter:
-            training_step(*step)
+            training_step(*step, held_gradients=True)  # the second micro-batch, not the first too
         total, trainable = count_parameters(model)
         done = [r.detail or r.name for r in patches.records(model)]
     tracker = meter.tracker
-    work = Work(accumulation, float(tracker.flops), tracker.ops["step"], tracker.written,
+    work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
                 tracker.ops["optimizer"])
     rows = np.array(tracker.rows, dtype=np.int64)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work)
