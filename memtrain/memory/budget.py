@@ -52,8 +52,11 @@ class _BudgetTracker(_Tracker):
         self.limit = limit
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        super()._update_peak_stats(peak_state)
+        # Only the device total and its peak: nothing reads the meter's phase and category
+        # bookkeeping here, and it ran after every op of a guarded step.
         live = self._curr_mem_snap.get(self.compute_device, {}).get(_TOTAL_KEY, 0)
+        if live > self._peak_mem.get(self.compute_device, 0):
+            self._peak_mem[self.compute_device] = live
         if live > self.limit:
             # The wording CUDA's allocator uses, so that code which recognises an out-of-memory
             # error by its message (accelerate's find_executable_batch_size) sees this one too.
