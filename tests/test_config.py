@@ -44,6 +44,16 @@ def test_overrides_parse_yaml_values(tmp_path: Path) -> None:
     assert cfg.memory.randomized_linear is not None and cfg.memory.randomized_linear.ratio == 0.3
 
 
+def test_margin_auto_is_zero_only_against_a_simulated_budget_alone(tmp_path: Path) -> None:
+    margin = lambda *o: load_recipe(recipe(tmp_path), list(o)).memory.margin_fraction  # noqa: E731
+    assert margin() == 0.1
+    assert margin("memory.budget=2GiB") == 0.1
+    assert margin("memory.simulate_budget=1GiB") == 0.0  # exact: it counts what the estimate predicts
+    assert margin("memory.simulate_budget=1GiB", "memory.budget=2GiB") == 0.1
+    assert margin("memory.simulate_budget=1GiB", "memory.margin=0.2") == 0.2
+    assert any("`memory.margin`" in p and "1.5" in p for p in problems(recipe(tmp_path), ["memory.margin=1.5"]))
+
+
 def test_all_errors_reported_at_once(tmp_path: Path) -> None:
     found = problems(recipe(tmp_path), [
         "training.lerning_rate=1",          # unknown key

@@ -321,8 +321,11 @@ class MemoryConfig(Section):
         description="Memory the run may use per device, like `24GiB`, or `auto` (the device's "
         "free memory; on CPU the available RAM). null = no budget, nothing is planned.",
     )
-    margin: float = Field(
-        0.1, ge=0, lt=1, description="Fraction of the budget kept free for what estimates miss."
+    margin: float | Auto = Field(
+        "auto",
+        description="Fraction of the budget kept free for what estimates miss. `auto`: 0.1, or 0 "
+        "when planning against `simulate_budget` alone (it counts the live tensor bytes the "
+        "estimator predicts exactly).",
     )
     simulate_budget: str | None = Field(
         None,
@@ -360,6 +363,25 @@ class MemoryConfig(Section):
         except ValueError:
             raise ValueError("must look like '24GiB', '512MiB' or 'auto'") from None
         return v
+
+    @field_validator("margin")
+    @classmethod
+    def _margin(cls, v: float | str) -> float | str:
+        if isinstance(v, float) and not 0 <= v < 1:
+            raise ValueError("a margin is a fraction of the budget in [0, 1), or 'auto'")
+        return v
+
+    @property
+    def margin_fraction(self) -> float:
+        """``margin`` as a number: ``auto`` is 0 when the only budget is the simulated one, else 0.1.
+
+        A simulated budget counts live tensor bytes, which the estimator predicts exactly
+        (docs/bench/estimate.md); a real device also holds what no trace sees (allocator caching
+        and fragmentation, the CUDA context beyond its modelled size, non-tensor RAM).
+        """
+        if self.margin != "auto":
+            return float(self.margin)
+        return 0.0 if self.budget is None and self.simulate_budget is not None else 0.1
 
     @field_validator("checkpointing")
     @classmethod
