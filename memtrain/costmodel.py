@@ -70,7 +70,12 @@ def rates(device: str) -> Rates:
     path = calibrate.profile_path()
     profile = calibrate.load_profile(path) or {}
     saved = (profile.get("rates") or {}).get(device)
-    if saved and "op_seconds" in saved:
+    threads = None
+    if device == "cpu":
+        import torch
+
+        threads = torch.get_num_threads()
+    if saved and "op_seconds" in saved and saved.get("threads") == threads:
         return Rates(f"measured by `memtrain calibrate` ({path})", saved)
     if device == "cuda":
         import torch
