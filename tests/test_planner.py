@@ -77,6 +77,28 @@ def test_a_tight_budget_turns_on_the_technique_that_saves_memory(tmp_path: Path,
     assert tight.chosen.peak <= tight.usable
 
 
+def test_predicted_ties_go_to_the_candidate_with_fewer_techniques(tmp_path: Path, corpus: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = _recipe(tmp_path, corpus, optimizer="auto")
+    recipe["memory"] = {"checkpointing": "auto"}
+    cfg = load_recipe(recipe)
+    predicted = {("none", "adamw"): 1.04, ("selective", "adamw"): 1.00, ("none", "adamw_8bit"): 1.01}
+
+    def evaluate(self: planner._Search, cand: planner.Candidate) -> None:  # the cost model's verdicts
+        key = (cand.values["memory.checkpointing"], cand.values["training.optimizer"])
+        cand.micro, cand.accumulation, cand.seconds = 4, 4, predicted.get(key, 2.0)
+        self.done.append(cand)
+
+    monkeypatch.setattr(planner._Search, "evaluate", evaluate)
+    monkeypatch.setattr(planner._Search, "lower_bound", lambda self, cand: 0.0)
+    monkeypatch.setattr(planner.costmodel, "rates", lambda device: None)
+    choose = lambda: planner._Search(cfg, "cpu", 2**40).run()  # noqa: E731
+    # 4% slower predicted is within the cost model's error: no recompute, no 8-bit state
+    assert choose().values == {"training.optimizer": "adamw", "memory.checkpointing": "none"}
+    predicted[("none", "adamw")] = 1.06  # beyond it, the faster prediction wins
+    assert choose().values == {"training.optimizer": "adamw", "memory.checkpointing": "selective"}
+
+
 def test_an_impossible_budget_exits_2_with_the_numbers(tmp_path: Path, corpus: Path) -> None:
     path = tmp_path / "recipe.yaml"
     import yaml
