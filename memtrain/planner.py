@@ -351,8 +351,8 @@ class _Search:
         """Trace ``cand``, pick its largest fitting micro-batch, predict its time.
 
         Accumulation matters to the peak: from the second micro-batch on, gradients are held
-        during the forward. Traces with two accumulated micro-batches bound every pair from
-        above; a pair without accumulation is traced on its own only when the gradients it does
+        during the forward. Traces of an accumulated micro-batch (on held gradients) bound every
+        pair from above; a pair without accumulation is traced on its own only when the gradients it does
         not hold could make the difference.
         """
         cfg = with_values(self.cfg, cand.values)
