@@ -51,7 +51,8 @@ def test_margin_auto_is_zero_only_against_a_simulated_budget_alone(tmp_path: Pat
     assert margin("memory.simulate_budget=1GiB") == 0.0  # exact: it counts what the estimate predicts
     assert margin("memory.simulate_budget=1GiB", "memory.budget=2GiB") == 0.1
     assert margin("memory.simulate_budget=1GiB", "memory.margin=0.2") == 0.2
-    assert any("`memory.margin`" in p and "1.5" in p for p in problems(recipe(tmp_path), ["memory.margin=1.5"]))
+    found = problems(recipe(tmp_path), ["memory.margin=1.5"])
+    assert any("`memory.margin`" in p and "1.5" in p for p in found)
 
 
 def test_all_errors_reported_at_once(tmp_path: Path) -> None:
