@@ -174,6 +174,9 @@ def plan(
     device: Annotated[str | None, typer.Option(
         help="Where the run will train: cuda or cpu (default: this machine's device).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    tune: Annotated[int, typer.Option(
+        min=0, help="Time this many of the fastest-predicted settings, at up to four micro-batches that fit, "
+        "with real steps here and keep the fastest measured (builds the model).")] = 0,
 ) -> None:
     """Choose the `auto` settings: the fastest combination whose predicted peak fits the budget."""
     from memtrain import planner
@@ -181,7 +184,7 @@ def plan(
     from memtrain.plan_view import print_plan
 
     cfg = load_recipe(recipe, overrides or [])
-    result = planner.plan(cfg, budget, device=device)
+    result = planner.plan(cfg, budget, device=device, tune=tune)
     if as_json:
         console.print_json(json.dumps(planner.describe(result), default=str))
     else:

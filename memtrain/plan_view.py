@@ -18,12 +18,18 @@ def print_plan(console: Console, plan: Plan) -> None:
     fields = ", ".join(f"`{f}`" for f in plan.auto) or "none (checking the recipe as written)"
     console.print(f"[bold]plan[/] for {format_bytes(plan.usable)} usable of a {format_bytes(plan.budget)} "
                   f"budget on {plan.device}; deciding {fields}", highlight=False)
-    table = Table("", "settings", "predicted peak", "predicted s/step", title_justify="left",
+    tuned = plan.chosen.measured is not None
+    measured = ("measured s/step",) if tuned else ()
+    table = Table("", "settings", "predicted peak", "predicted s/step", *measured, title_justify="left",
                   title="chosen, then the next best that fit")
-    table.add_row("[bold green]chosen[/]", _settings(plan.chosen), format_bytes(plan.chosen.peak),
-                  f"{plan.chosen.seconds:.3g}")
+
+    def cells(cand: Candidate) -> tuple[str, ...]:
+        timed = (f"{cand.measured:.3g}" if cand.measured is not None else "not timed",) if tuned else ()
+        return _settings(cand), format_bytes(cand.peak), f"{cand.seconds:.3g}", *timed
+
+    table.add_row("[bold green]chosen[/]", *cells(plan.chosen))
     for cand in plan.alternatives[:SHOWN_ALTERNATIVES]:
-        table.add_row("", _settings(cand), format_bytes(cand.peak), f"{cand.seconds:.3g}")
+        table.add_row("", *cells(cand))
     console.print(table)
     if plan.rejected:
         kinds = Counter(c.reason.split(":")[0] for c in plan.rejected)

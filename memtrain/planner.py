@@ -21,8 +21,8 @@ seconds, so the search prunes:
 
 Predicted times within ``TIE`` (5%) of the fastest are within the cost model's error, so among
 those the planner takes the candidate with the fewest memory techniques (recompute, 8-bit state,
-offload, quantization, approximation, sharding), then the fastest predicted: a technique that buys
-no measurable speed is not worth its risk.
+offload, quantization, approximation, sharding), then the one that leaves the most memory free: a
+technique or a fuller device that buys no measurable speed is not worth its risk.
 
 Approximate-gradient layers change the gradients, so they are candidates only when the recipe sets
 ``memory.allow_approximate: true``.
@@ -48,9 +48,10 @@ from memtrain.memory.trace import Work, in_batch
 from memtrain.units import format_bytes, parse_size
 
 # Predicted step times this close count as equal: on scripts/bench_planner.py the cost model ranked
-# micro-batch 16 1% ahead of 4 where 4 measured 5% faster (docs/bench/planner.md). Among equals the
-# planner takes the candidate with the fewest memory techniques (then the fastest predicted).
+# micro-batch 16 4% ahead of 4 where 4 measured 1-13% faster (docs/bench/planner.md). Among equals
+# the planner takes the candidate with the fewest memory techniques, then the smallest peak.
 TIE = 0.05
+TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that fit)
 # Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
 APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
 
@@ -71,6 +72,9 @@ class Candidate:
     parts: dict[str, float] = field(default_factory=dict)
     min_peak: int = 0  # predicted peak at the smallest micro-batch
     reason: str = ""  # why it was not chosen
+    measured: float | None = None  # seconds of a real step, when the plan was tuned
+    # every micro-batch that fits: (micro, accumulation, peak, predicted seconds), for tuning
+    options: list[tuple[int, int, int, float]] = field(default_factory=list, repr=False)
 
     def label(self) -> str:
         shown = dict(self.values)
@@ -127,7 +131,8 @@ def budget_bytes(cfg: RunConfig, budget: str | int | None = None, device: str | 
     return int(resolve_budget("auto", device))
 
 
-def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None = None) -> Plan:
+def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None = None,
+         tune: int = 0) -> Plan:
     """Decide every ``auto`` field of ``cfg`` (see the module docstring).
 
     Args:
@@ -135,6 +140,9 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
         budget: bytes or a size like ``"24GiB"``; default ``memory.budget`` (or the simulated
             budget, or the device's free memory).
         device: ``cuda`` or ``cpu``, where the run trains (default: CUDA when present).
+        tune: time this many of the fastest-predicted settings, each at up to four micro-batches
+            that fit, with real steps on this machine and choose the fastest measured
+            (:func:`tune_choice`). Builds the real model; 0 (default) decides from predictions.
 
     Raises:
         NothingFits: no candidate fits; the message gives the smallest peak and its settings.
@@ -158,8 +166,49 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             f"Fix: raise `memory.budget` to at "
             f"least {format_bytes(int(smallest.min_peak / (1 - margin)) + 1)}, set more fields "
             "to `auto` (or `memory.allow_approximate: true`), or train a smaller model.")
+    if tune > 0:
+        chosen, fits = tune_choice(cfg, [chosen, *fits], tune)
     return Plan(total, usable, target, auto_fields(cfg), chosen, fits, rejected, search.rates.source,
                 time.perf_counter() - start)
+
+
+def tune_choice(cfg: RunConfig, fits: list[Candidate], count: int, steps: int = 3
+                ) -> tuple[Candidate, list[Candidate]]:
+    """Time the ``count`` fastest-predicted settings at the micro-batches that fit; keep the fastest.
+
+    The cost model ranks settings well but not finely, and it cannot see how the micro-batch size
+    meets a CPU's caches (docs/bench/planner.md: micro-batch 4 ran 1-28% faster than 16 there, which
+    the model ranks the other way), so the last word goes to a measurement: each (settings,
+    micro-batch) pair's model is built, runs one warm-up optimizer step and ``steps`` timed ones on
+    a worst-case batch (``data.max_length`` tokens per example), and the fastest (best of its steps)
+    wins. Each setting is timed at up to ``TUNE_MICROS`` of its largest micro-batches that fit
+    (micro-batch 1 only when it is the one that fits: it needs a trace of its own). Returns the
+    choice and every other fitting pair.
+    """
+    from memtrain.memory.build import time_recipe_step
+
+    pairs = [Candidate(dict(c.values), micro, accumulation, peak, seconds, c.parts, c.min_peak)
+             for rank, c in enumerate(fits) for micro, accumulation, peak, seconds in c.options
+             if rank < count or micro == c.micro]
+    timed = [p for p, rank in zip(pairs, _ranks(fits, pairs), strict=True) if rank < count]
+    for cand in timed:
+        settings = {**cand.values, "training.micro_batch_size": cand.micro,
+                    "training.gradient_accumulation": cand.accumulation}
+        cand.measured = time_recipe_step(with_values(cfg, settings), steps)
+    best = min(timed, key=lambda c: c.measured or math.inf)
+    for cand in pairs:
+        if cand is not best:
+            cand.reason = (f"measured {cand.measured:.3g} s per step vs {best.measured:.3g} s"
+                           if cand.measured is not None else
+                           f"slower: {cand.seconds:.3g} s per step predicted, not among the settings timed")
+    rest = [c for c in pairs if c is not best]
+    return best, sorted(rest, key=lambda c: (c.measured is None, c.measured or c.seconds))
+
+
+def _ranks(fits: list[Candidate], pairs: list[Candidate]) -> list[int]:
+    """For each pair, the rank of its settings among ``fits`` (fastest predicted first)."""
+    order = {tuple(sorted((k, repr(v)) for k, v in c.values.items())): i for i, c in enumerate(fits)}
+    return [order[tuple(sorted((k, repr(v)) for k, v in p.values.items()))] for p in pairs]
 
 
 def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None) -> tuple[int, int, int]:
@@ -305,13 +354,16 @@ class _Search:
         if fastest is None:
             return None
         ties = [c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)]
-        best = min(ties, key=lambda c: (self.techniques(c), c.seconds))
+        best = min(ties, key=lambda c: (self.techniques(c), c.peak, c.seconds))
         for cand in fits:
             if cand is best:
                 continue
             if cand in ties and self.techniques(cand) > self.techniques(best):
                 cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
                                f"model's {TIE:.0%} error, and it uses more memory techniques")
+            elif cand in ties and cand.peak > best.peak:
+                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
+                               f"model's {TIE:.0%} error, and it leaves less memory free")
             else:
                 cand.reason = f"slower: {cand.seconds:.3g} s per step vs {best.seconds:.3g} s"
         return best
@@ -378,6 +430,18 @@ class _Search:
             return
         micro, accumulation, summary, traced = fitted
         cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
+        for m, a in reversed(self.batches):  # the micro-batches tuning may time
+            if m > micro or len(cand.options) == TUNE_MICROS or (m == 1 and micro > 1):
+                continue  # (a single example would need a trace of its own)
+            if m == micro:
+                peak = summary.total_bytes
+            else:  # smaller, so accumulated: on held gradients, which the fitted size may not hold
+                peak = self._summary(self._traced(cfg, 2) if a > 1 else traced, m).total_bytes
+                if peak > self.usable:
+                    continue
+            work_m = _work_at(traced.counts2[3], traced.counts3[3], m)
+            cost_m = self._cost(cfg, cand.values, work_m, traced.counts2, a, summary.host_peak_bytes)
+            cand.options.append((m, a, peak, cost_m.seconds))
         first = self.batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
         smallest = 2 if first == 1 and micro > 1 else first
         cand.min_peak = self._summary(traced, smallest).total_bytes
@@ -473,7 +537,8 @@ def describe(p: Plan) -> dict[str, Any]:
     def row(c: Candidate) -> dict[str, Any]:
         return {"values": c.values, "micro_batch_size": c.micro, "gradient_accumulation": c.accumulation,
                 "peak_bytes": c.peak, "min_peak_bytes": c.min_peak, "seconds_per_step": c.seconds
-                if c.seconds < math.inf else None, "time_parts": c.parts, "reason": c.reason}
+                if c.seconds < math.inf else None, "measured_seconds_per_step": c.measured,
+                "time_parts": c.parts, "reason": c.reason}
     return {"budget_bytes": p.budget, "usable_bytes": p.usable, "device": p.device, "auto_fields": p.auto,
             "chosen": row(p.chosen), "alternatives": [row(c) for c in p.alternatives],
             "rejected": [row(c) for c in p.rejected], "rates": p.rates_source,
@@ -481,4 +546,4 @@ def describe(p: Plan) -> dict[str, Any]:
 
 
 __all__ = ["Candidate", "NothingFits", "Plan", "auto_fields", "budget_bytes", "describe", "fit_micro_batch",
-           "needs_plan", "plan", "with_values"]
+           "needs_plan", "plan", "tune_choice", "with_values"]

@@ -77,16 +77,18 @@ def test_a_tight_budget_turns_on_the_technique_that_saves_memory(tmp_path: Path,
     assert tight.chosen.peak <= tight.usable
 
 
-def test_predicted_ties_go_to_the_candidate_with_fewer_techniques(tmp_path: Path, corpus: Path,
+def test_predicted_ties_go_to_fewer_techniques_then_the_smaller_peak(tmp_path: Path, corpus: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     recipe = _recipe(tmp_path, corpus, optimizer="auto")
     recipe["memory"] = {"checkpointing": "auto"}
     cfg = load_recipe(recipe)
     predicted = {("none", "adamw"): 1.04, ("selective", "adamw"): 1.00, ("none", "adamw_8bit"): 1.01}
+    peaks = {("selective", "adamw"): 300}
 
     def evaluate(self: planner._Search, cand: planner.Candidate) -> None:  # the cost model's verdicts
         key = (cand.values["memory.checkpointing"], cand.values["training.optimizer"])
         cand.micro, cand.accumulation, cand.seconds = 4, 4, predicted.get(key, 2.0)
+        cand.peak = peaks.get(key, 200)
         self.done.append(cand)
 
     monkeypatch.setattr(planner._Search, "evaluate", evaluate)
@@ -95,8 +97,33 @@ def test_predicted_ties_go_to_the_candidate_with_fewer_techniques(tmp_path: Path
     choose = lambda: planner._Search(cfg, "cpu", 2**40).run()  # noqa: E731
     # 4% slower predicted is within the cost model's error: no recompute, no 8-bit state
     assert choose().values == {"training.optimizer": "adamw", "memory.checkpointing": "none"}
-    predicted[("none", "adamw")] = 1.06  # beyond it, the faster prediction wins
+    predicted[("none", "adamw")] = 1.06  # beyond it: one technique each, the smaller peak wins
+    assert choose().values == {"training.optimizer": "adamw_8bit", "memory.checkpointing": "none"}
+    predicted[("none", "adamw_8bit")] = 1.06  # and beyond it again, the faster prediction
     assert choose().values == {"training.optimizer": "adamw", "memory.checkpointing": "selective"}
+
+
+def test_tuning_times_the_fastest_predicted_and_keeps_the_fastest_measured(
+        tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrain.memory import build
+
+    cfg = load_recipe(_recipe(tmp_path, corpus))
+    untuned = planner.plan(cfg, "4GiB")
+    assert untuned.chosen.micro == 16 and untuned.chosen.measured is None
+    timed: list[int] = []
+    real = build.time_recipe_step
+
+    def time_step(c: object, steps: int = 3) -> float:  # a real step, then this machine's "verdict"
+        timed.append(c.training.micro_batch_size)  # type: ignore[attr-defined]
+        assert real(c, 1) > 0  # type: ignore[arg-type]
+        return {4: 0.5}.get(c.training.micro_batch_size, 1.0)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(build, "time_recipe_step", time_step)
+    tuned = planner.plan(cfg, "4GiB", tune=1)
+    assert timed == [16, 8, 4, 2]  # the settings at each micro-batch that fits (1 needs its own trace)
+    assert (tuned.chosen.micro, tuned.chosen.accumulation, tuned.chosen.measured) == (4, 4, 0.5)
+    assert [c.measured for c in tuned.alternatives] == [1.0, 1.0, 1.0]
+    assert "measured 1 s per step vs 0.5 s" in tuned.alternatives[0].reason
 
 
 def test_an_impossible_budget_exits_2_with_the_numbers(tmp_path: Path, corpus: Path) -> None:

@@ -15,6 +15,7 @@ Training (:mod:`memtrain.runner`), measurement (the benchmarks) and estimation
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -215,6 +216,35 @@ def measure_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: i
         with MemoryMeter(model, optimizer, inputs=batch) as meter:
             training_step(model, batch, optimizer, *step_args)
     return meter.result()
+
+
+def time_recipe_step(cfg: RunConfig, steps: int = 2) -> float:
+    """Seconds of a real optimizer step of the recipe: the best of ``steps`` after a warm-up step.
+
+    Builds the real model and optimizer on this machine's device, with a worst-case batch
+    (``data.max_length`` tokens per example); what the planner's tuning measures.
+    """
+    from memtrain.memory.estimate import resolve_config
+    from memtrain.memory.fake import isolated_bnb_overrides
+
+    config, _ = resolve_config(cfg.model)
+    settings = step_settings(cfg)
+    step_args = (settings["accumulation"], settings["max_grad_norm"])
+    with isolated_bnb_overrides():
+        torch.manual_seed(cfg.training.seed)
+        model = build_model(cfg, config.num_labels, config.pad_token_id)
+        optimizer = build_optimizer(cfg, model)
+        device = next(model.parameters()).device
+        batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, device)
+        times = []
+        for i in range(steps + 1):
+            start = time.perf_counter()
+            training_step(model, batch, optimizer, *step_args)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first step is the warm-up: kernel selection, optimizer state
+                times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def step_settings(cfg: RunConfig) -> dict[str, Any]:
