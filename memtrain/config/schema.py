@@ -13,13 +13,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from memtrain.units import parse_size
 
 Auto = Literal["auto"]
+
+
+def _unit_fraction(v: float | str) -> float | str:
+    if isinstance(v, float) and not 0 <= v < 1:
+        raise ValueError("a fraction must be in [0, 1)")
+    return v
+
+
+# A fraction in [0, 1), or one of the words its field allows (checked after the union resolves,
+# so a bad number gets one message instead of one per member of the union).
+FractionOr = AfterValidator(_unit_fraction)
 DType = Literal["fp32", "bf16", "fp16"]
 
 
@@ -149,7 +168,7 @@ class DataConfig(Section):
     packing: bool = Field(
         False, description="`text` only: concatenate examples and cut them into `max_length` blocks."
     )
-    eval_split: float | str = Field(
+    eval_split: Annotated[float | str, FractionOr] = Field(
         0.1,
         description="Fraction of the data held out for evaluation (0 = no evaluation), or the name "
         "of a split of the dataset.",
@@ -157,13 +176,6 @@ class DataConfig(Section):
     max_examples: int | None = Field(
         None, gt=0, description="Use at most this many examples (after shuffling, before the eval split)."
     )
-
-    @field_validator("eval_split")
-    @classmethod
-    def _fraction(cls, v: float | str) -> float | str:
-        if isinstance(v, float) and not 0 <= v < 1:
-            raise ValueError("a fraction must be in [0, 1)")
-        return v
 
     @model_validator(mode="after")
     def _packing_text_only(self, info: ValidationInfo) -> DataConfig:
@@ -321,7 +333,7 @@ class MemoryConfig(Section):
         description="Memory the run may use per device, like `24GiB`, or `auto` (the device's "
         "free memory; on CPU the available RAM). null = no budget, nothing is planned.",
     )
-    margin: float | Auto = Field(
+    margin: Annotated[float | Auto, FractionOr] = Field(
         "auto",
         description="Fraction of the budget kept free for what estimates miss. `auto`: 0.1, or 0 "
         "when planning against `simulate_budget` alone (it counts the live tensor bytes the "
@@ -362,13 +374,6 @@ class MemoryConfig(Section):
             parse_size(v)
         except ValueError:
             raise ValueError("must look like '24GiB', '512MiB' or 'auto'") from None
-        return v
-
-    @field_validator("margin")
-    @classmethod
-    def _margin(cls, v: float | str) -> float | str:
-        if isinstance(v, float) and not 0 <= v < 1:
-            raise ValueError("a margin is a fraction of the budget in [0, 1), or 'auto'")
         return v
 
     @property
