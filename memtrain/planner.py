@@ -30,6 +30,7 @@ Approximate-gradient layers change the gradients, so they are candidates only wh
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -73,8 +74,6 @@ class Candidate:
     min_peak: int = 0  # predicted peak at the smallest micro-batch
     reason: str = ""  # why it was not chosen
     measured: float | None = None  # seconds of a real step, when the plan was tuned
-    # every micro-batch that fits: (micro, accumulation, peak, predicted seconds), for tuning
-    options: list[tuple[int, int, int, float]] = field(default_factory=list, repr=False)
 
     def label(self) -> str:
         shown = dict(self.values)
@@ -167,12 +166,12 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             f"least {format_bytes(int(smallest.min_peak / (1 - margin)) + 1)}, set more fields "
             "to `auto` (or `memory.allow_approximate: true`), or train a smaller model.")
     if tune > 0:
-        chosen, fits = tune_choice(cfg, [chosen, *fits], tune)
+        chosen, fits = tune_choice(cfg, search, [chosen, *fits], tune)
     return Plan(total, usable, target, auto_fields(cfg), chosen, fits, rejected, search.rates.source,
                 time.perf_counter() - start)
 
 
-def tune_choice(cfg: RunConfig, fits: list[Candidate], count: int, steps: int = 3
+def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: int, steps: int = 3
                 ) -> tuple[Candidate, list[Candidate]]:
     """Time the ``count`` fastest-predicted settings at the micro-batches that fit; keep the fastest.
 
@@ -181,34 +180,24 @@ def tune_choice(cfg: RunConfig, fits: list[Candidate], count: int, steps: int = 
     the model ranks the other way), so the last word goes to a measurement: each (settings,
     micro-batch) pair's model is built, runs one warm-up optimizer step and ``steps`` timed ones on
     a worst-case batch (``data.max_length`` tokens per example), and the fastest (best of its steps)
-    wins. Each setting is timed at up to ``TUNE_MICROS`` of its largest micro-batches that fit
-    (micro-batch 1 only when it is the one that fits: it needs a trace of its own). Returns the
-    choice and every other fitting pair.
+    wins. Each setting is timed at up to ``TUNE_MICROS`` micro-batches (:meth:`_Search.micro_options`).
+    Returns the choice and every other fitting pair.
     """
     from memtrain.memory.build import time_recipe_step
 
-    pairs = [Candidate(dict(c.values), micro, accumulation, peak, seconds, c.parts, c.min_peak)
-             for rank, c in enumerate(fits) for micro, accumulation, peak, seconds in c.options
-             if rank < count or micro == c.micro]
-    timed = [p for p, rank in zip(pairs, _ranks(fits, pairs), strict=True) if rank < count]
+    timed = [option for cand in fits[:count] for option in search.micro_options(cand)]
     for cand in timed:
         settings = {**cand.values, "training.micro_batch_size": cand.micro,
                     "training.gradient_accumulation": cand.accumulation}
         cand.measured = time_recipe_step(with_values(cfg, settings), steps)
     best = min(timed, key=lambda c: c.measured or math.inf)
-    for cand in pairs:
+    for cand in timed + fits[count:]:
         if cand is not best:
             cand.reason = (f"measured {cand.measured:.3g} s per step vs {best.measured:.3g} s"
                            if cand.measured is not None else
                            f"slower: {cand.seconds:.3g} s per step predicted, not among the settings timed")
-    rest = [c for c in pairs if c is not best]
+    rest = [c for c in timed if c is not best] + fits[count:]
     return best, sorted(rest, key=lambda c: (c.measured is None, c.measured or c.seconds))
-
-
-def _ranks(fits: list[Candidate], pairs: list[Candidate]) -> list[int]:
-    """For each pair, the rank of its settings among ``fits`` (fastest predicted first)."""
-    order = {tuple(sorted((k, repr(v)) for k, v in c.values.items())): i for i, c in enumerate(fits)}
-    return [order[tuple(sorted((k, repr(v)) for k, v in p.values.items()))] for p in pairs]
 
 
 def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None) -> tuple[int, int, int]:
@@ -373,6 +362,30 @@ class _Search:
         return sum(1 for f, v in cand.values.items()
                    if f != "adapter.method" and any(_rank(f, v, self.depth)))
 
+    def micro_options(self, cand: Candidate) -> list[Candidate]:
+        """``cand`` (evaluated, fitting) at up to ``TUNE_MICROS`` of its largest micro-batches that fit.
+
+        Smaller micro-batches than the fitted one are accumulated, so their peak comes from the
+        trace on held gradients; micro-batch 1 is left out unless it is the fitted one (it would
+        need a trace of its own).
+        """
+        cfg = with_values(self.cfg, cand.values)
+        out = [dataclasses.replace(cand, reason="")]
+        for micro, accumulation in reversed(self.batches):
+            if len(out) == TUNE_MICROS:
+                break
+            if micro >= cand.micro or micro == 1:
+                continue
+            traced = self._traced(cfg, accumulation)
+            summary = self._summary(traced, micro)
+            if summary.total_bytes > self.usable:
+                continue
+            work = _work_at(traced.counts2[3], traced.counts3[3], micro)
+            cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary.host_peak_bytes)
+            out.append(dataclasses.replace(cand, micro=micro, accumulation=accumulation, reason="",
+                                           peak=summary.total_bytes, seconds=cost.seconds, parts=cost.parts))
+        return out
+
     def _dominated(self, cand: Candidate, small: Candidate) -> bool:
         """``cand`` keeps at least as much memory as ``small`` in every field."""
         return all(a <= b for f in self.fields for a, b in zip(
@@ -430,18 +443,6 @@ class _Search:
             return
         micro, accumulation, summary, traced = fitted
         cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
-        for m, a in reversed(self.batches):  # the micro-batches tuning may time
-            if m > micro or len(cand.options) == TUNE_MICROS or (m == 1 and micro > 1):
-                continue  # (a single example would need a trace of its own)
-            if m == micro:
-                peak = summary.total_bytes
-            else:  # smaller, so accumulated: on held gradients, which the fitted size may not hold
-                peak = self._summary(self._traced(cfg, 2) if a > 1 else traced, m).total_bytes
-                if peak > self.usable:
-                    continue
-            work_m = _work_at(traced.counts2[3], traced.counts3[3], m)
-            cost_m = self._cost(cfg, cand.values, work_m, traced.counts2, a, summary.host_peak_bytes)
-            cand.options.append((m, a, peak, cost_m.seconds))
         first = self.batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
         smallest = 2 if first == 1 and micro > 1 else first
         cand.min_peak = self._summary(traced, smallest).total_bytes
