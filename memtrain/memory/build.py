@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -189,6 +189,28 @@ def hold_gradients(model: nn.Module) -> None:
                 param.grad = torch.zeros_like(param)
 
 
+@contextmanager
+def _warm_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: int | None = None,
+                      seq_len: int | None = None) -> Iterator[tuple[Callable[[], None], nn.Module,
+                                                                   torch.optim.Optimizer, dict]]:
+    """The recipe's real model, optimizer and example batch after one warm-up step (so optimizer
+    state exists); yields ``(step, model, optimizer, batch)`` where ``step()`` runs the next one."""
+    from memtrain.memory.fake import isolated_bnb_overrides
+
+    settings = step_settings(cfg)
+    with isolated_bnb_overrides():
+        model = build_model(cfg, config.num_labels, config.pad_token_id)
+        optimizer = build_optimizer(cfg, model)
+        batch = example_batch(cfg, config, micro_batch or settings["micro_batch_size"],
+                              seq_len or cfg.data.max_length, next(model.parameters()).device)
+
+        def step() -> None:
+            training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
+
+        step()
+        yield step, model, optimizer, batch
+
+
 def measure_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: int | None = None,
                         seq_len: int | None = None) -> StepMemory:
     """Measure a real training step of the recipe: what the estimator predicts, for real.
@@ -202,19 +224,11 @@ def measure_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: i
         micro_batch: examples per step (default: the recipe's micro-batch size).
         seq_len: tokens per example (default: ``data.max_length``).
     """
-    from memtrain.memory.fake import isolated_bnb_overrides
     from memtrain.memory.meter import MemoryMeter
 
-    settings = step_settings(cfg)
-    step_args = (settings["accumulation"], settings["max_grad_norm"])
-    with isolated_bnb_overrides():
-        model = build_model(cfg, config.num_labels, config.pad_token_id)
-        optimizer = build_optimizer(cfg, model)
-        batch = example_batch(cfg, config, micro_batch or settings["micro_batch_size"],
-                              seq_len or cfg.data.max_length, next(model.parameters()).device)
-        training_step(model, batch, optimizer, *step_args)
-        with MemoryMeter(model, optimizer, inputs=batch) as meter:
-            training_step(model, batch, optimizer, *step_args)
+    with (_warm_recipe_step(cfg, config, micro_batch, seq_len) as (step, model, optimizer, batch),
+          MemoryMeter(model, optimizer, inputs=batch) as meter):
+        step()
     return meter.result()
 
 
@@ -225,25 +239,18 @@ def time_recipe_step(cfg: RunConfig, steps: int = 2) -> float:
     (``data.max_length`` tokens per example); what the planner's tuning measures.
     """
     from memtrain.memory.estimate import resolve_config
-    from memtrain.memory.fake import isolated_bnb_overrides
 
     config, _ = resolve_config(cfg.model)
-    settings = step_settings(cfg)
-    step_args = (settings["accumulation"], settings["max_grad_norm"])
-    with isolated_bnb_overrides():
-        torch.manual_seed(cfg.training.seed)
-        model = build_model(cfg, config.num_labels, config.pad_token_id)
-        optimizer = build_optimizer(cfg, model)
+    torch.manual_seed(cfg.training.seed)
+    with _warm_recipe_step(cfg, config) as (step, model, _optimizer, _batch):
         device = next(model.parameters()).device
-        batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, device)
         times = []
-        for i in range(steps + 1):
+        for _ in range(steps):
             start = time.perf_counter()
-            training_step(model, batch, optimizer, *step_args)
+            step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if i:  # the first step is the warm-up: kernel selection, optimizer state
-                times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
     return min(times)
 
 
