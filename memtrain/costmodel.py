@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from memtrain.memory import calibrate
 from memtrain.memory.trace import Work
 
@@ -70,19 +72,12 @@ def rates(device: str) -> Rates:
     path = calibrate.profile_path()
     profile = calibrate.load_profile(path) or {}
     saved = (profile.get("rates") or {}).get(device)
-    threads = None
-    if device == "cpu":
-        import torch
-
-        threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if device == "cpu" else None  # CPU rates depend on them
     if saved and "op_seconds" in saved and saved.get("threads") == threads:
         return Rates(f"measured by `memtrain calibrate` ({path})", saved)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return Rates("nominal A100-class rates (no GPU here to measure; run `memtrain calibrate` "
-                         "on the training machine)", NOMINAL_CUDA_RATES)
+    if device == "cuda" and not torch.cuda.is_available():
+        return Rates("nominal A100-class rates (no GPU here to measure; run `memtrain calibrate` "
+                     "on the training machine)", NOMINAL_CUDA_RATES)
     measured = calibrate.measure_rates(device, quick=True)
     profile.setdefault("version", 1)
     profile.setdefault("rates", {})[device] = measured
