@@ -154,13 +154,12 @@ def training_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer: t
     clipping when ``max_grad_norm`` is set, the optimizer step, then ``zero_grad(set_to_none=True)``.
 
     With ``held_gradients``, only the last micro-batch runs: the earlier ones are stood in for by
-    what they leave behind, a gradient for every trainable parameter (see :func:`hold_gradients`).
+    what they leave behind, a gradient for every trainable parameter, which the caller puts in
+    place first (:func:`hold_gradients`, before a meter starts so that they count as gradients).
     From the second micro-batch on, every micro-batch holds the same memory, so the step's peak is
     the same and its forward and backward cost a single micro-batch.
     """
     model.train()
-    if held_gradients and accumulation > 1:
-        hold_gradients(model)
     for _ in range(1 if held_gradients else accumulation):
         loss = model(**batch).loss
         if accumulation > 1:
