@@ -183,8 +183,11 @@ def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: i
     wins. Each setting is timed at up to ``TUNE_MICROS`` micro-batches (:meth:`_Search.micro_options`).
     Returns the choice and every other fitting pair.
     """
+    from memtrain import hostmem
     from memtrain.memory.build import time_recipe_step
 
+    if search.device == "cpu":  # time steps as `memtrain train` runs them (memtrain.hostmem)
+        hostmem.keep_freed_pages()
     timed = [option for cand in fits[:count] for option in search.micro_options(cand)]
     for cand in timed:
         settings = {**cand.values, "training.micro_batch_size": cand.micro,

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain import hostmem
 from memtrain.callbacks import MemoryMeterCallback, _move_before_integrations
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
@@ -174,6 +175,8 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     Returns:
         The model (with activation checkpointing when it was needed) and new TrainingArguments
         (``per_device_train_batch_size``, ``gradient_accumulation_steps``, maybe ``optim``).
+        Training on a CPU with glibc, the process also keeps freed memory for reuse
+        (:func:`memtrain.hostmem.keep_freed_pages`: no page faults for tensors above 32 MiB).
 
     Raises:
         MemtrainError: nothing fits; the message has the smallest predicted peak.
@@ -220,6 +223,8 @@ def _apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, new_opt
                                "gradient_accumulation_steps": settings["training.gradient_accumulation"]}
     if new_optimizer:
         updates["optim"] = OPTIMIZERS["adamw_8bit"][0]
+    if decided.device == "cpu" and hostmem.keep_freed_pages():
+        log.info("prepare_for_budget: freed host memory is kept for reuse (memtrain.hostmem)")
     log.info("prepare_for_budget: %s; predicted peak %s of %s usable", decided.chosen.label(),
              format_bytes(decided.chosen.peak), format_bytes(decided.usable))
     return model, dataclasses.replace(args, **updates)

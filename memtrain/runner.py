@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
-from memtrain import autofit, distributed, launch, patches, planner
+from memtrain import autofit, distributed, hostmem, launch, patches, planner
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
@@ -71,6 +72,8 @@ def train(cfg: RunConfig, console: Console | None = None,
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
         return _launch(cfg, out, callbacks)
     launch.bind_device()
+    # on the CPU, tensors above 32 MiB would otherwise page-fault on every step
+    kept_pages = not torch.cuda.is_available() and hostmem.keep_freed_pages()
     resume_from = _check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
@@ -78,7 +81,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
-    _startup_table(console, cfg, model, data, batch)
+    _startup_table(console, cfg, model, data, batch, kept_pages)
     predicted = _predict(cfg) if cfg.output.report else None
     meter = MemoryMeterCallback(every=cfg.training.logging_steps,
                                 predicted_bytes=predicted.peak_bytes if predicted else None)
@@ -224,7 +227,7 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
 
 
 def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedData,
-                   batch: Batch) -> None:
+                   batch: Batch, kept_pages: bool) -> None:
     total, trainable = count_parameters(model)
     table = Table(title="memtrain run", show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
@@ -241,6 +244,9 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
     table.add_row("optimizer", f"{t.optimizer}, lr {t.learning_rate:g} ({t.lr_scheduler}), {length}")
     for record in patches.records(model):
         table.add_row(f"patch: {record.name}", record.detail)
+    if kept_pages:
+        table.add_row("host memory", "freed pages kept for reuse (glibc: no page faults for tensors "
+                      "above 32 MiB; memtrain.hostmem)")
     table.add_row("output", cfg.output.dir)
     console.print(table)
 

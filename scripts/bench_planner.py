@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from memtrain import planner
+from memtrain import hostmem, planner
 from memtrain.config import RunConfig, load_recipe
 from memtrain.memory.budget import SimulatedBudget
 from memtrain.memory.build import build_model, build_optimizer, example_batch, training_step
@@ -75,7 +75,7 @@ class Runner:
         self.optimizer = build_optimizer(cfg, self.model)
         micro = cfg.training.micro_batch_size
         self.batch = example_batch(cfg, config, micro, cfg.data.max_length)
-        self.args = (EFFECTIVE // micro, cfg.training.max_grad_norm)
+        self.args = (cfg.training.gradient_accumulation, cfg.training.max_grad_norm)
         training_step(self.model, self.batch, self.optimizer, *self.args)
 
     def step(self, budget: int | None = None) -> float:
@@ -112,6 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    hostmem.keep_freed_pages()  # as `memtrain train` runs steps on a CPU
     cfg = load_recipe(RECIPE)
     combos = list(itertools.product(CHECKPOINTING, OPTIMIZERS, MICROS))
     peaks = {c: estimate(fixed(cfg, *c)).total_bytes for c in combos}
@@ -164,8 +165,10 @@ def main() -> None:
         "*Feasible*: candidates (checkpointing x optimizer x micro-batch) whose estimated peak fits; each "
         f"was run for real: built once, one warm-up optimizer step, then {args.rounds} rounds in which "
         "every candidate runs one timed step, in a new order each round (background load slows all "
-        "candidates alike); the median per candidate. *Pick*: `memtrain plan` at that "
-        "budget, then run under the simulated budget (`OOM` = it ran out of memory).", "",
+        "candidates alike); the median per candidate. Steps run as `memtrain train` runs them on a "
+        "CPU: freed memory is kept for reuse (`memtrain.hostmem`, docs/bench/hostmem.md). *Pick*: "
+        "`memtrain plan` at that budget, then run under the simulated budget (`OOM` = it ran out of "
+        "memory).", "",
         f"**Pick within 10% of the fastest feasible: {within['plan']}/{cases} from predictions alone, "
         f"{within['tuned']}/{cases} with `--tune {args.tune}`; no out-of-memory: {picks_ok['plan']}/{cases} "
         f"and {picks_ok['tuned']}/{cases}** (targets: all). `--tune N` times the N fastest-predicted "
