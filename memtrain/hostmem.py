@@ -5,13 +5,13 @@ threshold (adaptive, at most 32 MiB on 64-bit systems: mallopt(3)) from fresh ``
 unmaps them on free, and it trims the top of its heap back to the OS once more than twice that is
 free. So a causal LM's logit-sized tensors (micro-batch × sequence × vocabulary × 4 bytes) are
 mapped, faulted in one 4 KiB page at a time, zeroed by the kernel and unmapped again on every step.
-Measured here (``scripts/bench_hostmem.py``, docs/bench/hostmem.md): about 1.4 µs per page, four
-times the cost of writing the page, and a Llama-shaped model at micro-batch 16 (four 62.5 MiB blocks
-per step) took 6-16% longer per step than at micro-batch 8 in the planner benchmark, which no cost
-model that ranks micro-batches by work could see.
+Measured here (``scripts/bench_hostmem.py``, docs/bench/hostmem.md): 1.5 µs per page, four times
+the cost of writing the page; up to 723 MiB faulted per step, and steps 1.00-1.54x slower than with
+the pages kept. A Llama-shaped model at micro-batch 16 (four 62.5 MiB blocks per step) was slower
+than at micro-batch 8 or 4, which a cost model that ranks micro-batches by their work cannot see.
 
-PyTorch's own CPU launcher (``python -m torch.backends.xeon.run_cpu``) fixes this by preloading
-jemalloc or tcmalloc configured never to give memory back. memtrain does the glibc equivalent in
+PyTorch's own CPU launcher (``python -m torch.backends.xeon.run_cpu``) preloads tcmalloc or
+jemalloc for speed, allocators that cache freed memory. memtrain gets the same effect from glibc in
 process, without a new dependency or a relaunch: two ``mallopt`` calls, ``M_MMAP_MAX = 0`` (large
 blocks come from the heap and are reused) and ``M_TRIM_THRESHOLD`` = 2 GiB (freed memory stays in
 the heap). The price: the process keeps its peak memory until it exits, which a training process
@@ -24,7 +24,6 @@ reaches on its first step anyway. No library exposes ``mallopt``, hence this mod
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import platform
 
@@ -42,9 +41,6 @@ def keep_freed_pages() -> bool:
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    # mallopt returns 1 on success; both settings or neither matter, but each is harmless alone
+    libc = ctypes.CDLL(None)  # the process's own symbols: glibc is loaded already
+    # mallopt returns 1 on success
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
