@@ -48,9 +48,9 @@ from memtrain.memory.budget import resolve_budget, usable_bytes
 from memtrain.memory.trace import Work, in_batch
 from memtrain.units import format_bytes, parse_size
 
-# Predicted step times this close count as equal: on scripts/bench_planner.py the cost model ranked
-# micro-batch 16 4% ahead of 4 where 4 measured 1-13% faster (docs/bench/planner.md). Among equals
-# the planner takes the candidate with the fewest memory techniques, then the smallest peak.
+# Predicted step times this close count as equal: the cost model's rank correlation with measured
+# steps is about 0.7 on scripts/bench_planner.py (docs/bench/planner.md). Among equals the planner
+# takes the candidate with the fewest memory techniques, then the smallest peak.
 TIE = 0.05
 TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that fit)
 # Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
@@ -175,9 +175,8 @@ def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: i
                 ) -> tuple[Candidate, list[Candidate]]:
     """Time the ``count`` fastest-predicted settings at the micro-batches that fit; keep the fastest.
 
-    The cost model ranks settings well but not finely, and it cannot see how the micro-batch size
-    meets a CPU's caches (docs/bench/planner.md: micro-batch 4 ran 1-28% faster than 16 there, which
-    the model ranks the other way), so the last word goes to a measurement: each (settings,
+    The cost model ranks settings well but not finely (rank correlation about 0.7 with measured
+    steps on scripts/bench_planner.py), so the last word goes to a measurement: each (settings,
     micro-batch) pair's model is built, runs one warm-up optimizer step and ``steps`` timed ones on
     a worst-case batch (``data.max_length`` tokens per example), and the fastest (best of its steps)
     wins. Each setting is timed at up to ``TUNE_MICROS`` micro-batches (:meth:`_Search.micro_options`).
