@@ -73,7 +73,7 @@ def rates(device: str) -> Rates:
     profile = calibrate.load_profile(path) or {}
     saved = (profile.get("rates") or {}).get(device)
     threads = torch.get_num_threads() if device == "cpu" else None  # CPU rates depend on them
-    if saved and "op_seconds" in saved and saved.get("threads") == threads:
+    if saved and saved.get("version") == calibrate.RATES_VERSION and saved.get("threads") == threads:
         return Rates(f"measured by `memtrain calibrate` ({path})", saved)
     if device == "cuda" and not torch.cuda.is_available():
         return Rates("nominal A100-class rates (no GPU here to measure; run `memtrain calibrate` "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,3 +60,35 @@ def test_gpu_calibration_measures_overheads(tmp_path: Path) -> None:
     profile = calibrate.calibrate(tmp_path / "p.json", quick=True)
     assert 0 <= profile["overheads"]["fragmentation"] < 2
     assert profile["rates"]["cuda"]["host_to_device_bandwidth"] > 0
+
+
+def test_optimizer_rate_is_seconds_per_updated_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One optimizer step "takes" 1 s: the rate must divide it by every parameter the step updated.
+    counted = []
+
+    def one_second(fn: Any, device: torch.device, repeats: int = 5) -> float:
+        counted.append(sum(p.numel() for group in fn.__self__.param_groups for p in group["params"]))
+        return 1.0
+
+    monkeypatch.setattr(calibrate, "_best_time", one_second)
+    rates = calibrate._optimizer_rates(torch.device("cpu"), quick=True)
+    assert counted and rates["adamw"] == pytest.approx(1.0 / counted[0])
+    assert counted[0] == 2 * 2**20 * 4  # four tensors of 2 Mi elements each
+
+
+def test_profiles_saved_with_older_rates_are_measured_again(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrain import costmodel
+
+    path = tmp_path / "p.json"
+    old = {"op_seconds": 1e-6, "threads": torch.get_num_threads(), "matmul_flops": {"fp32": 1.0}}
+    path.write_text(json.dumps({"version": 1, "rates": {"cpu": old}}))
+    monkeypatch.setenv(calibrate.ENV_VAR, str(path))
+    monkeypatch.setattr(calibrate, "measure_rates", lambda device, quick=False: {
+        "version": calibrate.RATES_VERSION, "threads": torch.get_num_threads(), "op_seconds": 2e-6})
+    costmodel.rates.cache_clear()
+    try:
+        assert costmodel.rates("cpu").values["op_seconds"] == 2e-6  # re-measured, not the old profile
+        assert json.loads(path.read_text())["rates"]["cpu"]["version"] == calibrate.RATES_VERSION
+    finally:
+        costmodel.rates.cache_clear()
