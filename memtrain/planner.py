@@ -49,7 +49,7 @@ from memtrain.memory.trace import Work, in_batch
 from memtrain.units import format_bytes, parse_size
 
 # Predicted step times this close count as equal: the cost model's rank correlation with measured
-# steps is about 0.7 on scripts/bench_planner.py (docs/bench/planner.md). Among equals the planner
+# steps is 0.89 on scripts/bench_planner.py (docs/bench/planner.md), not 1. Among equals the planner
 # takes the candidate with the fewest memory techniques, then the smallest peak.
 TIE = 0.05
 TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that fit)
@@ -175,8 +175,8 @@ def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: i
                 ) -> tuple[Candidate, list[Candidate]]:
     """Time the ``count`` fastest-predicted settings at the micro-batches that fit; keep the fastest.
 
-    The cost model ranks settings well but not finely (rank correlation about 0.7 with measured
-    steps on scripts/bench_planner.py), so the last word goes to a measurement: each (settings,
+    The cost model ranks settings well but not finely (rank correlation 0.89 with measured steps
+    on scripts/bench_planner.py), so the last word goes to a measurement: each (settings,
     micro-batch) pair's model is built, runs one warm-up optimizer step and ``steps`` timed ones on
     a worst-case batch (``data.max_length`` tokens per example), and the fastest (best of its steps)
     wins. Each setting is timed at up to ``TUNE_MICROS`` micro-batches (:meth:`_Search.micro_options`).
