@@ -37,7 +37,8 @@ class MemoryMeterCallback(TrainerCallback):
     """Measure training steps and log their memory into the Trainer's logs.
 
     Args:
-        every: measure the first two optimizer steps (before and after optimizer state exists)
+        every: measure the first two optimizer steps of each ``train()`` call (before and after
+            optimizer state exists; a resumed run is measured too)
             and then one step in ``every`` (1 = all; the measurement adds a Python call per
             tensor op).
         keep_timeline: keep the per-op timeline of the measured step with the highest peak
@@ -54,6 +55,7 @@ class MemoryMeterCallback(TrainerCallback):
         self.worst: StepMemory | None = None
         self._meter: MemoryMeter | None = None
         self._since_log: list[StepMemory] = []
+        self._first = 0  # the global step training (re)started at
 
     # -- events ---------------------------------------------------------------------------
 
@@ -64,12 +66,13 @@ class MemoryMeterCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
         _move_before_integrations(self)
+        self._first = state.global_step  # a resumed run measures its own first two steps too
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       model: torch.nn.Module | None = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
         step = state.global_step + 1
-        if step > 2 and step % self.every:
+        if step - self._first > 2 and step % self.every:
             return
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
         self._meter = MemoryMeter(model, inner if isinstance(inner, torch.optim.Optimizer) else None,

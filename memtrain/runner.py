@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
-from memtrain import autofit, distributed, hostmem, launch, patches, planner
+from memtrain import autofit, checkpoints, distributed, hostmem, launch, patches, planner, rundir
 from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
@@ -32,12 +32,12 @@ from memtrain.memory.estimate import Estimate, estimate
 from memtrain.memory.meter import StepMemory
 from memtrain.model import count_parameters, load_tokenizer
 from memtrain.report import Report, build_report, save_report
-from memtrain.safety import STAGING, GracefulStop, Interrupted, StopOnSignal, last_complete_checkpoint
+from memtrain.safety import GracefulStop, Interrupted, StopOnSignal
 from memtrain.trainer import add_derived_metrics, build_trainer
 
 log = logging.getLogger(__name__)
 
-RECIPE_FILE, METRICS_FILE = "recipe.yaml", "metrics.json"
+RECIPE_FILE, METRICS_FILE = "recipe.yaml", rundir.METRICS_FILE
 
 
 @dataclass
@@ -67,6 +67,12 @@ def train(cfg: RunConfig, console: Console | None = None,
     # Trainer exists, among the batches the recipe as written allows
     choices = autofit.valid_batches(cfg.training, cfg.distributed.processes) if (
         cfg.training.micro_batch_size == "auto") else None
+    if choices and cfg.memory.budget is None and cfg.memory.simulate_budget is None:
+        raise MemtrainError(
+            "`training.micro_batch_size`: `auto` picks the largest micro-batch that fits "
+            "`memory.budget`, and no budget is set (it would plan against all of this machine's "
+            "memory). Fix: set `memory.budget` (e.g. `memory.budget=8GiB`, or `auto` for the free "
+            "memory), or give `training.micro_batch_size` a number.")
     if planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ):
         cfg = _plan(cfg, console)  # once, before any process starts: every process gets the decision
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
@@ -74,13 +80,15 @@ def train(cfg: RunConfig, console: Console | None = None,
     launch.bind_device()
     # on the CPU, tensors above 32 MiB would otherwise page-fault on every step
     kept_pages = not torch.cuda.is_available() and hostmem.keep_freed_pages()
-    resume_from = _check_output_dir(cfg, out)
+    resume_from = rundir.check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)
     data = prepare_data(cfg, tokenizer)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
+    rundir.clear_old_run(cfg, out)  # only now: a data or model mistake leaves the old run whole
+    rundir.claim(out)
     _startup_table(console, cfg, model, data, batch, kept_pages)
     predicted = _predict(cfg) if cfg.output.report else None
     meter = MemoryMeterCallback(every=cfg.training.logging_steps,
@@ -97,6 +105,7 @@ def train(cfg: RunConfig, console: Console | None = None,
             batch = _confirm_batch(trainer, cfg, batch, choices, console)
             cfg = planner.with_values(cfg, {"training.micro_batch_size": batch.micro,
                                             "training.gradient_accumulation": batch.accumulation})
+        resumed_at, trainer.runtime_before = checkpoints.progress(resume_from) if resume_from else (0, 0.0)
         try:
             train_output = trainer.train(resume_from_checkpoint=resume_from)
         finally:  # leave the dispatch modes in reverse order, also when a step raised
@@ -112,7 +121,7 @@ def train(cfg: RunConfig, console: Console | None = None,
         )
     if trainer.nonfinite.stopped_at is not None:
         raise trainer.nonfinite.error(out)
-    metrics: dict[str, Any] = dict(train_output.metrics)
+    metrics = _whole_run(dict(train_output.metrics), trainer.state, resumed_at, trainer.runtime_before)
     if data.eval is not None:
         metrics.update(trainer.evaluate())
     metrics = add_derived_metrics(metrics, cfg, data)
@@ -125,6 +134,30 @@ def train(cfg: RunConfig, console: Console | None = None,
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
+
+
+def _whole_run(metrics: dict[str, Any], state: Any, resumed_at: int, runtime_before: float) -> dict[str, Any]:
+    """After a resume, ``train_loss`` and ``train_runtime`` over the whole run, not just its last part.
+
+    The Trainer's own figures cover the steps of this call only. The steps before the resume come
+    from the checkpoint's log (each logged loss is the mean over the steps since the previous log)
+    and its manifest (training seconds so far); ``resumed_from_step`` says a resume happened.
+    """
+    if not resumed_at:
+        return metrics
+    done = state.global_step
+    logged = sorted((h["step"], h["loss"]) for h in state.log_history
+                    if "loss" in h and h.get("step", 0) <= resumed_at)
+    weighted, previous = 0.0, 0
+    for step, loss in logged:
+        weighted += loss * (step - previous)
+        previous = step
+    if previous and done > 0 and "train_loss" in metrics:  # unlogged steps count at the logged mean
+        before = weighted / previous * resumed_at
+        metrics["train_loss"] = (before + metrics["train_loss"] * (done - resumed_at)) / done
+    metrics["train_runtime"] = metrics.get("train_runtime", 0.0) + runtime_before
+    metrics["resumed_from_step"] = resumed_at
+    return metrics
 
 
 def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],
@@ -165,60 +198,39 @@ def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) 
         raise MemtrainError(f"`distributed.processes={cfg.distributed.processes}`: Trainer callbacks "
                             "cannot be handed to other processes. Fix: run with one process, or launch "
                             "your own script with torchrun and call `memtrain.runner.train` in it.")
-    _check_output_dir(cfg, out)
+    rundir.check_output_dir(cfg, out)
     results = launch.launch(cfg)
     first = results[0]
     first.process_memory = [r.memory for r in results]
     return first
 
 
-def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
-    """Refuse to clobber earlier work; return the checkpoint to resume from, if any."""
-    resume = cfg.training.resume
-    if isinstance(resume, str):
-        path = Path(resume)
-        if not (path / "trainer_state.json").is_file():
-            raise MemtrainError(f"`training.resume`: {resume!r} is not a checkpoint folder (no "
-                                "trainer_state.json). Fix: point it at a `checkpoint-N` folder "
-                                "or use `training.resume=true`.")
-        return str(path)
-    shutil.rmtree(out / STAGING, ignore_errors=True)  # a save that crashed half-way
-    last = last_complete_checkpoint(out)
-    if resume:
-        if last is None:
-            log.warning("training.resume=true but %s holds no checkpoint: starting fresh", out)
-        return str(last) if last else None
-    finished = (out / METRICS_FILE).exists()
-    if (last or finished) and not cfg.output.overwrite:
-        what = f"checkpoint {last.name}" if last else "a finished run"
-        raise MemtrainError(
-            f"`output.dir`: {str(out)!r} already holds {what}. Fix: continue it with "
-            "`training.resume=true`, choose another `output.dir`, or set `output.overwrite=true`."
-        )
-    if cfg.output.overwrite and out.is_dir():
-        for old in out.glob("checkpoint-*"):
-            shutil.rmtree(old)
-    return None
-
-
 def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
                 out: Path, report: Report | None) -> None:
-    """Write adapter/model, tokenizer, resolved recipe, metrics and report, then move them in."""
+    """Write adapter/model, tokenizer, resolved recipe, metrics and report, then move them in.
+
+    ``metrics.json`` (what marks the run finished) moves in last; a full disk removes the partial
+    files and names the checkpoint that is kept.
+    """
     staging = out / ".final-tmp"
     if not trainer.is_world_process_zero():  # several processes: rank 0 writes everything
         if cfg.output.save_model:
             trainer.save_model(str(staging))  # ... but every process helps gather sharded weights
         return
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    if cfg.output.save_model:
-        trainer.save_model(str(staging))
-    tokenizer.save_pretrained(str(staging))
-    (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
-    (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
-    if report is not None:
-        save_report(report, staging)
-    for item in staging.iterdir():
+    estimate = checkpoints.checkpoint_bytes(trainer.model, None) if cfg.output.save_model else 0
+    checkpoints.check_disk_space(out, estimate, "the final model")
+    with checkpoints.disk_full_as_error(out, "the final model", staging):
+        staging.mkdir(parents=True)
+        if cfg.output.save_model:
+            trainer.save_model(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
+        (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+        if report is not None:
+            save_report(report, staging)
+        checkpoints.sync_tree(staging)
+    for item in sorted(staging.iterdir(), key=lambda p: p.name == METRICS_FILE):
         target = out / item.name
         if target.is_dir():
             shutil.rmtree(target)

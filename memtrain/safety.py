@@ -3,10 +3,7 @@
 - :class:`GracefulStop` turns the first SIGINT/SIGTERM into a request that the training loop
   honours at the next optimizer-step boundary (save a checkpoint, then stop); a second signal
   interrupts at once.
-- Checkpoints are written into ``<output>/.staging/checkpoint-N`` and renamed into place when
-  complete (a rename within one file system is atomic), so a crash mid-save never leaves a
-  ``checkpoint-N`` that resume would pick up. :func:`last_complete_checkpoint` also ignores
-  folders without ``trainer_state.json`` (the file the Trainer writes last).
+- Checkpoints are staged, synced, verified and renamed into place by :mod:`memtrain.checkpoints`.
 - :class:`NonFiniteLossGuard` skips optimizer steps whose loss is NaN/inf and stops the run after
   ``training.max_nonfinite_steps`` in a row.
 
@@ -17,8 +14,6 @@ wires them in.
 from __future__ import annotations
 
 import logging
-import re
-import shutil
 import signal
 from pathlib import Path
 from types import FrameType
@@ -27,14 +22,18 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain.checkpoints import (  # noqa: F401 (re-exported: the checkpoint helpers lived here)
+    STAGING,
+    check_disk_space,
+    checkpoint_bytes,
+    last_complete_checkpoint,
+    newest_finite,
+    publish,
+)
 from memtrain.errors import MemtrainError
-from memtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-STAGING = ".staging"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-DISK_SLACK = 1.10  # 10% headroom over the estimated checkpoint size
 
 
 class Interrupted(MemtrainError):
@@ -111,51 +110,6 @@ def _largest_over_processes(value: int, device: torch.device) -> int:
     return int(flag.item())
 
 
-# ----------------------------------------------------------------------------------- checkpoints
-
-
-def last_complete_checkpoint(folder: str | Path) -> Path | None:
-    """The highest ``checkpoint-N`` in ``folder`` that holds ``trainer_state.json``."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in folder.iterdir()
-             if (m := _CHECKPOINT.match(p.name)) and (p / "trainer_state.json").is_file()]
-    return max(found)[1] if found else None
-
-
-def checkpoint_bytes(model: torch.nn.Module, optimizer: Any) -> int:
-    """What a checkpoint will take on disk: trained weights (or all, for full) + optimizer state."""
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    weights = trainable if len(trainable) < len(params) else params
-    total = sum(p.numel() * p.element_size() for p in weights)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    for state in getattr(inner, "state", {}).values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-    return total
-
-
-def check_disk_space(folder: Path, needed: int, what: str) -> None:
-    """Raise a clear error if ``folder``'s file system has less than ``needed`` bytes (+ slack)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if free < needed * DISK_SLACK:
-        raise MemtrainError(
-            f"Not enough disk space to save {what}: it needs about {format_bytes(needed * DISK_SLACK)}, "
-            f"and {folder} has {format_bytes(free)} free. Fix: free some space, lower "
-            "`training.save_total_limit`, or point `output.dir` to a larger disk. The last "
-            "complete checkpoint is kept."
-        )
-
-
-def publish(staged: Path, final: Path) -> None:
-    """Move a fully written folder into place (atomic on one file system)."""
-    if final.exists():  # re-saving the same step (resume at a saved step): replace it
-        shutil.rmtree(final)
-    staged.rename(final)
-
-
 # ------------------------------------------------------------------------------------- NaN guard
 
 
@@ -197,8 +151,9 @@ class NonFiniteLossGuard(TrainerCallback):
 
     def error(self, output_dir: Path) -> MemtrainError:
         """The message for a run stopped by too many non-finite steps."""
-        last = last_complete_checkpoint(output_dir)
-        kept = f"The last good checkpoint is {last}." if last else "No checkpoint was saved before it."
+        last = newest_finite(output_dir)
+        kept = (f"The newest checkpoint with finite weights is {last}." if last
+                else "No checkpoint with finite weights was saved before it.")
         return MemtrainError(
             f"Training stopped at step {self.stopped_at}: the loss was NaN or infinite in "
             f"{self.in_row} optimizer steps in a row (`training.max_nonfinite_steps` = {self.limit}). "

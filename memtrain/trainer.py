@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
+import time
 from typing import Any
 
 import numpy as np
@@ -20,14 +20,14 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from memtrain import checkpoints
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.data import PreparedData
 from memtrain.errors import MemtrainError
 from memtrain.recovery import MicroBatchRecovery
-from memtrain.safety import STAGING, NonFiniteLossGuard, check_disk_space, checkpoint_bytes, publish
+from memtrain.safety import NonFiniteLossGuard
 from memtrain.units import parse_size
 
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
@@ -127,12 +127,25 @@ class MemtrainTrainer(Trainer):
                  fsdp_plugin: Any = None, recover_oom: bool = True, budget_bytes: int | None = None,
                  **kwargs: Any) -> None:
         self.offload_optimizer = offload_optimizer
+        self.runtime_before = 0.0  # training seconds of the run before the checkpoint it resumed from
+        self.started_at = time.time()
         self.fsdp_plugin = fsdp_plugin  # read while Trainer.__init__ creates the Accelerator
         super().__init__(*args, **kwargs)
         self.nonfinite = NonFiniteLossGuard(max_nonfinite_steps)
         self.add_callback(self.nonfinite)
         self.oom_recovery = (MicroBatchRecovery(self, super().training_step, budget_bytes)
                              if recover_oom else None)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self.started_at = time.time()  # checkpoints record the run's training time so far
+        return super().train(*args, **kwargs)
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
+        # Resumed at `max_steps` (e.g. the final save failed): the stock loop would run one more step.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return
+        super()._run_epoch(*args, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
@@ -174,22 +187,9 @@ class MemtrainTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        final_root = Path(self.args.output_dir)
-        staging_root = final_root / STAGING
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.args.should_save:
-            check_disk_space(final_root, checkpoint_bytes(self.model, self.optimizer), name)
-        self.args.output_dir = str(staging_root)  # the Trainer writes into <output>/.staging/...
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.output_dir = str(final_root)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            publish(staging_root / name, final_root / name)  # ...and only complete ones appear
-            staging_root.rmdir()
-            rotate_checkpoints(output_dir=str(final_root), save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint)
+        """The stock save, through memtrain's one checkpoint writer (:mod:`memtrain.checkpoints`)."""
+        stock = super()._save_checkpoint
+        checkpoints.write_checkpoint(self, lambda: stock(model, trial))
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, or with offload the same optimizer run on host copies."""

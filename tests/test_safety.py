@@ -108,10 +108,10 @@ def test_checkpoint_refused_when_the_disk_is_full(tmp_path: Path, corpus: Path,
     import shutil
 
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr("memtrain.safety.shutil.disk_usage",
+    monkeypatch.setattr("memtrain.checkpoints.shutil.disk_usage",
                         lambda path: usage._replace(free=1000))
     sections = {"training": {"max_steps": 2, "save_strategy": "steps", "save_steps": 1}}
-    with pytest.raises(MemtrainError, match=r"Not enough disk space to save checkpoint-1: it needs about"):
+    with pytest.raises(MemtrainError, match=r"Disk full: not enough space to save checkpoint-1: it needs"):
         train(load_recipe(causal_recipe(tmp_path, corpus, **sections)))
     assert last_complete_checkpoint(tmp_path / "run") is None
 
