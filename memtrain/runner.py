@@ -108,6 +108,10 @@ def train(cfg: RunConfig, console: Console | None = None,
         resumed_at, trainer.runtime_before = checkpoints.progress(resume_from) if resume_from else (0, 0.0)
         try:
             train_output = trainer.train(resume_from_checkpoint=resume_from)
+        except torch.OutOfMemoryError as err:  # what recovery could not fix (it raises MemtrainErrors)
+            if isinstance(err, MemtrainError):
+                raise
+            raise _out_of_memory(err, trainer.state.global_step + 1, out) from None
         finally:  # leave the dispatch modes in reverse order, also when a step raised
             for guard in reversed(guards):
                 guard.close()
@@ -158,6 +162,15 @@ def _whole_run(metrics: dict[str, Any], state: Any, resumed_at: int, runtime_bef
     metrics["train_runtime"] = metrics.get("train_runtime", 0.0) + runtime_before
     metrics["resumed_from_step"] = resumed_at
     return metrics
+
+
+def _out_of_memory(err: BaseException, step: int, out: Path) -> MemtrainError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return MemtrainError(
+        f"Out of memory in optimizer step {step}: {first} {checkpoints.kept_sentence(out)} Fix: a "
+        "larger `memory.budget` (or `memory.simulate_budget`), a smaller `training.micro_batch_size`, "
+        "`memory.checkpointing: full`, a shorter `data.max_length`, LoRA or quantization; then add "
+        "`training.resume=true` to continue from the checkpoint.")
 
 
 def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],

@@ -22,6 +22,30 @@ from memtrain import sources
 from memtrain.config.schema import _MISSING, Problem, RunConfig, cross_section_problems
 from memtrain.errors import MemtrainError
 
+_YAML_BOOL_WORDS = ("yes", "no", "on", "off", "y", "n")  # YAML 1.1 reads these bare words as booleans
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (PyYAML would keep only the last one)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.setdefault(key, key_node.start_mark.line + 1)
+        except TypeError:  # an unhashable key: the constructor reports it
+            continue
+        if first != key_node.start_mark.line + 1:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} appears twice (first at line {first}); YAML would keep "
+                "only the second, so merge them into one", key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
 _TYPE_ERRORS = ("_parsing", "_type", "literal_error", "model_attributes_type", "dict_type")
 
 
@@ -85,12 +109,14 @@ def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = ()) -> Run
     if problems:
         raise RecipeError(problems, source)
     context: dict[str, Any] = {"problems": []}
+    booleans = _booleans_for_numbers(data, RunConfig, "")
+    flagged = {p.path for p in booleans}  # their value read as 0 or 1 may fail other checks too
     try:
         cfg = RunConfig.model_validate(data, context=context)
     except ValidationError as err:
-        found = _fold_errors(err) + context["problems"]
+        found = booleans + [p for p in _fold_errors(err) + context["problems"] if p.path not in flagged]
         raise RecipeError(found + _cross_checks_of_valid_sections(data, found), source) from None
-    problems = context["problems"] + _check_sources(cfg)
+    problems = booleans + [p for p in context["problems"] + _check_sources(cfg) if p.path not in flagged]
     if problems:
         raise RecipeError(problems, source)
     cfg.output.dir = cfg.output.dir.replace("{recipe}", stem)
@@ -117,6 +143,26 @@ def _cross_checks_of_valid_sections(data: dict, found: list[Problem]) -> list[Pr
         except ValidationError:
             continue
     return [p for p in cross_section_problems(sections) if p not in found]
+
+
+def _booleans_for_numbers(data: Any, model: type[BaseModel], prefix: str) -> list[Problem]:
+    """true/false where a number belongs (pydantic would read them as 1 and 0)."""
+    if not isinstance(data, dict):
+        return []
+    found: list[Problem] = []
+    for key, value in data.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue
+        sub = section_model(field.annotation)
+        kinds = _flatten(field.annotation)
+        if isinstance(value, dict) and sub is not None:
+            found += _booleans_for_numbers(value, sub, f"{prefix}{key}.")
+        elif isinstance(value, bool) and bool not in kinds and (int in kinds or float in kinds):
+            found.append(Problem(f"{prefix}{key}", value, f"expected {describe_type(field.annotation)}",
+                                 f"set it to {describe_type(field.annotation)} (true and false are "
+                                 "not numbers here)."))
+    return found
 
 
 def dump_recipe(cfg: RunConfig) -> str:
@@ -153,7 +199,7 @@ def _check_sources(cfg: RunConfig) -> list[Problem]:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # a SafeLoader
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -193,6 +239,8 @@ def _apply_override(data: dict, item: str) -> list[Problem]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw  # not YAML: keep the text, the schema will judge it
+    if isinstance(value, bool) and raw.strip().lower() in _YAML_BOOL_WORDS:
+        value = raw.strip()  # `save_strategy=no` means the word; a boolean field reads "no" as false
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
@@ -281,6 +329,10 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
     close = difflib.get_close_matches(str(value), options, n=1) if options else []
     if close:
         fix = f"did you mean {close[0]!r}? Allowed: {', '.join(map(repr, options))}."
+    words = [o for o in options if o.lower() in _YAML_BOOL_WORDS]
+    if isinstance(value, bool) and words:
+        fix = (f"YAML reads a bare {words[0]} as {str(value).lower()}: write it in quotes, "
+               f"`{path.rsplit('.', 1)[-1]}: \"{words[0]}\"`.")
     return Problem(path, value, f"expected {expected}", fix)
 
 
