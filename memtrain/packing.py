@@ -9,7 +9,9 @@ exactly the token-weighted loss of its examples run one by one:
   (``masking_utils.find_packed_sequence_indices``) then reads the example boundaries from the
   restarting ``position_ids`` and builds a block-diagonal causal mask for eager and SDPA attention,
   and passes them to varlen kernels for flash attention. Padding gets positions of its own, so it
-  is one more block that no real token attends to;
+  is one more block that no real token attends to. transformers reads the boundaries only when the
+  forward builds no KV cache: the Trainer sets ``config.use_cache = TrainingArguments.use_cache``,
+  which is False;
 - the first token of every example carries no label, so nothing is trained to predict the next
   example from the end of the previous one.
 
