@@ -39,7 +39,7 @@ from memtrain.formats import (
 log = logging.getLogger(__name__)
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-__all__ = ["IGNORE_INDEX", "PreparedData", "load_raw", "load_splits", "prepare_data"]
+__all__ = ["IGNORE_INDEX", "PreparedData", "class_names", "load_raw", "load_splits", "prepare_data"]
 
 
 @dataclass
@@ -186,6 +186,12 @@ def _require_columns(ds: Dataset, cfg: DataConfig) -> None:
                                 "format of its columns."))
     if problems:
         raise RecipeError(problems, cfg.source)
+
+
+def class_names(cfg: RunConfig) -> list[str]:
+    """The class names training used, in the same order, read again from the recipe's data."""
+    train, _ = load_splits(cfg.data, cfg.training.seed)
+    return _label_names(train, cfg)
 
 
 def _label_names(ds: Dataset, cfg: RunConfig) -> list[str]:

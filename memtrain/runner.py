@@ -37,7 +37,7 @@ from memtrain.trainer import add_derived_metrics, build_trainer
 
 log = logging.getLogger(__name__)
 
-RECIPE_FILE, METRICS_FILE = "recipe.yaml", "metrics.json"
+RECIPE_FILE, METRICS_FILE, LABELS_FILE = "recipe.yaml", "metrics.json", "labels.json"
 
 
 @dataclass
@@ -121,7 +121,7 @@ def train(cfg: RunConfig, console: Console | None = None,
         report = build_report(meter.worst, trainer.state.log_history,
                               predicted.to_dict() if predicted else None,
                               {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
-    _save_final(trainer, tokenizer, cfg, metrics, out, report)
+    _save_final(trainer, tokenizer, cfg, metrics, out, report, data.label_names)
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
@@ -202,8 +202,9 @@ def _check_output_dir(cfg: RunConfig, out: Path) -> str | None:
 
 
 def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
-                out: Path, report: Report | None) -> None:
-    """Write adapter/model, tokenizer, resolved recipe, metrics and report, then move them in."""
+                out: Path, report: Report | None, label_names: list[str] | None) -> None:
+    """Write adapter/model, tokenizer, resolved recipe, metrics, class names and report, then
+    move them in."""
     staging = out / ".final-tmp"
     if not trainer.is_world_process_zero():  # several processes: rank 0 writes everything
         if cfg.output.save_model:
@@ -216,6 +217,8 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
     tokenizer.save_pretrained(str(staging))
     (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+    if label_names:  # an adapter folder does not keep the base config's id2label
+        (staging / LABELS_FILE).write_text(json.dumps(label_names), encoding="utf-8")
     if report is not None:
         save_report(report, staging)
     for item in staging.iterdir():
