@@ -335,6 +335,8 @@ def generate(
         "message per line on standard input, the conversation kept, until end of input.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+    input_text: Annotated[str, typer.Option(
+        "--input", help="alpaca runs: the input that goes with the instruction PROMPT.")] = "",
 ) -> None:
     """Generate text with a trained causal LM, written the way its training data was."""
     from memtrain.inference import generate as run_generate
@@ -342,8 +344,8 @@ def generate(
 
     run = load_run(run_dir)
     if prompt is not None:
-        console.print(run_generate(run, prompt, max_new_tokens, temperature), highlight=False,
-                      markup=False)
+        console.print(run_generate(run, prompt, max_new_tokens, temperature, input_text),
+                      highlight=False, markup=False)
         return
     chat = run.cfg.data.kind in ("messages", "sharegpt")
     history: list[dict[str, str]] = []

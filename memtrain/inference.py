@@ -120,11 +120,12 @@ def merge(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     return out
 
 
-def format_prompt(run: Run, prompt: str | list[dict[str, str]]) -> list[int]:
+def format_prompt(run: Run, prompt: str | list[dict[str, str]], extra: str = "") -> list[int]:
     """Token ids of a prompt, written the way the run's training data was.
 
     Chat data: the chat template with the generation prompt (``prompt`` may be a whole message
-    list); alpaca/completion: the recipe's prompt template; text: the prompt as it is.
+    list); alpaca: ``alpaca_template`` with ``extra`` as the input (``alpaca_template_no_input``
+    without one); completion: ``completion_template``; text: the prompt as it is.
     """
     tok, data = run.tokenizer, run.cfg.data
     if data.kind in CHAT_FORMATS:
@@ -135,7 +136,8 @@ def format_prompt(run: Run, prompt: str | list[dict[str, str]]) -> list[int]:
         raise MemtrainError(f"a conversation needs chat data; this run trained on "
                             f"`data.format: {data.format}`. Fix: give one prompt.")
     if data.kind == "alpaca":
-        prompt = data.alpaca_template_no_input.replace("{instruction}", prompt)
+        template = data.alpaca_template if extra.strip() else data.alpaca_template_no_input
+        prompt = template.replace("{instruction}", prompt).replace("{input}", extra.strip())
     elif data.kind == "completion":
         prompt = data.completion_template.replace("{prompt}", prompt)
     ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
@@ -146,12 +148,13 @@ def format_prompt(run: Run, prompt: str | list[dict[str, str]]) -> list[int]:
 
 
 def generate(run: Run, prompt: str | list[dict[str, str]], max_new_tokens: int = 64,
-             temperature: float = 0.0) -> str:
-    """The model's continuation of ``prompt`` (greedy when ``temperature`` is 0)."""
+             temperature: float = 0.0, extra: str = "") -> str:
+    """The model's continuation of ``prompt`` (greedy when ``temperature`` is 0); ``extra`` is
+    the input of an alpaca prompt."""
     if run.cfg.model.task != "causal-lm":
         raise MemtrainError("`RUN_DIR`: generation needs a causal LM; this run is a classifier. "
                             "Fix: use `memtrain predict`.")
-    ids = torch.tensor([format_prompt(run, prompt)], device=run.model.device)
+    ids = torch.tensor([format_prompt(run, prompt, extra)], device=run.model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
         {"do_sample": False}
     with torch.no_grad():

@@ -154,3 +154,21 @@ def test_predict_and_generate_refuse_the_wrong_kind_of_run(chat_run: Path, class
     assert result.exit_code == 2 and "needs a classifier run" in result.output
     result = cli.invoke(app, ["generate", str(classifier_run), "hi"])
     assert result.exit_code == 2 and "use `memtrain predict`" in result.output
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["alpaca", "sharegpt"])
+def test_the_documented_examples_train_and_generate(kind: str, tmp_path: Path) -> None:
+    """docs/DATA.md's alpaca and ShareGPT examples, end to end through the CLI."""
+    recipe = EXAMPLES / f"{kind}.yaml"
+    assert recipe.read_text().splitlines()[0] == f"# memtrain train docs/examples/{kind}.yaml"
+    run_dir = tmp_path / "run"
+    result = cli.invoke(app, ["train", str(recipe), f"data.source={EXAMPLES / f'{kind}.jsonl'}",
+                              f"output.dir={run_dir}"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run_dir / "metrics.json").read_text())["eval_loss"] > 0
+    result = cli.invoke(app, ["generate", str(run_dir), "Who wrote Hamlet?", "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
