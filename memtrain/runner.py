@@ -241,6 +241,10 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
     table.add_row("weights", f"{m.dtype}, quantization {m.quantization}")
     table.add_row("data", f"{cfg.data.source}: {len(data.train):,} train, "
                   f"{len(data.eval) if data.eval is not None else 0:,} eval examples")
+    if data.fill is not None:
+        table.add_row("packing", f"real tokens fill {data.fill['packed']:.1%} of the "
+                      f"{cfg.data.max_length}-token rows ({data.fill['unpacked']:.1%} with one "
+                      "example per row)")
     table.add_row("batch", str(batch))
     t = cfg.training
     length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epoch(s)"
