@@ -224,3 +224,14 @@ def test_old_format_names_are_aliases(tmp_path: Path) -> None:
     f = write_jsonl(tmp_path / "x.jsonl", [{"text": "a"}])
     assert recipe(tmp_path, f, format="chat").data.kind == "messages"
     assert recipe(tmp_path, f, format="instruction").data.kind == "completion"
+
+
+def test_which_play_builtin_is_balanced_alpaca() -> None:
+    from collections import Counter
+
+    from memtrain.builtin_data import BUILTINS, PLAYS, WHICH_PLAY
+
+    ds = BUILTINS["shakespeare-which-play"](0)
+    counts = Counter(ds["output"])
+    assert set(counts) == set(PLAYS.values()) and len(set(counts.values())) == 1
+    assert set(ds["instruction"]) == {WHICH_PLAY} and all(len(t.split()) >= 5 for t in ds["input"])
