@@ -40,11 +40,14 @@ def main() -> None:
     start = time.perf_counter()
     hits = collections.Counter()
     totals = collections.Counter()
+    titles = {_norm(run.tokenizer, t) for t in set(held_out["output"])}
+    valid = 0
     for row in held_out:
         answer = generate(run, row["instruction"], max_new_tokens=12, extra=row["input"])
         title = row["output"]
         totals[title] += 1
         hits[title] += answer == _norm(run.tokenizer, title)
+        valid += answer in titles
     seconds = time.perf_counter() - start
     n = sum(totals.values())
     lines = [
@@ -58,7 +61,8 @@ def main() -> None:
         *[f"| {t} | {totals[t]} | {hits[t] / totals[t]:.3f} |" for t in sorted(totals)],
         f"| **all** | {n} | **{sum(hits.values()) / n:.3f}** |",
         "",
-        f"Majority-class baseline: {max(totals.values()) / n:.3f}; chance: {1 / len(totals):.3f}.",
+        f"Answers that are one of the {len(titles)} titles: {valid / n:.3f}. Majority-class "
+        f"baseline: {max(totals.values()) / n:.3f}; chance: {1 / len(totals):.3f}.",
     ]
     text = "\n".join(lines)
     print(text)
