@@ -77,6 +77,7 @@ def test_long_text_continues_other_formats_are_cut() -> None:
     assert pack_examples([doc], block=4, split_long=False)["input_ids"] == [[1, 2, 3, 4]]
 
 
+@pytest.mark.slow
 def test_chat_data_packs_and_trains(tmp_path: Path) -> None:
     from memtrain.config import load_recipe
     from memtrain.runner import train
