@@ -2,12 +2,14 @@
 
 Saves: the gradients and optimizer state of every frozen base weight (for AdamW, 12 of the 16
 bytes per parameter of fp32 full fine-tuning). Costs: a little extra compute per adapted layer.
-Follows Hu et al., 2021 (LoRA) and Dettmers et al., 2023 (QLoRA: 4-bit NF4 base, bf16 compute,
-``prepare_model_for_kbit_training``); the implementation is peft's.
+Follows Hu et al., 2021 (LoRA) and Dettmers et al., 2023 (QLoRA: 4-bit NF4 base, bf16 compute);
+the implementation is peft's. On a quantized base the frozen weights stay in their loaded dtype
+(``memory.lean_kbit``, as torchtune and Unsloth do) unless the recipe asks for peft's fp32 upcast.
 """
 
 from __future__ import annotations
 
+import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from torch import nn
 
@@ -24,17 +26,20 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
-def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm") -> PeftModel:
+def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kbit: bool = True) -> PeftModel:
     """Wrap ``model`` with LoRA adapters; only adapter (and head) parameters stay trainable.
 
     Args:
         model: a transformers model, possibly quantized by bitsandbytes (then this is QLoRA).
         cfg: rank, alpha, dropout and target modules.
         task: ``causal-lm`` or ``sequence-classification`` (the head is then trained in full).
+        lean_kbit: on a quantized base, leave the frozen embeddings, head and norms in their
+            loaded dtype (see :func:`prepare_lean`) instead of peft's fp32 upcast.
     """
-    if is_quantized(model):
-        # Casts norms/embeddings to fp32 and makes inputs require grad, as QLoRA does; memtrain's
-        # own checkpointing patch handles recompute, so peft's is left off.
+    quantized = is_quantized(model)
+    if quantized and not lean_kbit:
+        # peft's QLoRA preparation: every non-quantized weight (norms, embeddings, the output
+        # head) cast to fp32; memtrain's own checkpointing patch handles recompute, so peft's is off.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     lora = LoraConfig(
         r=cfg.r,
@@ -45,15 +50,42 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm") -> Peft
         task_type=_TASKS[task],
     )
     peft_model = get_peft_model(model, lora)
+    if quantized and lean_kbit:
+        prepare_lean(peft_model)
     adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")
                and name.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
-    kind = "QLoRA" if is_quantized(model) else "LoRA"
-    add_records(peft_model, [PatchRecord("lora", adapted, f"{kind} r={cfg.r} on {len(adapted)} layers")])
+    kind = "QLoRA" if quantized else "LoRA"
+    lean = " (frozen weights kept in their dtype)" if quantized and lean_kbit else ""
+    detail = f"{kind} r={cfg.r} on {len(adapted)} layers{lean}"
+    add_records(peft_model, [PatchRecord("lora", adapted, detail)])
     return peft_model
+
+
+def prepare_lean(model: nn.Module) -> int:
+    """QLoRA without upcasting frozen weights: only what trains is made fp32.
+
+    peft's ``prepare_model_for_kbit_training`` casts every bf16/fp16 weight that is not 4-bit to
+    fp32: the embeddings and output head (2 GiB more on Llama-3.1-8B) and the norms, whose fp32
+    weights also turn the hidden states after each norm into fp32. Nothing needs it for numerical
+    reasons: transformers' RMSNorm/LayerNorm already compute their statistics in fp32 and cast back
+    (as in plain bf16 training), and the loss upcasts logits to fp32. What does need fp32 is what
+    the optimizer updates: LoRA weights (peft already keeps them fp32) and modules trained in full
+    (``modules_to_save``, a classifier's head), cast here. tests/test_lean_kbit.py compares loss
+    curves with peft's path.
+
+    Returns:
+        The number of trainable tensors cast to fp32.
+    """
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()
+            cast += 1
+    return cast
 
 
 @register("lora", ADAPTER)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if cfg.adapter.method != "lora":
         return None
-    return apply(model, cfg.adapter, cfg.model.task)
+    return apply(model, cfg.adapter, cfg.model.task, cfg.memory.lean_kbit)
