@@ -110,9 +110,28 @@ class OptimizerInBackward(torch.optim.Optimizer):
 def build(groups: Iterable[dict[str, Any]], optimizer_cls: type, kwargs: dict[str, Any]
           ) -> OptimizerInBackward:
     """One ``optimizer_cls`` per parameter of ``groups`` (each keeps its group's settings)."""
+    overrides = _bnb_overrides(optimizer_cls)
     optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
     for group in groups:
         settings = {k: v for k, v in group.items() if k != "params"}
         for param in group["params"]:
-            optimizers[param] = optimizer_cls([{**settings, "params": [param]}], **kwargs)
+            own = overrides.get(id(param))
+            opt = optimizer_cls([{**settings, "params": [param]}], **{**kwargs, **(own or {})})
+            if overrides:
+                # bitsandbytes files overrides by (group, index) in a process-wide table, and every
+                # per-parameter optimizer has the index (0, 0): one embedding's 32-bit override would
+                # turn every later parameter's state to 32 bits. The override is in `own` instead.
+                opt.check_overrides = lambda: None  # type: ignore[method-assign]
+            optimizers[param] = opt
     return OptimizerInBackward(optimizers)
+
+
+def _bnb_overrides(optimizer_cls: type) -> dict[int, dict[str, Any]]:
+    """bitsandbytes' per-parameter settings (e.g. 32-bit state for embeddings), by parameter id."""
+    if not optimizer_cls.__module__.startswith("bitsandbytes"):
+        return {}
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    return {id(getattr(module, attr)): dict(config)
+            for module, attr, config in manager.module_weight_config_triple}

@@ -30,8 +30,11 @@ from memtrain.recovery import MicroBatchRecovery
 from memtrain.safety import STAGING, NonFiniteLossGuard, check_disk_space, checkpoint_bytes, publish
 from memtrain.units import parse_size
 
+# `adamw` is torch's fused AdamW (transformers' own default since torch 2.8): the same update as
+# the multi-tensor (foreach) kernel, without its temporaries, which hold a copy of every trainable
+# parameter during the step (6 GiB for Llama-3.2-3B in bf16; docs/bench/floor.md).
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
-    "adamw": ("adamw_torch", None),
+    "adamw": ("adamw_torch_fused", None),
     "adamw_8bit": ("adamw_bnb_8bit", None),
     "paged_adamw_8bit": ("paged_adamw_8bit", None),
     "adafactor": ("adafactor", None),
