@@ -140,3 +140,26 @@ def test_recipe_for_a_classifier_is_refused() -> None:
               "data": {"source": "x.csv", "format": "classification"}, "memory": {"loss": "chunked"}}
     with pytest.raises(RecipeError, match=r"memory\.loss"):
         load_recipe(recipe)
+
+
+def test_lora_keeps_its_bf16_input_once_with_the_same_gradients() -> None:
+    """peft would save an fp32 copy of every adapted layer's bf16 input; memtrain saves the input."""
+    from peft import LoraConfig, get_peft_model
+
+    from memtrain.patches.lora import keep_input_dtype
+
+    def run(lean: bool) -> tuple[dict, int]:
+        model = tiny_model("llama", num_hidden_layers=2).to(torch.bfloat16)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        if lean:
+            assert keep_input_dtype(model) == 14  # 7 linear layers x 2 decoder layers
+        ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+        with LiveBytes() as probe:
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, probe.device_peak
+
+    (peft_grads, peft_peak), (lean_grads, lean_peak) = run(False), run(True)
+    assert peft_grads.keys() == lean_grads.keys() and peft_grads
+    for name, grad in peft_grads.items():
+        torch.testing.assert_close(lean_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert lean_peak < peft_peak, (lean_peak, peft_peak)

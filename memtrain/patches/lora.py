@@ -9,6 +9,9 @@ the implementation is peft's. On a quantized base the frozen weights stay in the
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from torch import nn
@@ -52,6 +55,7 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
     peft_model = get_peft_model(model, lora)
     if quantized and lean_kbit:
         prepare_lean(peft_model)
+    keep_input_dtype(peft_model)
     adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")
                and name.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
     kind = "QLoRA" if quantized else "LoRA"
@@ -82,6 +86,60 @@ def prepare_lean(model: nn.Module) -> int:
             param.data = param.data.float()
             cast += 1
     return cast
+
+
+class _CastLinear(torch.autograd.Function):
+    """``F.linear(x.to(weight.dtype), weight)`` that keeps ``x`` for backward in its own dtype.
+
+    peft casts a LoRA layer's bf16 input to the adapter's fp32 before ``lora_A``, and that linear
+    then keeps the fp32 copy for its weight gradient: twice the bytes of the input, which the
+    frozen base layer already keeps in bf16. Here the cast happens again in backward instead, so
+    the saved tensor is the input itself. The values are the same as peft's: casting bf16 to fp32
+    is exact, and the same fp32 matmuls run.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return nn.functional.linear(x.to(weight.dtype), weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            flat_grad = grad.reshape(-1, grad.shape[-1])
+            grad_w = flat_grad.t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        return grad_x, grad_w
+
+
+def _cast_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _CastLinear.apply(x, self.weight)
+
+
+def keep_input_dtype(model: nn.Module) -> int:
+    """Make every plain LoRA layer keep its input for backward in the input's dtype (see
+    :class:`_CastLinear`): exact, and costs one cast of the input in backward.
+
+    Layers with a variant (DoRA), a bias on ``lora_A`` or inputs already in the adapter's dtype
+    are left to peft. Returns the number of layers changed.
+    """
+    changed = 0
+    for module in model.modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, nn.ModuleDict) or getattr(module, "lora_variant", None):
+            continue
+        if not hasattr(module, "cast_input_dtype_enabled"):
+            continue
+        linears = [m for m in lora_a.values() if type(m) is nn.Linear and m.bias is None]
+        if len(linears) != len(lora_a):
+            continue
+        module.cast_input_dtype_enabled = False  # peft's switch: lora_A receives the input as is
+        for linear in linears:
+            linear.forward = types.MethodType(_cast_linear_forward, linear)
+        changed += 1
+    return changed
 
 
 @register("lora", ADAPTER)
