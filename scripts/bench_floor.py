@@ -5,7 +5,8 @@
 Each row is a run from torchtune's published tables (README "Memory and training speed", RTX 4090,
 batch 2 x 2048 packed, torch.compile on; docs "Memory optimization overview", Llama-3.2-3B at
 batch 2 x 4096, where each row adds one technique to the row above it, so its LoRA and QLoRA rows
-also fuse the optimizer step into backward, offload activations and use 8-bit AdamW), expressed as overrides of one shipped recipe, and estimated with
+also fuse the optimizer step into backward, offload activations and use 8-bit AdamW), expressed
+as overrides of one shipped recipe, and estimated with
 ``memtrain estimate --device cuda`` (fake-tensor trace, no weights, no GPU). torchtune's figures
 are copied from its documentation (the "published" column); nothing of them enters memtrain's
 estimate. The target (issue #13): memtrain's predicted tensor peak at most 1.10x torchtune's
