@@ -215,7 +215,7 @@ def _apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, new_opt
     from memtrain.trainer import OPTIMIZERS
 
     settings = decided.settings()
-    lora.keep_input_dtype(model)  # as memtrain's estimate of a LoRA model assumes (exact)
+    lora.lean_lora_layers(model)  # as memtrain's estimate of a LoRA model assumes (exact)
     if settings.get("memory.loss") == "chunked":
         chunked_loss.apply(model)
     mode = settings["memory.checkpointing"]

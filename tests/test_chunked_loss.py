@@ -146,13 +146,13 @@ def test_lora_keeps_its_bf16_input_once_with_the_same_gradients() -> None:
     """peft would save an fp32 copy of every adapted layer's bf16 input; memtrain saves the input."""
     from peft import LoraConfig, get_peft_model
 
-    from memtrain.patches.lora import keep_input_dtype
+    from memtrain.patches.lora import lean_lora_layers
 
     def run(lean: bool) -> tuple[dict, int]:
         model = tiny_model("llama", num_hidden_layers=2).to(torch.bfloat16)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
         if lean:
-            assert keep_input_dtype(model) == 14  # 7 linear layers x 2 decoder layers
+            assert lean_lora_layers(model) == 14  # 7 linear layers x 2 decoder layers
         ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
         with LiveBytes() as probe:
             model(input_ids=ids, labels=ids).loss.backward()
@@ -163,3 +163,30 @@ def test_lora_keeps_its_bf16_input_once_with_the_same_gradients() -> None:
     for name, grad in peft_grads.items():
         torch.testing.assert_close(lean_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert lean_peak < peft_peak, (lean_peak, peft_peak)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lean_lora_layers_match_peft_in_fp32_and_bf16(dropout: float) -> None:
+    """Outputs and gradients of every LoRA weight equal peft's own forward (same dropout masks)."""
+    from peft import LoraConfig, get_peft_model
+
+    from memtrain.patches.lora import lean_lora_layers
+
+    def run(lean: bool, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        model = tiny_model("llama").to(dtype)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                 target_modules="all-linear", init_lora_weights=False))
+        if lean:
+            lean_lora_layers(model)
+        ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(5)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-6)):  # bit-equal when measured
+        (ref_logits, ref_grads), (logits, grads) = run(False, dtype), run(True, dtype)
+        torch.testing.assert_close(logits, ref_logits, rtol=tol, atol=tol)
+        for name, grad in ref_grads.items():
+            scale = grad.abs().max().clamp_min(1e-12)
+            assert ((grads[name] - grad).abs().max() / scale).item() < tol, name

@@ -55,7 +55,7 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
     peft_model = get_peft_model(model, lora)
     if quantized and lean_kbit:
         prepare_lean(peft_model)
-    keep_input_dtype(peft_model)
+    lean_lora_layers(peft_model)
     adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")
                and name.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
     kind = "QLoRA" if quantized else "LoRA"
@@ -88,56 +88,107 @@ def prepare_lean(model: nn.Module) -> int:
     return cast
 
 
-class _CastLinear(torch.autograd.Function):
-    """``F.linear(x.to(weight.dtype), weight)`` that keeps ``x`` for backward in its own dtype.
+class _LoraAdd(torch.autograd.Function):
+    """``base + lora_B(lora_A(x)) * scaling`` as peft computes it, holding less.
 
-    peft casts a LoRA layer's bf16 input to the adapter's fp32 before ``lora_A``, and that linear
-    then keeps the fp32 copy for its weight gradient: twice the bytes of the input, which the
-    frozen base layer already keeps in bf16. Here the cast happens again in backward instead, so
-    the saved tensor is the input itself. The values are the same as peft's: casting bf16 to fp32
-    is exact, and the same fp32 matmuls run.
+    peft casts a layer's bf16 input to the fp32 adapter and ``lora_A`` keeps that fp32 copy for
+    backward (twice the bytes of the input, which the frozen base layer keeps anyway in bf16);
+    then ``lora_B``'s output, its scaled copy and the sum with the base output are fp32 tensors of
+    the layer's full output size. Here the input is kept as given (cast again in backward) and the
+    fp32 work runs over chunks of rows, so no full-size fp32 tensor exists. The arithmetic is
+    peft's: the same fp32 matmuls, the same fp32 sum rounded once to the output dtype (or, where
+    peft rounds the adapter's output first, as for bitsandbytes layers, that too).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return nn.functional.linear(x.to(weight.dtype), weight)
+    def forward(ctx: Any, base: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor,
+                weight_b: torch.Tensor, scaling: float, round_first: bool) -> torch.Tensor:
+        low_rank = nn.functional.linear(x.to(weight_a.dtype), weight_a)  # tokens x r: small
+        out = torch.empty_like(base)
+        rows = _chunk_rows(base)
+        flat_base, flat_h = base.reshape(-1, base.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
+        flat_out = out.view(-1, out.shape[-1])
+        for start in range(0, flat_out.shape[0], rows):
+            piece = nn.functional.linear(flat_h[start:start + rows], weight_b) * scaling
+            part = flat_base[start:start + rows]
+            flat_out[start:start + rows] = (part + piece.to(base.dtype) if round_first
+                                            else part.to(piece.dtype) + piece)
+        ctx.save_for_backward(x, weight_a, weight_b, low_rank)
+        ctx.scaling = scaling
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        x, weight = ctx.saved_tensors
-        grad_x = (grad @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            flat_grad = grad.reshape(-1, grad.shape[-1])
-            grad_w = flat_grad.t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
-        return grad_x, grad_w
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight_a, weight_b, low_rank = ctx.saved_tensors
+        flat_g, flat_h = grad.reshape(-1, grad.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
+        grad_h = torch.empty_like(flat_h)
+        grad_b = torch.zeros_like(weight_b)
+        rows = _chunk_rows(grad)
+        for start in range(0, flat_g.shape[0], rows):
+            g = flat_g[start:start + rows].to(weight_b.dtype) * ctx.scaling
+            grad_b += g.t() @ flat_h[start:start + rows]
+            grad_h[start:start + rows] = g @ weight_b
+        flat_x = x.reshape(-1, x.shape[-1])
+        grad_a = grad_h.t() @ flat_x.to(weight_a.dtype)
+        grad_x = (grad_h @ weight_a).to(x.dtype).view(x.shape) if ctx.needs_input_grad[1] else None
+        return grad, grad_x, grad_a, grad_b, None, None
 
 
-def _cast_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _CastLinear.apply(x, self.weight)
+CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of a layer's output
 
 
-def keep_input_dtype(model: nn.Module) -> int:
-    """Make every plain LoRA layer keep its input for backward in the input's dtype (see
-    :class:`_CastLinear`): exact, and costs one cast of the input in backward.
+def _chunk_rows(out: torch.Tensor) -> int:
+    return max(1, CHUNK_BYTES // (4 * out.shape[-1]))
 
-    Layers with a variant (DoRA), a bias on ``lora_A`` or inputs already in the adapter's dtype
-    are left to peft. Returns the number of layers changed.
+
+def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's LoRA ``Linear.forward`` for plain adapters, through :class:`_LoraAdd`; anything else
+    (adapters off or merged, mixed batches, DoRA and other variants, autocast) is peft's own."""
+    plain = not (self.disable_adapters or self.merged or torch.is_autocast_enabled()
+                 or kwargs.get("adapter_names") is not None
+                 or any(a in self.lora_variant for a in self.active_adapters))
+    if not plain:
+        return type(self).forward(self, x, *args, **kwargs)
+    self._check_forward_args(x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
+    for name in self.active_adapters:
+        if name not in self.lora_A:
+            continue
+        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+        dropout = self.lora_dropout[name]
+        # With dropout, peft drops out the fp32 copy: keep that order (same random mask).
+        inp = x if isinstance(dropout, nn.Identity) else dropout(x.to(lora_a.weight.dtype))
+        result = _LoraAdd.apply(result, inp, lora_a.weight, lora_b.weight, self.scaling[name],
+                                self.round_adapter_first)
+    return result
+
+
+def lean_lora_layers(model: nn.Module) -> int:
+    """Route every plain peft LoRA linear layer through :class:`_LoraAdd` (exact, less memory).
+
+    Covers peft's ``Linear`` and its bitsandbytes ``Linear4bit``/``Linear8bitLt`` (which round the
+    adapter's output to the output dtype before adding it); layers whose adapters have a bias are
+    left to peft. Returns the number of layers changed.
     """
+    from peft.tuners.lora import layer as lora_layer
+
+    kinds: dict[type, bool] = {lora_layer.Linear: False}
+    try:
+        from peft.tuners.lora import bnb as lora_bnb
+
+        kinds.update({cls: True for cls in (getattr(lora_bnb, "Linear4bit", None),
+                                           getattr(lora_bnb, "Linear8bitLt", None)) if cls})
+    except ImportError:  # bitsandbytes not installed
+        pass
     changed = 0
     for module in model.modules():
-        lora_a = getattr(module, "lora_A", None)
-        if not isinstance(lora_a, nn.ModuleDict) or getattr(module, "lora_variant", None):
+        round_first = kinds.get(type(module))
+        if round_first is None or "forward" in module.__dict__:
             continue
-        if not hasattr(module, "cast_input_dtype_enabled"):
+        if any(m.bias is not None for m in (*module.lora_A.values(), *module.lora_B.values())):
             continue
-        linears = [m for m in lora_a.values() if type(m) is nn.Linear and m.bias is None]
-        if len(linears) != len(lora_a):
-            continue
-        module.cast_input_dtype_enabled = False  # peft's switch: lora_A receives the input as is
-        for linear in linears:
-            linear.forward = types.MethodType(_cast_linear_forward, linear)
+        module.round_adapter_first = round_first
+        module.forward = types.MethodType(_lean_forward, module)
         changed += 1
     return changed
 
