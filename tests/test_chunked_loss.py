@@ -143,18 +143,22 @@ def test_recipe_for_a_classifier_is_refused() -> None:
         load_recipe(recipe)
 
 
-def test_lora_keeps_its_bf16_input_once_with_the_same_gradients() -> None:
-    """peft would save an fp32 copy of every adapted layer's bf16 input; memtrain saves the input."""
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_keeps_its_bf16_input_once_with_the_same_gradients(dropout: float) -> None:
+    """peft would save an fp32 copy of every adapted layer's bf16 input (with dropout, the dropped
+    copy and its mask); memtrain saves the input and recomputes the rest in backward."""
     from peft import LoraConfig, get_peft_model
 
     from memtrain.patches.lora import lean_lora_layers
 
     def run(lean: bool) -> tuple[dict, int]:
         model = tiny_model("llama", num_hidden_layers=2).to(torch.bfloat16)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                 target_modules="all-linear"))
         if lean:
             assert lean_lora_layers(model) == 14  # 7 linear layers x 2 decoder layers
         ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(5)  # the same dropout masks in both runs
         with LiveBytes() as probe:
             model(input_ids=ids, labels=ids).loss.backward()
         return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, probe.device_peak

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import AdapterConfig, RunConfig
 from memtrain.patches import ADAPTER, PatchRecord, add_records, register
@@ -88,22 +89,55 @@ def prepare_lean(model: nn.Module) -> int:
     return cast
 
 
-class _LoraAdd(torch.autograd.Function):
-    """``base + lora_B(lora_A(x)) * scaling`` as peft computes it, holding less.
+class _LowRank(torch.autograd.Function):
+    """``F.linear(x.to(weight.dtype), weight)`` (``lora_A``) keeping ``x`` for backward as given.
 
-    peft casts a layer's bf16 input to the fp32 adapter and ``lora_A`` keeps that fp32 copy for
-    backward (twice the bytes of the input, which the frozen base layer keeps anyway in bf16);
-    then ``lora_B``'s output, its scaled copy and the sum with the base output are fp32 tensors of
-    the layer's full output size. Here the input is kept as given (cast again in backward) and the
-    fp32 work runs over chunks of rows, so no full-size fp32 tensor exists. The arithmetic is
+    peft casts a layer's bf16 input to the fp32 adapter, and ``lora_A`` keeps that fp32 copy for
+    its weight gradient: twice the bytes of the input, which the frozen base layer keeps anyway in
+    bf16. Here the cast happens again in backward; casting bf16 to fp32 is exact, so the matmuls
+    and their results are peft's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return nn.functional.linear(x.to(weight.dtype), weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        grad_x = (grad @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_w
+
+
+def _dropped_low_rank(x: torch.Tensor, weight: torch.Tensor, dropout: nn.Module) -> torch.Tensor:
+    return nn.functional.linear(dropout(x.to(weight.dtype)), weight)
+
+
+def _low_rank(x: torch.Tensor, weight: torch.Tensor, dropout: nn.Module) -> torch.Tensor:
+    """``lora_A(dropout(x))`` as peft computes it (dropout on the fp32 copy, the same random mask),
+    keeping only ``x`` for backward: with dropout, the region is recomputed in backward under the
+    saved random state (non-reentrant checkpoint), so neither the fp32 copy nor the mask is kept."""
+    if isinstance(dropout, nn.Identity) or not dropout.training:
+        return _LowRank.apply(x, weight)
+    if not torch.is_grad_enabled():
+        return _dropped_low_rank(x, weight, dropout)
+    return checkpoint(_dropped_low_rank, x, weight, dropout, use_reentrant=False)
+
+
+class _LoraAdd(torch.autograd.Function):
+    """``base + lora_B(low_rank) * scaling`` as peft computes it, without full-size fp32 tensors.
+
+    peft's ``lora_B`` output, its scaled copy and the sum with the base output are fp32 tensors of
+    the layer's full output size. Here the fp32 work runs over chunks of rows. The arithmetic is
     peft's: the same fp32 matmuls, the same fp32 sum rounded once to the output dtype (or, where
     peft rounds the adapter's output first, as for bitsandbytes layers, that too).
     """
 
     @staticmethod
-    def forward(ctx: Any, base: torch.Tensor, x: torch.Tensor, weight_a: torch.Tensor,
-                weight_b: torch.Tensor, scaling: float, round_first: bool) -> torch.Tensor:
-        low_rank = nn.functional.linear(x.to(weight_a.dtype), weight_a)  # tokens x r: small
+    def forward(ctx: Any, base: torch.Tensor, low_rank: torch.Tensor, weight_b: torch.Tensor,
+                scaling: float, round_first: bool) -> torch.Tensor:
         out = torch.empty_like(base)
         rows = _chunk_rows(base)
         flat_base, flat_h = base.reshape(-1, base.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
@@ -113,13 +147,13 @@ class _LoraAdd(torch.autograd.Function):
             part = flat_base[start:start + rows]
             flat_out[start:start + rows] = (part + piece.to(base.dtype) if round_first
                                             else part.to(piece.dtype) + piece)
-        ctx.save_for_backward(x, weight_a, weight_b, low_rank)
+        ctx.save_for_backward(weight_b, low_rank)
         ctx.scaling = scaling
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight_a, weight_b, low_rank = ctx.saved_tensors
+        weight_b, low_rank = ctx.saved_tensors
         flat_g, flat_h = grad.reshape(-1, grad.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
         grad_h = torch.empty_like(flat_h)
         grad_b = torch.zeros_like(weight_b)
@@ -128,10 +162,7 @@ class _LoraAdd(torch.autograd.Function):
             g = flat_g[start:start + rows].to(weight_b.dtype) * ctx.scaling
             grad_b += g.t() @ flat_h[start:start + rows]
             grad_h[start:start + rows] = g @ weight_b
-        flat_x = x.reshape(-1, x.shape[-1])
-        grad_a = grad_h.t() @ flat_x.to(weight_a.dtype)
-        grad_x = (grad_h @ weight_a).to(x.dtype).view(x.shape) if ctx.needs_input_grad[1] else None
-        return grad, grad_x, grad_a, grad_b, None, None
+        return grad, grad_h.view(low_rank.shape), grad_b, None, None
 
 
 CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of a layer's output
@@ -142,11 +173,15 @@ def _chunk_rows(out: torch.Tensor) -> int:
 
 
 def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """peft's LoRA ``Linear.forward`` for plain adapters, through :class:`_LoraAdd`; anything else
-    (adapters off or merged, mixed batches, DoRA and other variants, autocast) is peft's own."""
+    """peft's LoRA ``Linear.forward`` for plain adapters, through :func:`_low_rank` and
+    :class:`_LoraAdd`; anything else (adapters off or merged, mixed batches, DoRA and other
+    variants, autocast, adapter layers that another patch replaced, such as the
+    randomized-backward linear) is peft's own."""
     plain = not (self.disable_adapters or self.merged or torch.is_autocast_enabled()
                  or kwargs.get("adapter_names") is not None
-                 or any(a in self.lora_variant for a in self.active_adapters))
+                 or any(a in self.lora_variant for a in self.active_adapters)
+                 or any(type(m[a]) is not nn.Linear for m in (self.lora_A, self.lora_B)
+                        for a in self.active_adapters if a in m))
     if not plain:
         return type(self).forward(self, x, *args, **kwargs)
     self._check_forward_args(x, *args, **kwargs)
@@ -155,10 +190,8 @@ def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -
         if name not in self.lora_A:
             continue
         lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-        dropout = self.lora_dropout[name]
-        # With dropout, peft drops out the fp32 copy: keep that order (same random mask).
-        inp = x if isinstance(dropout, nn.Identity) else dropout(x.to(lora_a.weight.dtype))
-        result = _LoraAdd.apply(result, inp, lora_a.weight, lora_b.weight, self.scaling[name],
+        low_rank = _low_rank(x, lora_a.weight, self.lora_dropout[name])
+        result = _LoraAdd.apply(result, low_rank, lora_b.weight, self.scaling[name],
                                 self.round_adapter_first)
     return result
 
