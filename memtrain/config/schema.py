@@ -356,6 +356,13 @@ class TrainingConfig(Section):
     max_nonfinite_steps: int = Field(
         5, ge=0, description="Skip steps whose loss is NaN/inf; stop after this many in a row."
     )
+    optimizer_in_backward: bool | Auto = Field(
+        False,
+        description="Update each parameter inside backward as soon as its gradient is complete, "
+        "then free that gradient, so the gradients of the whole model never exist at once "
+        "(torchtune's optimizer-in-backward). Needs `gradient_accumulation: 1` and "
+        "`max_grad_norm: null`. `auto`: the planner decides.",
+    )
 
     @model_validator(mode="after")
     def _grad_accumulation_ge_one(self, info: ValidationInfo) -> TrainingConfig:
@@ -453,6 +460,21 @@ class MemoryConfig(Section):
     )
     allow_approximate: bool = Field(
         False, description="Let the planner choose approximate-gradient layers for `auto` fields."
+    )
+    loss: Literal["standard", "chunked", "auto"] = Field(
+        "standard",
+        description="Causal LM loss: `standard` (the model's own: full-vocabulary logits), `chunked` "
+        "(output head and cross-entropy over chunks of tokens, each recomputed in backward: full "
+        "logits never exist; same loss and gradients) or `auto` (the planner decides).",
+    )
+    loss_chunk_tokens: int | None = Field(
+        None, gt=0, description="Tokens per chunk of the chunked loss; null = about as many logits "
+        "as hidden-state values (Liger-Kernel's rule)."
+    )
+    lean_kbit: bool = Field(
+        True,
+        description="QLoRA/int8: keep frozen embeddings, output head and norms in the compute dtype "
+        "instead of peft's fp32 upcast (`prepare_model_for_kbit_training`). LoRA weights stay fp32.",
     )
 
     @field_validator("budget", "simulate_budget")
@@ -592,8 +614,54 @@ def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
                 "data.format", data.format, "a classification model needs labelled data",
                 "set `data.format: classification`.",
             ))
+    memory = sections.get("memory")
+    if model is not None and memory is not None and model.task != "causal-lm" \
+            and memory.loss == "chunked":
+        out.append(Problem(
+            "memory.loss", "chunked", f"the chunked loss is for causal LMs, not `{model.task}`",
+            "set `memory.loss: standard`.",
+        ))
     if training is not None and distributed is not None:
         out.extend(_batch_problems(training, distributed.processes))
+    if training is not None:
+        out.extend(_in_backward_problems(sections))
+    return out
+
+
+def _in_backward_problems(sections: Mapping[str, Any]) -> list[Problem]:
+    """The optimizer step inside backward updates each parameter as soon as its gradient is
+    complete: there is no moment when all gradients exist to be accumulated, clipped or scaled."""
+    t, model, memory = sections["training"], sections.get("model"), sections.get("memory")
+    distributed = sections.get("distributed")
+    if t.optimizer_in_backward is not True:
+        return []
+    fix = "set `training.optimizer_in_backward: false`"
+    out = []
+    if t.max_grad_norm is not None:
+        out.append(Problem(
+            "training.optimizer_in_backward", True, "cannot clip by the global norm "
+            f"(`training.max_grad_norm: {t.max_grad_norm}`): each parameter steps before the others "
+            "have gradients", f"set `training.max_grad_norm: null`, or {fix}."))
+    accum = t.gradient_accumulation
+    procs = distributed.processes if distributed is not None else 1
+    implied = (t.effective_batch_size // (t.micro_batch_size * procs)
+               if isinstance(t.micro_batch_size, int) and t.effective_batch_size else None)
+    if (isinstance(accum, int) and accum > 1) or (implied or 1) > 1:
+        shown = accum if isinstance(accum, int) else implied
+        out.append(Problem(
+            "training.optimizer_in_backward", True, "cannot accumulate gradients "
+            f"(`training.gradient_accumulation` = {shown}): the step happens in every backward",
+            "make micro_batch_size × processes equal the effective batch size "
+            f"(`training.gradient_accumulation: 1`), or {fix}."))
+    if model is not None and model.dtype == "fp16":
+        out.append(Problem("training.optimizer_in_backward", True, "does not work with fp16 loss "
+                           "scaling (`model.dtype: fp16`)", f"use bf16 or fp32, or {fix}."))
+    if memory is not None and memory.offload.optimizer is True:
+        out.append(Problem("training.optimizer_in_backward", True, "and `memory.offload.optimizer` "
+                           "both move the optimizer step", f"choose one: {fix}, or turn the offload off."))
+    if procs > 1:
+        out.append(Problem("training.optimizer_in_backward", True, f"is single-process "
+                           f"(`distributed.processes: {procs}`)", f"{fix}."))
     return out
 
 
