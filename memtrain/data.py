@@ -16,17 +16,32 @@ from typing import Any
 
 from datasets import ClassLabel, Dataset, DatasetDict, load_dataset
 from datasets.exceptions import DatasetGenerationError
+from jinja2 import TemplateError
 from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from memtrain import sources
+from memtrain import packing, sources
 from memtrain.builtin_data import BUILTINS
+from memtrain.chat import (
+    IGNORE_INDEX,
+    chat_examples,
+    encode_spans,
+    pair_example,
+    resolve_chat_template,
+)
 from memtrain.config import DataConfig, Problem, RecipeError, RunConfig
 from memtrain.errors import MemtrainError
+from memtrain.formats import (
+    CONVERSATION_READERS,
+    PAIR_READERS,
+    REQUIRED_COLUMNS,
+    ROW,
+    RowError,
+)
 
 log = logging.getLogger(__name__)
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "PreparedData", "class_names", "load_raw", "load_splits", "prepare_data"]
 
 
 @dataclass
@@ -38,6 +53,7 @@ class PreparedData:
     collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
     label_names: list[str] | None = None  # classification only
     truncated: int = 0  # training examples cut at data.max_length
+    fill: dict[str, float] | None = None  # packing: share of real tokens, packed vs one per row
 
     @property
     def num_labels(self) -> int | None:
@@ -45,34 +61,52 @@ class PreparedData:
 
 
 def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
-    """Load, split, check and tokenize the recipe's data."""
+    """Load, split, check and tokenize the recipe's data.
+
+    For sharegpt/messages data the chat template in use is set on ``tokenizer`` (so that it is
+    saved with the run and used by ``memtrain generate``).
+    """
+    data = cfg.data
     _check_max_length(cfg, tokenizer)
-    train, evaluation = load_splits(cfg.data, cfg.training.seed)
-    fmt = cfg.data.format
-    _require_columns(train, cfg.data)
-    label_names = None
-    if fmt == "classification":
-        label_names = _label_names(train, cfg)
-    encode = _ENCODERS[fmt]
-    tokenized = [encode(split, cfg.data, tokenizer, label_names) if split is not None else None
-                 for split in (train, evaluation)]
-    train_tok, eval_tok = tokenized
+    train, evaluation = load_splits(data, cfg.training.seed)
+    _require_columns(train, data)
+    label_names = _label_names(train, cfg) if data.kind == "classification" else None
+    if data.kind in CONVERSATION_READERS:
+        tokenizer.chat_template = resolve_chat_template(data, tokenizer)
+    encode = _ENCODERS[data.kind]
+    splits = [encode(s, data, tokenizer, label_names) if s is not None else None
+              for s in (train, evaluation)]
+    if data.kind != "classification" and not (data.packing and data.kind == "text"):
+        splits = [_cut(s, data.max_length) if s is not None else None for s in splits]
+    if data.kind not in ("text", "classification"):
+        splits = [_drop_unlabelled(s, data) if s is not None else None for s in splits]
+    train_tok = splits[0]
     assert train_tok is not None
-    if fmt in ("instruction", "chat"):
-        train_tok, eval_tok = (_drop_unlabelled(s, cfg.data) if s is not None else None
-                               for s in (train_tok, eval_tok))
-    if fmt == "text" and cfg.data.packing:
-        train_tok, eval_tok = (_pack(s, cfg.data.max_length) if s is not None else None
-                               for s in (train_tok, eval_tok))
     truncated = sum(train_tok["truncated"]) if "truncated" in train_tok.column_names else 0
-    train_tok, eval_tok = (s.remove_columns([c for c in ("truncated",) if c in s.column_names])
-                           if s is not None else None for s in (train_tok, eval_tok))
     if truncated:
         log.warning("%d of %d training examples were cut at data.max_length=%d",
-                    truncated, len(train_tok), cfg.data.max_length)
-    collator = (DataCollatorWithPadding(tokenizer) if fmt == "classification"
-                else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX))
-    return PreparedData(train_tok, eval_tok, collator, label_names, truncated)
+                    truncated, len(train_tok), data.max_length)
+    fill = None
+    if data.packing:
+        fill = {"unpacked": packing.fill([min(len(x), data.max_length) for x in train_tok["input_ids"]],
+                                         data.max_length)}
+        splits = [packing.pack(s, data.max_length, split_long=data.kind == "text")
+                  if s is not None else None for s in splits]
+        fill["packed"] = packing.fill([len(x) for x in splits[0]["input_ids"]], data.max_length)
+        log.info("packing: %d examples in %d rows; real tokens fill %.1f%% of the rows (%.1f%% "
+                 "with one example per row)", len(train_tok), len(splits[0]), 100 * fill["packed"],
+                 100 * fill["unpacked"])
+    train_tok, eval_tok = (s.remove_columns([c for c in ("truncated",) if c in s.column_names])
+                           if s is not None else None for s in splits)
+    return PreparedData(train_tok, eval_tok, _collator(data, tokenizer), label_names, truncated, fill)
+
+
+def _collator(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[..., Any]:
+    if cfg.kind == "classification":
+        return DataCollatorWithPadding(tokenizer)
+    if cfg.packing:
+        return packing.PackedCollator(tokenizer.pad_token_id)
+    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
 
 def _check_max_length(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -80,7 +114,7 @@ def _check_max_length(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Non
     special tokens whatever the limit (the tokenizer cannot cut them), and a causal LM needs two
     tokens to predict one. A shorter limit would also make the memory estimate (which uses it)
     wrong."""
-    if cfg.data.format == "classification":
+    if cfg.data.kind == "classification":
         shortest = tokenizer.num_special_tokens_to_add(pair=False) + 1
         why = f"the tokenizer adds {shortest - 1} special token(s) to every example"
     else:
@@ -151,7 +185,7 @@ def _check_json_lines(path: Path, source: str) -> None:
 def _check_nulls(ds: Dataset, cfg: DataConfig, split: str) -> None:
     """Empty values in the columns a format reads are mistakes: name the first rows that have them."""
     problems = []
-    for key in _NEEDED[cfg.format]:
+    for key in REQUIRED_COLUMNS[cfg.kind]:
         column = getattr(cfg, key)
         if column not in ds.column_names:
             continue  # reported by _require_columns with the columns there are
@@ -175,6 +209,7 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[Dataset, Dataset | None
         train = raw[cfg.split]
     else:
         train = raw
+    train = _numbered(train)
     if len(train) == 0:
         raise RecipeError([Problem("data.source", cfg.source, "has no examples",
                                    "point it at a non-empty file or dataset.")])
@@ -185,7 +220,7 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[Dataset, Dataset | None
             have = ", ".join(raw) if isinstance(raw, DatasetDict) else "none (a single split)"
             raise RecipeError([Problem("data.eval_split", cfg.eval_split, "is not a split of the data",
                                        f"use a fraction like 0.1 or one of the splits: {have}.")])
-        evaluation = raw[cfg.eval_split]
+        evaluation = _numbered(raw[cfg.eval_split])
         _check_nulls(evaluation, cfg, cfg.eval_split)
     train = train.shuffle(seed=seed)
     if cfg.max_examples is not None:
@@ -200,23 +235,30 @@ def load_splits(cfg: DataConfig, seed: int = 0) -> tuple[Dataset, Dataset | None
     return train, evaluation
 
 
-_NEEDED = {  # the columns each format reads
-    "text": ["text_column"],
-    "classification": ["text_column", "label_column"],
-    "instruction": ["prompt_column", "response_column"],
-    "chat": ["messages_column"],
-}
+def _numbered(ds: Dataset) -> Dataset:
+    """Add the hidden row-number column (from 1, before shuffling) that data errors cite."""
+    return ds.add_column(ROW, list(range(1, len(ds) + 1))) if ROW not in ds.column_names else ds
 
 
 def _require_columns(ds: Dataset, cfg: DataConfig) -> None:
-    needed = _NEEDED[cfg.format]
+    columns = [c for c in ds.column_names if c != ROW]
     problems = [
         Problem(f"data.{key}", getattr(cfg, key), "is not a column of the data",
-                f"set it to one of the columns the data has: {', '.join(ds.column_names)}.")
-        for key in needed if getattr(cfg, key) not in ds.column_names
+                f"set it to one of the columns the data has: {', '.join(columns)}.")
+        for key in REQUIRED_COLUMNS[cfg.kind] if getattr(cfg, key) not in columns
     ]
+    if cfg.kind == "tokenized" and "input_ids" not in columns:
+        problems.append(Problem("data.format", "tokenized", "needs an `input_ids` column",
+                                f"the data has: {', '.join(columns)}; tokenize it or pick the "
+                                "format of its columns."))
     if problems:
         raise RecipeError(problems, cfg.source)
+
+
+def class_names(cfg: RunConfig) -> list[str]:
+    """The class names training used, in the same order, read again from the recipe's data."""
+    train, _ = load_splits(cfg.data, cfg.training.seed)
+    return _label_names(train, cfg)
 
 
 def _label_names(ds: Dataset, cfg: RunConfig) -> list[str]:
@@ -275,71 +317,101 @@ def _encode_classification(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenize
     return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
 
 
+def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
+    return [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+
+
+def _map_rows(ds: Dataset, encode: Callable[[dict[str, Any]], list[dict[str, list[int]]]]) -> Dataset:
+    """Apply ``encode`` (one row -> zero or more examples) to every row."""
+
+    def batch_encode(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": []}
+        for row in _rows(batch):
+            for example in encode(row):
+                out["input_ids"].append(example["input_ids"])
+                out["labels"].append(example["labels"])
+        return out
+
+    return ds.map(batch_encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
+
+
 def _encode_text(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
                  names: list[str] | None) -> Dataset:
-    cut = not cfg.packing  # packing keeps everything and cuts into blocks afterwards
+    """Plain text, every token trained, closed by the end-of-sequence token."""
+    def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+        text = row[cfg.text_column]
+        if text is None:
+            raise RowError(cfg, row[ROW], "text_column", "the column is empty (null)",
+                           "fill it in or remove the row.")
+        return [encode_spans(tok, str(text), [], special_tokens=True, close=True, train_all=True)]
 
-    def encode(batch: dict[str, list]) -> dict[str, list]:
-        ids = tok(batch[cfg.text_column], add_special_tokens=True)["input_ids"]
-        if cfg.packing and tok.eos_token_id is not None:
-            ids = [[*x, tok.eos_token_id] for x in ids]
-        truncated = [cut and len(x) > cfg.max_length for x in ids]
-        ids = [x[: cfg.max_length] if cut else x for x in ids]
-        return {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids],
-                "labels": [list(x) for x in ids], "truncated": truncated}
-
-    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
+    return _map_rows(ds, encode)
 
 
-def _encode_instruction(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
-                        names: list[str] | None) -> Dataset:
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-
-    def encode(row: dict[str, Any]) -> dict[str, Any]:
-        prompt = bos + tok(str(row[cfg.prompt_column]) + "\n\n", add_special_tokens=False)["input_ids"]
-        answer = tok(str(row[cfg.response_column]), add_special_tokens=False)["input_ids"] + eos
-        return _masked(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, cfg.max_length)
-
-    return ds.map(encode, remove_columns=ds.column_names, desc="tokenizing")
+def _encode_pair(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                 names: list[str] | None) -> Dataset:
+    """completion / alpaca: loss on the response (and the closing token)."""
+    read = PAIR_READERS[cfg.kind]
+    return _map_rows(ds, lambda row: [pair_example(tok, *read(cfg, row), cfg.train_on_inputs)])
 
 
 def _encode_chat(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
                  names: list[str] | None) -> Dataset:
-    """Loss on assistant turns only: each turn's tokens are the growth of the rendered prefix."""
-    if not getattr(tok, "chat_template", None):
-        log.warning("the tokenizer has no chat template; rendering messages as 'role: content'")
+    """sharegpt / messages: rendered with the chat template, loss on the assistant turns."""
+    read = CONVERSATION_READERS[cfg.kind]
+    template = resolve_chat_template(cfg, tok)
+    field = "conversations_column" if cfg.kind == "sharegpt" else "messages_column"
 
-    def render(messages: list[dict[str, str]]) -> list[int]:
-        if getattr(tok, "chat_template", None):
-            return list(tok.apply_chat_template(messages, tokenize=True, return_dict=False))
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return tok(text, add_special_tokens=True)["input_ids"]
+    def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+        messages = read(cfg, row)
+        try:
+            return chat_examples(tok, template, messages, cfg.split_turns, cfg.train_on_inputs)
+        except TemplateError as err:
+            raise RowError(cfg, row[ROW], field, f"the chat template failed on this conversation "
+                           f"({err})", "check `data.chat_template` and the roles of the "
+                           "messages.") from None
 
-    def encode(row: dict[str, Any]) -> dict[str, Any]:
-        messages = row[cfg.messages_column]
-        ids: list[int] = []
-        labels: list[int] = []
-        for i, message in enumerate(messages):
-            full = render(messages[: i + 1])
-            new = full[len(ids):]
-            ids = full
-            labels += new if message.get("role") == "assistant" else [IGNORE_INDEX] * len(new)
-        return _masked(ids, labels, cfg.max_length)
-
-    return ds.map(encode, remove_columns=ds.column_names, desc="tokenizing")
+    return _map_rows(ds, encode)
 
 
-def _masked(ids: list[int], labels: list[int], max_length: int) -> dict[str, Any]:
-    return {"input_ids": ids[:max_length], "attention_mask": [1] * len(ids[:max_length]),
-            "labels": labels[:max_length], "truncated": len(ids) > max_length}
+def _encode_tokenized(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                      names: list[str] | None) -> Dataset:
+    """Token ids as given; ``labels`` when the data has them, else every token is trained."""
+    has_labels = "labels" in ds.column_names
+
+    def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+        ids, labels = row["input_ids"], row["labels"] if has_labels else row["input_ids"]
+        if not ids or not all(isinstance(t, int) for t in ids):
+            raise RowError(cfg, row[ROW], "format", "`input_ids` must be a non-empty list of "
+                           "integers", "store token ids as lists of integers.")
+        if labels is None or len(labels) != len(ids):
+            raise RowError(cfg, row[ROW], "format", f"`labels` has {len(labels or [])} entries "
+                           f"for {len(ids)} `input_ids`", "give one label per token (-100: not "
+                           "trained), or drop the `labels` column.")
+        return [{"input_ids": list(ids), "labels": list(labels)}]
+
+    return _map_rows(ds, encode)
+
+
+def _cut(ds: Dataset, max_length: int) -> Dataset:
+    """One example per row: cut at ``max_length``, add the attention mask."""
+
+    def cut(row: dict[str, Any]) -> dict[str, Any]:
+        ids = row["input_ids"][:max_length]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids),
+                "labels": row["labels"][:max_length], "truncated": len(row["input_ids"]) > max_length}
+
+    return ds.map(cut, desc="cutting")
 
 
 _ENCODERS: dict[str, Encoder] = {
     "classification": _encode_classification,
     "text": _encode_text,
-    "instruction": _encode_instruction,
-    "chat": _encode_chat,
+    "completion": _encode_pair,
+    "alpaca": _encode_pair,
+    "messages": _encode_chat,
+    "sharegpt": _encode_chat,
+    "tokenized": _encode_tokenized,
 }
 
 
@@ -356,21 +428,3 @@ def _drop_unlabelled(ds: Dataset, cfg: DataConfig) -> Dataset:
         log.warning("dropped %d examples with no answer tokens left after data.max_length=%d",
                     len(ds) - len(kept), cfg.max_length)
     return kept
-
-
-def _pack(ds: Dataset, block: int) -> Dataset:
-    """Concatenate all token ids and cut them into blocks of ``block`` tokens (last one dropped)."""
-
-    def pack(batch: dict[str, list]) -> dict[str, list]:
-        flat = [t for ids in batch["input_ids"] for t in ids]
-        n = len(flat) // block * block
-        blocks = [flat[i: i + block] for i in range(0, n, block)]
-        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks],
-                "labels": [list(b) for b in blocks]}
-
-    packed = ds.map(pack, batched=True, batch_size=1000, remove_columns=ds.column_names,
-                    desc="packing")
-    if len(packed) == 0:
-        raise RecipeError([Problem("data.max_length", block, "is longer than all the text together",
-                                   "lower `data.max_length` or add data.")])
-    return packed

@@ -55,6 +55,7 @@ TIE = 0.05
 TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that fit)
 # Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
 APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
+IN_BACKWARD = "training.optimizer_in_backward"
 
 
 class NothingFits(MemtrainError):
@@ -258,6 +259,8 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "memory.activation_bits": [None, 3] if approx else [None],
         "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
         "distributed.sharding": ["none", "full"],
+        "memory.loss": ["standard", "chunked"] if cfg.model.task == "causal-lm" else ["standard"],
+        "training.optimizer_in_backward": [False, True],
     }[path]
 
 
@@ -274,6 +277,8 @@ def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
         return (0,) if value == "adamw" else (1,)
     if path == "distributed.sharding":
         return (0,) if value == "none" else (1,)
+    if path == "memory.loss":
+        return (0,) if value == "standard" else (1,)
     return (0,) if value in (None, False) else (1,)
 
 
@@ -313,9 +318,10 @@ class _Search:
         domains = [_options(self.cfg, f, self.depth) for f in self.fields]
         for combo in itertools.product(*domains):
             values = dict(zip(self.fields, combo, strict=True))
-            if values.get("model.quantization", self.cfg.model.quantization) not in ("none", "auto") and \
-                    values.get("adapter.method", self.cfg.adapter.method) == "full":
-                continue  # a quantized base cannot be trained in full
+            try:  # e.g. a quantized base trained in full, the step in backward with clipping
+                with_values(self.cfg, values)
+            except ValueError:
+                continue
             yield Candidate(values)
 
     def run(self) -> Candidate | None:
@@ -373,7 +379,7 @@ class _Search:
         """
         cfg = with_values(self.cfg, cand.values)
         out = [dataclasses.replace(cand, reason="")]
-        for micro, accumulation in reversed(self.batches):
+        for micro, accumulation in reversed(self.batches_for(cand)):
             if len(out) == TUNE_MICROS:
                 break
             if micro >= cand.micro or micro == 1:
@@ -389,7 +395,13 @@ class _Search:
         return out
 
     def _dominated(self, cand: Candidate, small: Candidate) -> bool:
-        """``cand`` keeps at least as much memory as ``small`` in every field."""
+        """``cand`` keeps at least as much memory as ``small`` in every field.
+
+        The step in backward saves gradients but allows no accumulation (fewer micro-batch
+        choices), so candidates that differ in it are not comparable.
+        """
+        if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
+            return False
         return all(a <= b for f in self.fields for a, b in zip(
             _rank(f, cand.values[f], self.depth), _rank(f, small.values[f], self.depth), strict=True))
 
@@ -397,7 +409,8 @@ class _Search:
         """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base."""
         base = {f: v for f, v in cand.values.items() if f in ("model.quantization", "adapter.method")}
         cfg = with_values(self.cfg, {**base, **self._plain(cand)})
-        micro, accumulation = self.batches[-1]
+        batches = self.batches_for(cand) or self.batches
+        micro, accumulation = batches[-1]
         held = 2 if any(a > 1 for _, a in self.batches) else 1
         traced = self._traced(cfg, held)
         work = _work_at(traced.counts2[3], traced.counts3[3], micro)
@@ -411,7 +424,7 @@ class _Search:
         plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
                  "memory.offload.activations": False, "memory.offload.optimizer": False,
                  "memory.activation_bits": None, "memory.randomized_linear": None,
-                 "distributed.sharding": "none"}
+                 "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False}
         return {f: v for f, v in plain.items() if f in self.fields}
 
     def evaluate(self, cand: Candidate) -> None:
@@ -423,10 +436,17 @@ class _Search:
         not hold could make the difference.
         """
         cfg = with_values(self.cfg, cand.values)
-        held = 2 if any(a > 1 for _, a in self.batches) else 1
+        batches = self.batches_for(cand)
+        if not batches:
+            cand.micro, cand.accumulation = self.batches[0]
+            cand.reason = ("the optimizer step in backward needs gradient_accumulation 1, and no "
+                           "allowed micro-batch equals the effective batch")
+            self.pruned.append(cand)
+            return
+        held = 2 if any(a > 1 for _, a in batches) else 1
         fitted = None
         traced = self._traced(cfg, held)
-        for micro, accumulation in reversed(self.batches):
+        for micro, accumulation in reversed(batches):
             summary = self._summary(traced, micro)
             if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \
                     and summary.total_bytes - self._grad_bytes(cfg, traced) <= self.usable:
@@ -437,7 +457,7 @@ class _Search:
                 fitted = (micro, accumulation, summary, traced)
                 break
         if fitted is None:
-            cand.micro, cand.accumulation = self.batches[0]
+            cand.micro, cand.accumulation = batches[0]
             cand.min_peak = self._summary(traced, cand.micro).total_bytes
             cand.reason = (f"does not fit: {format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
                            f"{format_bytes(self.usable)} usable")
@@ -445,13 +465,20 @@ class _Search:
             return
         micro, accumulation, summary, traced = fitted
         cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
-        first = self.batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
+        first = batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
         smallest = 2 if first == 1 and micro > 1 else first
         cand.min_peak = self._summary(traced, smallest).total_bytes
         work = _work_at(traced.counts2[3], traced.counts3[3], micro)
         cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary.host_peak_bytes)
         cand.seconds, cand.parts = cost.seconds, cost.parts
         self.done.append(cand)
+
+    def batches_for(self, cand: Candidate) -> list[tuple[int, int]]:
+        """The (micro, accumulation) pairs ``cand`` allows: without accumulation when its optimizer
+        steps inside backward."""
+        if cand.values.get(IN_BACKWARD, self.cfg.training.optimizer_in_backward) is True:
+            return [(m, a) for m, a in self.batches if a == 1]
+        return self.batches
 
     def _grad_bytes(self, cfg: RunConfig, traced: _Traced) -> int:
         return traced.counts2[1] * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)

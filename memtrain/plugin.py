@@ -173,7 +173,8 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         margin: fraction of the budget kept free for what estimates miss.
 
     Returns:
-        The model (with activation checkpointing when it was needed) and new TrainingArguments
+        The model (with activation checkpointing and the chunked loss when they were needed, and
+        LoRA layers that keep their input in its own dtype) and new TrainingArguments
         (``per_device_train_batch_size``, ``gradient_accumulation_steps``, maybe ``optim``).
         Training on a CPU with glibc, the process also keeps freed memory for reuse
         (:func:`memtrain.hostmem.keep_freed_pages`: no page faults for tensors above 32 MiB).
@@ -189,6 +190,8 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
                             "memory.checkpointing": "auto", "memory.margin": margin}
     if allow_approximate:
         auto.update({"memory.activation_bits": "auto", "memory.randomized_linear": "auto"})
+    if base.model.task == "causal-lm":
+        auto["memory.loss"] = "auto"
     optimizers = [base.training.optimizer]
     if "8bit" not in base.training.optimizer:
         optimizers.append("adamw_8bit")  # your optimizer first; the 8-bit one only if nothing else fits
@@ -208,10 +211,13 @@ def _apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, new_opt
                 ) -> tuple[nn.Module, TrainingArguments]:
     """Patch ``model`` as the plan says and return the matching TrainingArguments."""
     from memtrain.config import FewBitConfig, RandomizedLinearConfig
-    from memtrain.patches import checkpointing, fewbit, randomized_linear
+    from memtrain.patches import checkpointing, chunked_loss, fewbit, lora, randomized_linear
     from memtrain.trainer import OPTIMIZERS
 
     settings = decided.settings()
+    lora.lean_lora_layers(model)  # as memtrain's estimate of a LoRA model assumes (exact)
+    if settings.get("memory.loss") == "chunked":
+        chunked_loss.apply(model)
     mode = settings["memory.checkpointing"]
     if mode != "none":
         checkpointing.apply(model, mode)

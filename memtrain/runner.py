@@ -37,7 +37,7 @@ from memtrain.trainer import add_derived_metrics, build_trainer
 
 log = logging.getLogger(__name__)
 
-RECIPE_FILE, METRICS_FILE = "recipe.yaml", rundir.METRICS_FILE
+RECIPE_FILE, METRICS_FILE, LABELS_FILE = "recipe.yaml", rundir.METRICS_FILE, "labels.json"
 
 
 @dataclass
@@ -134,7 +134,7 @@ def train(cfg: RunConfig, console: Console | None = None,
         report = build_report(meter.worst, trainer.state.log_history,
                               predicted.to_dict() if predicted else None,
                               {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
-    _save_final(trainer, tokenizer, cfg, metrics, out, report)
+    _save_final(trainer, tokenizer, cfg, metrics, out, report, data.label_names)
     _summary(console, metrics, out)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
@@ -219,8 +219,9 @@ def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) 
 
 
 def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
-                out: Path, report: Report | None) -> None:
-    """Write adapter/model, tokenizer, resolved recipe, metrics and report, then move them in.
+                out: Path, report: Report | None, label_names: list[str] | None) -> None:
+    """Write adapter/model, tokenizer, resolved recipe, metrics, class names and report, then
+    move them in.
 
     ``metrics.json`` (what marks the run finished) moves in last; a full disk removes the partial
     files and names the checkpoint that is kept.
@@ -240,6 +241,8 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
         tokenizer.save_pretrained(str(staging))
         (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
         (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+        if label_names:  # an adapter folder does not keep the base config's id2label
+            (staging / LABELS_FILE).write_text(json.dumps(label_names), encoding="utf-8")
         if report is not None:
             save_report(report, staging)
         checkpoints.sync_tree(staging)
@@ -263,6 +266,10 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
     table.add_row("weights", f"{m.dtype}, quantization {m.quantization}")
     table.add_row("data", f"{cfg.data.source}: {len(data.train):,} train, "
                   f"{len(data.eval) if data.eval is not None else 0:,} eval examples")
+    if data.fill is not None:
+        table.add_row("packing", f"real tokens fill {data.fill['packed']:.1%} of the "
+                      f"{cfg.data.max_length}-token rows ({data.fill['unpacked']:.1%} with one "
+                      "example per row)")
     table.add_row("batch", str(batch))
     t = cfg.training
     length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epoch(s)"

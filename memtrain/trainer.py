@@ -30,8 +30,11 @@ from memtrain.recovery import MicroBatchRecovery
 from memtrain.safety import NonFiniteLossGuard
 from memtrain.units import parse_size
 
+# `adamw` is torch's fused AdamW (transformers' own default since torch 2.8): the same update as
+# the multi-tensor (foreach) kernel, without its temporaries, which hold a copy of every trainable
+# parameter during the step (6 GiB for Llama-3.2-3B in bf16; docs/bench/floor.md).
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
-    "adamw": ("adamw_torch", None),
+    "adamw": ("adamw_torch_fused", None),
     "adamw_8bit": ("adamw_bnb_8bit", None),
     "paged_adamw_8bit": ("paged_adamw_8bit", None),
     "adafactor": ("adafactor", None),
@@ -119,22 +122,27 @@ class MemtrainTrainer(Trainer):
       the CPU (:mod:`memtrain.optim_offload`), and gradient clipping reaches the host copies;
     - with several processes, the FSDP2 sharding the model already has (``fsdp_plugin``,
       accelerate's description of it, see :mod:`memtrain.distributed`) is what accelerate runs;
+    - with ``optimizer_in_backward``, every parameter steps in backward as soon as its gradient is
+      complete (:mod:`memtrain.optim_backward`);
     - a micro-batch that runs out of memory is split in two and its optimizer step redone
-      (:mod:`memtrain.recovery`), unless ``recover_oom`` is False.
+      (:mod:`memtrain.recovery`), unless ``recover_oom`` is False or the step is in backward.
     """
 
     def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,
                  fsdp_plugin: Any = None, recover_oom: bool = True, budget_bytes: int | None = None,
-                 **kwargs: Any) -> None:
+                 optimizer_in_backward: bool = False, **kwargs: Any) -> None:
         self.offload_optimizer = offload_optimizer
+        self.optimizer_in_backward = optimizer_in_backward
         self.runtime_before = 0.0  # training seconds of the run before the checkpoint it resumed from
         self.started_at = time.time()
         self.fsdp_plugin = fsdp_plugin  # read while Trainer.__init__ creates the Accelerator
         super().__init__(*args, **kwargs)
         self.nonfinite = NonFiniteLossGuard(max_nonfinite_steps)
         self.add_callback(self.nonfinite)
+        # Recovery splits a micro-batch into accumulated halves, which the step inside backward
+        # cannot do (it steps at the end of every backward).
         self.oom_recovery = (MicroBatchRecovery(self, super().training_step, budget_bytes)
-                             if recover_oom else None)
+                             if recover_oom and not optimizer_in_backward else None)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.started_at = time.time()  # checkpoints record the run's training time so far
@@ -192,19 +200,26 @@ class MemtrainTrainer(Trainer):
         checkpoints.write_checkpoint(self, lambda: stock(model, trial))
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer, or with offload the same optimizer run on host copies."""
-        if not self.offload_optimizer or self.optimizer is not None:
+        """The Trainer's optimizer; with offload the same optimizer run on host copies; in backward
+        the same optimizer once per parameter."""
+        if self.optimizer is not None or not (self.offload_optimizer or self.optimizer_in_backward):
             return super().create_optimizer(model)
-        from memtrain import optim_offload
+        from memtrain import optim_backward, optim_offload
 
         opt_model = self.model if model is None else model
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        if self.optimizer_in_backward:
+            # The stock optimizer's groups carry the Trainer's settings (weight-decay exclusions,
+            # bitsandbytes embedding overrides are registered by parameter); it holds no state yet.
+            groups = super().create_optimizer(model).param_groups
+            self.optimizer = optim_backward.build(groups, cls, kwargs)
+            return self.optimizer
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
         groups = [
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
         self.optimizer = optim_offload.build([g for g in groups if g["params"]], cls, kwargs)
         return self.optimizer
 
@@ -272,5 +287,9 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
         raise MemtrainError("`memory.offload.optimizer` does not work with fp16 loss scaling "
                             "(`model.dtype: fp16`). Fix: use bf16 or fp32, or turn offload off.")
     budget = cfg.memory.simulate_budget or (cfg.memory.budget if cfg.memory.budget != "auto" else None)
+    if cfg.training.optimizer_in_backward == "auto":
+        raise MemtrainError("`training.optimizer_in_backward` is `auto`: run the planner first "
+                            "(`memtrain plan`), or set it to true or false.")
     return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload),
-            "budget_bytes": parse_size(budget) if budget else None}
+            "budget_bytes": parse_size(budget) if budget else None,
+            "optimizer_in_backward": cfg.training.optimizer_in_backward}

@@ -204,8 +204,11 @@ def test_cuda_estimate_has_named_overhead_lines(tmp_path: Path, tiny_text_file: 
     calibrated = estimate(cfg, device="cuda")
     assert calibrated.overheads["cuda_context"] == 300 * 2**20
     assert "Test GPU" in calibrated.overhead_sources["cuda_context"]
-    rounded = calibrated.peak_bytes + calibrated.overheads["allocator_rounding"]
-    assert calibrated.overheads["fragmentation"] == int(0.2 * rounded)
+    resident = sum(calibrated.by_category.get(name, 0)
+                   for name in ("parameters", "buffers", "optimizer_state"))
+    transient = calibrated.peak_bytes - resident + calibrated.overheads["allocator_rounding"]
+    assert 0 < resident < calibrated.peak_bytes
+    assert calibrated.overheads["fragmentation"] == int(0.2 * transient)
     assert estimate(cfg, device="cpu").overheads == {}
 
 

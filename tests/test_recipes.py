@@ -47,3 +47,20 @@ def test_validate_prints_the_resolved_recipe() -> None:
     result = runner.invoke(app, ["validate", "quickstart", "training.epochs=2"])
     assert result.exit_code == 0
     assert "epochs: 2.0" in result.output and "max_nonfinite_steps: 5" in result.output
+
+
+STATED = [p for p in SHIPPED if "estimated peak" in load_recipe(p).description]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", STATED, ids=lambda p: p.stem)
+def test_stated_peak_is_what_the_estimator_predicts(path: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU recipe's "estimated peak X GiB" is `memtrain estimate RECIPE --device cuda`'s total
+    (with the default overhead lines, as on a machine without a calibration profile)."""
+    from memtrain.memory.estimate import estimate
+
+    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path / "none.json"))
+    stated = float(re.search(r"estimated peak ([\d.]+) GiB", load_recipe(path).description).group(1))
+    predicted = estimate(path, device="cuda").total_bytes / 2**30
+    assert predicted == pytest.approx(stated, abs=0.01), f"{path.name}: estimate says {predicted:.2f} GiB"

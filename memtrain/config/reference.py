@@ -58,4 +58,6 @@ def _default(field: Any) -> str:
         return "*required*"
     if isinstance(value, BaseModel):
         return "see below"
-    return f"`{value!r}`" if not isinstance(value, str) else f"`{value}`"
+    if isinstance(value, str) and "\n" not in value:
+        return f"`{value}`"
+    return f"`{value!r}`"  # repr keeps a multi-line default on one table row

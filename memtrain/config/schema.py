@@ -141,6 +141,26 @@ class ModelConfig(Section):
 
 # ---------------------------------------------------------------------------------------- data
 
+DataFormat = Literal["text", "completion", "instruction", "alpaca", "sharegpt", "messages", "chat",
+                     "tokenized", "classification"]
+FORMAT_ALIASES: dict[str, str] = {"instruction": "completion", "chat": "messages"}
+CAUSAL_FORMATS = ("text", "completion", "alpaca", "sharegpt", "messages", "tokenized")
+
+ALPACA_TEMPLATE = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_TEMPLATE_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+SHAREGPT_ROLES: dict[str, str] = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant",
+    "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "tool": "tool", "observation": "tool", "function_call": "assistant",
+}
+
 
 class DataConfig(Section):
     """Where the examples come from and how they become tokens."""
@@ -151,22 +171,73 @@ class DataConfig(Section):
         "or `builtin:<name>` for the offline datasets shipped with memtrain "
         "(`memtrain datasets` lists them).",
     )
-    format: Literal["text", "instruction", "chat", "classification"] = Field(
+    format: DataFormat = Field(
         "text",
-        description="`text`: plain text for causal LM; `instruction`: prompt/response columns, loss on "
-        "the response only; `chat`: a list of messages rendered with the tokenizer's chat template; "
-        "`classification`: text + label.",
+        description="`text`: plain text for causal LM (an end-of-sequence token closes each "
+        "example); `completion`: prompt/response columns joined by `completion_template`; "
+        "`alpaca`: instruction/input/output columns in `alpaca_template`; `sharegpt`: a list of "
+        "`{from, value}` turns (roles mapped by `sharegpt_roles`); `messages`: a list of OpenAI-style "
+        "`{role, content}` messages; `tokenized`: `input_ids` (and optional `labels`) as they are; "
+        "`classification`: text + label. `sharegpt` and `messages` are rendered with `chat_template`. "
+        "`instruction` is an alias of `completion`, `chat` of `messages`.",
     )
     split: str = Field("train", description="Split to train on.")
     subset: str | None = Field(None, description="Dataset configuration name on the hub.")
     text_column: str = Field("text", description="Column holding the text (text, classification).")
     label_column: str = Field("label", description="Column holding the label (classification).")
-    prompt_column: str = Field("prompt", description="Column holding the prompt (instruction).")
-    response_column: str = Field("response", description="Column holding the answer (instruction).")
-    messages_column: str = Field("messages", description="Column holding the messages (chat).")
+    prompt_column: str = Field("prompt", description="Column holding the prompt (completion).")
+    response_column: str = Field("response", description="Column holding the answer (completion).")
+    instruction_column: str = Field("instruction", description="Column holding the instruction (alpaca).")
+    input_column: str = Field(
+        "input", description="Column holding the optional input (alpaca); a missing column counts as empty."
+    )
+    output_column: str = Field("output", description="Column holding the answer (alpaca).")
+    messages_column: str = Field("messages", description="Column holding the messages (messages).")
+    conversations_column: str = Field(
+        "conversations", description="Column holding the turns (sharegpt)."
+    )
+    sharegpt_roles: dict[str, str] = Field(
+        default_factory=lambda: dict(SHAREGPT_ROLES),
+        description="ShareGPT `from` names and the chat roles they become (`user`, `assistant`, "
+        "`system`, `tool`); replaces the default mapping when set.",
+    )
+    completion_template: str = Field(
+        "{prompt}\n\n",
+        description="How the prompt is written before the response (completion); `{prompt}` is "
+        "replaced by the prompt column.",
+    )
+    alpaca_template: str = Field(
+        ALPACA_TEMPLATE,
+        description="Prompt for alpaca rows with a non-empty input; `{instruction}` and `{input}` are "
+        "filled in, the output follows it. The Stanford Alpaca prompt by default.",
+    )
+    alpaca_template_no_input: str = Field(
+        ALPACA_TEMPLATE_NO_INPUT,
+        description="Prompt for alpaca rows whose input is empty or missing (`{instruction}`).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template (a string containing `{{`/`{%`, or the path of a file "
+        "holding one) for sharegpt/messages. null: the tokenizer's template; a tokenizer without one "
+        "gets ChatML (`<|im_start|>role\\ncontent<|im_end|>`). Saved with the run's tokenizer.",
+    )
+    split_turns: bool = Field(
+        False,
+        description="sharegpt/messages: make one example per assistant turn (the conversation up to "
+        "it, loss on that turn only). Needed for templates that rewrite earlier turns, such as "
+        "Qwen3's dropping `<think>` from past answers.",
+    )
+    train_on_inputs: bool = Field(
+        False,
+        description="Also train on prompts, system and user turns (completion, alpaca, sharegpt, "
+        "messages); by default only answers carry loss.",
+    )
     max_length: int = Field(512, gt=0, description="Longest tokenized example; longer ones are cut.")
     packing: bool = Field(
-        False, description="`text` only: concatenate examples and cut them into `max_length` blocks."
+        False,
+        description="Causal formats: put several examples in each `max_length` row. Positions restart "
+        "at each example and attention stays within it (no cross-talk); `text` examples longer than "
+        "a row continue in the next one, others are cut.",
     )
     eval_split: Annotated[float | str, FractionOr] = Field(
         0.1,
@@ -177,13 +248,32 @@ class DataConfig(Section):
         None, gt=0, description="Use at most this many examples (after shuffling, before the eval split)."
     )
 
+    @property
+    def kind(self) -> str:
+        """The format with aliases resolved (`instruction` -> `completion`, `chat` -> `messages`)."""
+        return FORMAT_ALIASES.get(self.format, self.format)
+
     @model_validator(mode="after")
-    def _packing_text_only(self, info: ValidationInfo) -> DataConfig:
-        if self.packing and self.format != "text":
+    def _packing_causal_only(self, info: ValidationInfo) -> DataConfig:
+        if self.packing and self.kind not in CAUSAL_FORMATS:
             _report(info, Problem(
-                "data.packing", True, f"packing only applies to `format: text`, not `{self.format}`",
-                "remove `data.packing` or use `data.format: text`.",
+                "data.packing", True, f"packing applies to causal-LM formats, not `{self.format}`",
+                "remove `data.packing`.",
             ))
+        for key, names in (("completion_template", ("prompt",)),
+                           ("alpaca_template", ("instruction", "input")),
+                           ("alpaca_template_no_input", ("instruction",))):
+            missing = [n for n in names if "{" + n + "}" not in getattr(self, key)]
+            if missing:
+                _report(info, Problem(
+                    f"data.{key}", getattr(self, key), f"has no {', '.join('{' + n + '}' for n in missing)}",
+                    "put the placeholder where the column's text goes.",
+                ))
+        roles = {"user", "assistant", "system", "tool"}
+        bad = {k: v for k, v in self.sharegpt_roles.items() if v not in roles}
+        if bad:
+            _report(info, Problem("data.sharegpt_roles", bad, "maps to unknown roles",
+                                  f"map each name to one of {', '.join(sorted(roles))}."))
         return self
 
 
@@ -265,6 +355,13 @@ class TrainingConfig(Section):
     )
     max_nonfinite_steps: int = Field(
         5, ge=0, description="Skip steps whose loss is NaN/inf; stop after this many in a row."
+    )
+    optimizer_in_backward: bool | Auto = Field(
+        False,
+        description="Update each parameter inside backward as soon as its gradient is complete, "
+        "then free that gradient, so the gradients of the whole model never exist at once "
+        "(torchtune's optimizer-in-backward). Needs `gradient_accumulation: 1` and "
+        "`max_grad_norm: null`. `auto`: the planner decides.",
     )
 
     @model_validator(mode="after")
@@ -363,6 +460,21 @@ class MemoryConfig(Section):
     )
     allow_approximate: bool = Field(
         False, description="Let the planner choose approximate-gradient layers for `auto` fields."
+    )
+    loss: Literal["standard", "chunked", "auto"] = Field(
+        "standard",
+        description="Causal LM loss: `standard` (the model's own: full-vocabulary logits), `chunked` "
+        "(output head and cross-entropy over chunks of tokens, each recomputed in backward: full "
+        "logits never exist; same loss and gradients) or `auto` (the planner decides).",
+    )
+    loss_chunk_tokens: int | None = Field(
+        None, gt=0, description="Tokens per chunk of the chunked loss; null = about as many logits "
+        "as hidden-state values (Liger-Kernel's rule)."
+    )
+    lean_kbit: bool = Field(
+        True,
+        description="QLoRA/int8: keep frozen embeddings, output head and norms in the compute dtype "
+        "instead of peft's fp32 upcast (`prepare_model_for_kbit_training`). LoRA weights stay fp32.",
     )
 
     @field_validator("budget", "simulate_budget")
@@ -502,8 +614,54 @@ def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
                 "data.format", data.format, "a classification model needs labelled data",
                 "set `data.format: classification`.",
             ))
+    memory = sections.get("memory")
+    if model is not None and memory is not None and model.task != "causal-lm" \
+            and memory.loss == "chunked":
+        out.append(Problem(
+            "memory.loss", "chunked", f"the chunked loss is for causal LMs, not `{model.task}`",
+            "set `memory.loss: standard`.",
+        ))
     if training is not None and distributed is not None:
         out.extend(_batch_problems(training, distributed.processes))
+    if training is not None:
+        out.extend(_in_backward_problems(sections))
+    return out
+
+
+def _in_backward_problems(sections: Mapping[str, Any]) -> list[Problem]:
+    """The optimizer step inside backward updates each parameter as soon as its gradient is
+    complete: there is no moment when all gradients exist to be accumulated, clipped or scaled."""
+    t, model, memory = sections["training"], sections.get("model"), sections.get("memory")
+    distributed = sections.get("distributed")
+    if t.optimizer_in_backward is not True:
+        return []
+    fix = "set `training.optimizer_in_backward: false`"
+    out = []
+    if t.max_grad_norm is not None:
+        out.append(Problem(
+            "training.optimizer_in_backward", True, "cannot clip by the global norm "
+            f"(`training.max_grad_norm: {t.max_grad_norm}`): each parameter steps before the others "
+            "have gradients", f"set `training.max_grad_norm: null`, or {fix}."))
+    accum = t.gradient_accumulation
+    procs = distributed.processes if distributed is not None else 1
+    implied = (t.effective_batch_size // (t.micro_batch_size * procs)
+               if isinstance(t.micro_batch_size, int) and t.effective_batch_size else None)
+    if (isinstance(accum, int) and accum > 1) or (implied or 1) > 1:
+        shown = accum if isinstance(accum, int) else implied
+        out.append(Problem(
+            "training.optimizer_in_backward", True, "cannot accumulate gradients "
+            f"(`training.gradient_accumulation` = {shown}): the step happens in every backward",
+            "make micro_batch_size × processes equal the effective batch size "
+            f"(`training.gradient_accumulation: 1`), or {fix}."))
+    if model is not None and model.dtype == "fp16":
+        out.append(Problem("training.optimizer_in_backward", True, "does not work with fp16 loss "
+                           "scaling (`model.dtype: fp16`)", f"use bf16 or fp32, or {fix}."))
+    if memory is not None and memory.offload.optimizer is True:
+        out.append(Problem("training.optimizer_in_backward", True, "and `memory.offload.optimizer` "
+                           "both move the optimizer step", f"choose one: {fix}, or turn the offload off."))
+    if procs > 1:
+        out.append(Problem("training.optimizer_in_backward", True, f"is single-process "
+                           f"(`distributed.processes: {procs}`)", f"{fix}."))
     return out
 
 

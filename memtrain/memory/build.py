@@ -32,8 +32,9 @@ from memtrain.memory.meter import StepMemory
 from memtrain.model import keep_4bit_trainable_on_cpu, load_model, model_class, model_kwargs
 
 # The recipe field each patch reads, for error messages.
-PATCH_FIELDS = {"lora": "adapter", "checkpointing": "memory.checkpointing", "offload": "memory.offload",
-                "fewbit": "memory.activation_bits", "randomized_linear": "memory.randomized_linear"}
+PATCH_FIELDS = {"lora": "adapter", "chunked_loss": "memory.loss", "checkpointing": "memory.checkpointing",
+                "offload": "memory.offload", "fewbit": "memory.activation_bits",
+                "randomized_linear": "memory.randomized_linear"}
 
 
 class BuildError(MemtrainError):
@@ -117,7 +118,9 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
             self.args, self.model = args, model
             self.optimizer, self.optimizer_cls_and_kwargs = None, None
             # what MemtrainTrainer.__init__ sets before the stock constructor runs
-            self.offload_optimizer = trainer_options(cfg)["offload_optimizer"]
+            options = trainer_options(cfg)
+            self.offload_optimizer = options["offload_optimizer"]
+            self.optimizer_in_backward = options["optimizer_in_backward"]
             self.fsdp_plugin = None
 
     with tempfile.TemporaryDirectory(prefix="memtrain-optim-") as tmp:

@@ -10,8 +10,10 @@ named lines (:func:`overheads`), with documented defaults until this machine is 
   Measured here as the device memory the process uses after CUDA initialisation and a first
   matmul, minus what PyTorch's allocator reserved (read with ``nvidia-smi`` before and after).
 - ``fragmentation``: memory the caching allocator reserves but does not hand out, as a fraction
-  of allocated bytes. Default 10% (an assumption, not a measurement); measured here as
-  ``max_memory_reserved / max_memory_allocated - 1`` over a few real training steps.
+  of the bytes a step allocates and frees (its peak minus the tensors that live across steps:
+  weights, buffers, optimizer state). Default 10% (an assumption, not a measurement); measured
+  here as ``(max_memory_reserved - max_memory_allocated) / (max_memory_allocated - resident)``
+  over a few real training steps after the first.
 
 The planner also needs speed rates, which :func:`calibrate` measures on the CPU and, when there
 is one, the GPU: matmul FLOP/s per dtype, memory bandwidth, host<->device copy bandwidth.
@@ -251,7 +253,8 @@ def _device_used_bytes() -> int | None:
 
 
 def _fragmentation(device: torch.device, quick: bool) -> float:
-    """Reserved over allocated bytes during a few AdamW steps of a small Llama-shaped model."""
+    """Reserved-but-unallocated bytes over the bytes a step allocates and frees, during a few
+    AdamW steps of a small Llama-shaped model (after a first step that creates optimizer state)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=2 if quick else 6,
@@ -259,8 +262,11 @@ def _fragmentation(device: torch.device, quick: bool) -> float:
     model = AutoModelForCausalLM.from_config(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    resident = 0  # weights and optimizer state: what lives from one step to the next
     for step in range(3 if quick else 8):
+        if step == 1:  # optimizer state exists now: measure the steps after it
+            resident = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         batch, length = (4, 256) if step % 2 else (8, 512)  # varying shapes, as real data does
         ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
         model(input_ids=ids, labels=ids).loss.backward()
@@ -271,4 +277,5 @@ def _fragmentation(device: torch.device, quick: bool) -> float:
     reserved = torch.cuda.max_memory_reserved(device)
     del model, optimizer
     torch.cuda.empty_cache()
-    return max(0.0, reserved / allocated - 1) if allocated else DEFAULT_FRAGMENTATION
+    transient = allocated - resident  # the estimator applies the fraction to the same base
+    return max(0.0, (reserved - allocated) / transient) if transient > 0 else DEFAULT_FRAGMENTATION

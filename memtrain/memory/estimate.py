@@ -157,7 +157,7 @@ def _sharded_estimate(plan: _Plan, start: float) -> Estimate:
     plan.notes = [n for n in plan.notes if "sharding is not modelled" not in n]
     plan.notes.append(f"one of {cfg.distributed.processes} FSDP2 processes, traced in a fake process group "
                       "(parameters, gradients and optimizer state sharded; gathered layers as `unsharded`)")
-    overheads, sources = _overheads(plan, step.peak_bytes, step.peak_bytes)
+    overheads, sources = _overheads(plan, step.peak_bytes, step.peak_bytes, _resident(step.peak_by_category))
     settings = {"task": cfg.model.task, "dtype": cfg.model.dtype, "quantization": "none",
                 "adapter": cfg.adapter.method,
                 "optimizer": cfg.training.optimizer, "micro_batch_size": plan.micro_batch,
@@ -205,7 +205,8 @@ def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), 
 
 _NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
                 "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
-                "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear")
+                "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear",
+                "memory.loss", "training.optimizer_in_backward")
 
 
 def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], device: str | None) -> _Plan:
@@ -358,7 +359,8 @@ def _summarize(plan: _Plan, cands: Candidates, counts: Counts, method: str,
             by_phase[phase] = int(totals[k])
             at_phase[phase] = _categories(values[k])
     peak = int(totals[top])
-    overheads, sources = _overheads(plan, peak, int(values[:, ROUNDED].max()))
+    overheads, sources = _overheads(plan, peak, int(values[:, ROUNDED].max()),
+                                    _resident(_categories(values[top])))
     cfg = plan.cfg
     settings = {
         "task": cfg.model.task, "dtype": cfg.model.dtype, "quantization": cfg.model.quantization,
@@ -382,19 +384,39 @@ def _categories(row: np.ndarray) -> dict[str, int]:
     return {name: int(v) for name, v in zip(CATEGORY_NAMES, row[:HOST], strict=True)}
 
 
-def _overheads(plan: _Plan, peak: int, rounded_peak: int) -> tuple[dict[str, int], dict[str, str]]:
-    """Named lines for what a CUDA device holds beyond live tensors (none on CPU)."""
+# Tensors that live from one step to the next: allocated once (weights at load, optimizer state
+# at the first step), never freed, so never split and reused by the caching allocator.
+RESIDENT = ("parameters", "buffers", "optimizer_state")
+
+
+def _resident(categories: dict[str, int]) -> int:
+    return sum(categories.get(name, 0) for name in RESIDENT)
+
+
+def _overheads(plan: _Plan, peak: int, rounded_peak: int, resident: int
+               ) -> tuple[dict[str, int], dict[str, str]]:
+    """Named lines for what a CUDA device holds beyond live tensors (none on CPU).
+
+    Fragmentation is a fraction of the bytes the step allocates and frees (the peak minus the
+    resident tensors): the caching allocator fragments by splitting cached blocks for later,
+    differently sized requests (PyTorch's "CUDA memory management" notes); a weight allocated at
+    load and never freed leaves no block to split. ``memtrain calibrate`` measures the fraction
+    against the same base (:func:`memtrain.memory.calibrate.measure_gpu_overheads`).
+    """
     if plan.device != "cuda":
         return {}, {}
     profile = calibrate.overheads()
     rounding = max(0, rounded_peak - peak)
-    fragmentation = int(profile.fragmentation * (peak + rounding))
+    transient = max(0, peak - resident)
+    fragmentation = int(profile.fragmentation * (transient + rounding))
     return (
         {"cuda_context": profile.cuda_context_bytes, "allocator_rounding": rounding,
          "fragmentation": fragmentation},
         {"cuda_context": profile.cuda_context_source,
          "allocator_rounding": "each allocation rounded up to 512 bytes, from the traced allocations",
-         "fragmentation": f"{profile.fragmentation:.0%} of allocated bytes: {profile.fragmentation_source}"},
+         "fragmentation": f"{profile.fragmentation:.0%} of the {transient / 2**30:.2f} GiB the step "
+                          "allocates and frees (peak minus parameters, buffers, optimizer state): "
+                          f"{profile.fragmentation_source}"},
     )
 
 

@@ -122,7 +122,8 @@ class _MeterMixin:
         # Work outside any module after a backward (gradient clipping, zero_grad) belongs to the
         # optimizer step; a module running again means the next micro-batch's forward, and the
         # work outside modules after it (the loss scaled by 1/accumulation) belongs to that forward.
-        if self._in_opt:  # type: ignore[attr-defined]
+        # An optimizer step inside backward (training.optimizer_in_backward) is part of backward.
+        if self._in_opt and not self._mod_tracker.is_bw:  # type: ignore[attr-defined]
             return "optimizer"
         if self._mod_tracker.is_bw:  # type: ignore[attr-defined]
             self._backward_seen = True

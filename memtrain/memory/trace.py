@@ -241,7 +241,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         optimizer = build_optimizer(cfg, model)
         if foreach:
             for group in optimizer.param_groups:
-                if "foreach" in group:
+                if "foreach" in group and not group.get("fused"):
                     group["foreach"] = True
         batch = example_batch(cfg, config, batch_size, seq_len, device)
         step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])

@@ -2,14 +2,20 @@
 
 Saves: the gradients and optimizer state of every frozen base weight (for AdamW, 12 of the 16
 bytes per parameter of fp32 full fine-tuning). Costs: a little extra compute per adapted layer.
-Follows Hu et al., 2021 (LoRA) and Dettmers et al., 2023 (QLoRA: 4-bit NF4 base, bf16 compute,
-``prepare_model_for_kbit_training``); the implementation is peft's.
+Follows Hu et al., 2021 (LoRA) and Dettmers et al., 2023 (QLoRA: 4-bit NF4 base, bf16 compute);
+the implementation is peft's. On a quantized base the frozen weights stay in their loaded dtype
+(``memory.lean_kbit``, as torchtune and Unsloth do) unless the recipe asks for peft's fp32 upcast.
 """
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
+import torch
 from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import AdapterConfig, RunConfig
 from memtrain.patches import ADAPTER, PatchRecord, add_records, register
@@ -24,17 +30,20 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
-def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm") -> PeftModel:
+def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kbit: bool = True) -> PeftModel:
     """Wrap ``model`` with LoRA adapters; only adapter (and head) parameters stay trainable.
 
     Args:
         model: a transformers model, possibly quantized by bitsandbytes (then this is QLoRA).
         cfg: rank, alpha, dropout and target modules.
         task: ``causal-lm`` or ``sequence-classification`` (the head is then trained in full).
+        lean_kbit: on a quantized base, leave the frozen embeddings, head and norms in their
+            loaded dtype (see :func:`prepare_lean`) instead of peft's fp32 upcast.
     """
-    if is_quantized(model):
-        # Casts norms/embeddings to fp32 and makes inputs require grad, as QLoRA does; memtrain's
-        # own checkpointing patch handles recompute, so peft's is left off.
+    quantized = is_quantized(model)
+    if quantized and not lean_kbit:
+        # peft's QLoRA preparation: every non-quantized weight (norms, embeddings, the output
+        # head) cast to fp32; memtrain's own checkpointing patch handles recompute, so peft's is off.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     lora = LoraConfig(
         r=cfg.r,
@@ -45,15 +54,180 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm") -> Peft
         task_type=_TASKS[task],
     )
     peft_model = get_peft_model(model, lora)
+    if quantized and lean_kbit:
+        prepare_lean(peft_model)
+    lean_lora_layers(peft_model)
     adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")
                and name.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
-    kind = "QLoRA" if is_quantized(model) else "LoRA"
-    add_records(peft_model, [PatchRecord("lora", adapted, f"{kind} r={cfg.r} on {len(adapted)} layers")])
+    kind = "QLoRA" if quantized else "LoRA"
+    lean = " (frozen weights kept in their dtype)" if quantized and lean_kbit else ""
+    detail = f"{kind} r={cfg.r} on {len(adapted)} layers{lean}"
+    add_records(peft_model, [PatchRecord("lora", adapted, detail)])
     return peft_model
+
+
+def prepare_lean(model: nn.Module) -> int:
+    """QLoRA without upcasting frozen weights: only what trains is made fp32.
+
+    peft's ``prepare_model_for_kbit_training`` casts every bf16/fp16 weight that is not 4-bit to
+    fp32: the embeddings and output head (2 GiB more on Llama-3.1-8B) and the norms, whose fp32
+    weights also turn the hidden states after each norm into fp32. Nothing needs it for numerical
+    reasons: transformers' RMSNorm/LayerNorm already compute their statistics in fp32 and cast back
+    (as in plain bf16 training), and the loss upcasts logits to fp32. What does need fp32 is what
+    the optimizer updates: LoRA weights (peft already keeps them fp32) and modules trained in full
+    (``modules_to_save``, a classifier's head), cast here. tests/test_lean_kbit.py compares loss
+    curves with peft's path.
+
+    Returns:
+        The number of trainable tensors cast to fp32.
+    """
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()
+            cast += 1
+    return cast
+
+
+class _LowRank(torch.autograd.Function):
+    """``F.linear(x.to(weight.dtype), weight)`` (``lora_A``) keeping ``x`` for backward as given.
+
+    peft casts a layer's bf16 input to the fp32 adapter, and ``lora_A`` keeps that fp32 copy for
+    its weight gradient: twice the bytes of the input, which the frozen base layer keeps anyway in
+    bf16. Here the cast happens again in backward; casting bf16 to fp32 is exact, so the matmuls
+    and their results are peft's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return nn.functional.linear(x.to(weight.dtype), weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        grad_x = (grad @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_w
+
+
+def _dropped_low_rank(x: torch.Tensor, weight: torch.Tensor, dropout: nn.Module) -> torch.Tensor:
+    return nn.functional.linear(dropout(x.to(weight.dtype)), weight)
+
+
+def _low_rank(x: torch.Tensor, weight: torch.Tensor, dropout: nn.Module) -> torch.Tensor:
+    """``lora_A(dropout(x))`` as peft computes it (dropout on the fp32 copy, the same random mask),
+    keeping only ``x`` for backward: with dropout, the region is recomputed in backward under the
+    saved random state (non-reentrant checkpoint), so neither the fp32 copy nor the mask is kept."""
+    if isinstance(dropout, nn.Identity) or not dropout.training:
+        return _LowRank.apply(x, weight)
+    if not torch.is_grad_enabled():
+        return _dropped_low_rank(x, weight, dropout)
+    return checkpoint(_dropped_low_rank, x, weight, dropout, use_reentrant=False)
+
+
+class _LoraAdd(torch.autograd.Function):
+    """``base + lora_B(low_rank) * scaling`` as peft computes it, without full-size fp32 tensors.
+
+    peft's ``lora_B`` output, its scaled copy and the sum with the base output are fp32 tensors of
+    the layer's full output size. Here the fp32 work runs over chunks of rows. The arithmetic is
+    peft's: the same fp32 matmuls, the same fp32 sum rounded once to the output dtype (or, where
+    peft rounds the adapter's output first, as for bitsandbytes layers, that too).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, base: torch.Tensor, low_rank: torch.Tensor, weight_b: torch.Tensor,
+                scaling: float, round_first: bool) -> torch.Tensor:
+        out = torch.empty_like(base)
+        rows = _chunk_rows(base)
+        flat_base, flat_h = base.reshape(-1, base.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
+        flat_out = out.view(-1, out.shape[-1])
+        for start in range(0, flat_out.shape[0], rows):
+            piece = nn.functional.linear(flat_h[start:start + rows], weight_b) * scaling
+            part = flat_base[start:start + rows]
+            flat_out[start:start + rows] = (part + piece.to(base.dtype) if round_first
+                                            else part.to(piece.dtype) + piece)
+        ctx.save_for_backward(weight_b, low_rank)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        weight_b, low_rank = ctx.saved_tensors
+        flat_g, flat_h = grad.reshape(-1, grad.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
+        grad_h = torch.empty_like(flat_h)
+        grad_b = torch.zeros_like(weight_b)
+        rows = _chunk_rows(grad)
+        for start in range(0, flat_g.shape[0], rows):
+            g = flat_g[start:start + rows].to(weight_b.dtype) * ctx.scaling
+            grad_b += g.t() @ flat_h[start:start + rows]
+            grad_h[start:start + rows] = g @ weight_b
+        return grad, grad_h.view(low_rank.shape), grad_b, None, None
+
+
+CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of a layer's output
+
+
+def _chunk_rows(out: torch.Tensor) -> int:
+    return max(1, CHUNK_BYTES // (4 * out.shape[-1]))
+
+
+def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's LoRA ``Linear.forward`` for plain adapters, through :func:`_low_rank` and
+    :class:`_LoraAdd`; anything else (adapters off or merged, mixed batches, DoRA and other
+    variants, autocast, adapter layers that another patch replaced, such as the
+    randomized-backward linear) is peft's own."""
+    plain = not (self.disable_adapters or self.merged or torch.is_autocast_enabled()
+                 or kwargs.get("adapter_names") is not None
+                 or any(a in self.lora_variant for a in self.active_adapters)
+                 or any(type(m[a]) is not nn.Linear for m in (self.lora_A, self.lora_B)
+                        for a in self.active_adapters if a in m))
+    if not plain:
+        return type(self).forward(self, x, *args, **kwargs)
+    self._check_forward_args(x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
+    for name in self.active_adapters:
+        if name not in self.lora_A:
+            continue
+        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+        low_rank = _low_rank(x, lora_a.weight, self.lora_dropout[name])
+        result = _LoraAdd.apply(result, low_rank, lora_b.weight, self.scaling[name],
+                                self.round_adapter_first)
+    return result
+
+
+def lean_lora_layers(model: nn.Module) -> int:
+    """Route every plain peft LoRA linear layer through :class:`_LoraAdd` (exact, less memory).
+
+    Covers peft's ``Linear`` and its bitsandbytes ``Linear4bit``/``Linear8bitLt`` (which round the
+    adapter's output to the output dtype before adding it); layers whose adapters have a bias are
+    left to peft. Returns the number of layers changed.
+    """
+    from peft.tuners.lora import layer as lora_layer
+
+    kinds: dict[type, bool] = {lora_layer.Linear: False}
+    try:
+        from peft.tuners.lora import bnb as lora_bnb
+
+        kinds.update({cls: True for cls in (getattr(lora_bnb, "Linear4bit", None),
+                                           getattr(lora_bnb, "Linear8bitLt", None)) if cls})
+    except ImportError:  # bitsandbytes not installed
+        pass
+    changed = 0
+    for module in model.modules():
+        round_first = kinds.get(type(module))
+        if round_first is None or "forward" in module.__dict__:
+            continue
+        if any(m.bias is not None for m in (*module.lora_A.values(), *module.lora_B.values())):
+            continue
+        module.round_adapter_first = round_first
+        module.forward = types.MethodType(_lean_forward, module)
+        changed += 1
+    return changed
 
 
 @register("lora", ADAPTER)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if cfg.adapter.method != "lora":
         return None
-    return apply(model, cfg.adapter, cfg.model.task)
+    return apply(model, cfg.adapter, cfg.model.task, cfg.memory.lean_kbit)

@@ -18,7 +18,10 @@ Follows Bershatsky et al., 2022, "Memory-Efficient Backpropagation through Large
 (randomized matrix multiplication over the flattened batch axis). Written here rather than taken
 from their code so that it runs on every device, under ``FakeTensorMode`` and on meta tensors (the
 estimator traces it), regenerates the sketch block by block (the full N × k sketch is never held),
-and also covers GPT-2's ``Conv1D`` and peft's LoRA ``lora_A`` linears.
+and also covers GPT-2's ``Conv1D`` and peft's LoRA ``lora_A`` linears. A sketched ``lora_A`` runs
+through peft's own LoRA layer, not memtrain's lean one (which keeps no copy of the input at all,
+:mod:`memtrain.patches.lora`), so on LoRA models the sketch often costs more than it saves; the
+estimator traces both and the planner chooses.
 """
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""Chunked loss: the output head and cross-entropy over chunks of tokens, never full logits.
+
+Saves: a causal LM's loss normally holds the logits of every token over the whole vocabulary
+(batch × tokens × vocabulary), several times: the head's output, its fp32 upcast, the softmax
+kept for backward and the gradient of each. With Llama-3's 128,256-token vocabulary at 2 × 2048
+tokens that is 2 GiB per fp32 copy, more than a 4-bit 1B model. Here the final hidden states are
+cut into chunks; each chunk runs the head and the cross-entropy under non-reentrant
+``torch.utils.checkpoint``, which keeps only the chunk's hidden states and labels and recomputes
+the chunk's logits in backward. At most one chunk's logits exist at any moment.
+
+Costs: the head's forward runs twice (once more in backward): 2 × tokens × hidden × vocabulary
+FLOPs, about 3% of a Llama-3.1-8B step, more for small models with large vocabularies.
+
+Exact: the loss is the sum of per-chunk summed cross-entropies divided by the number of trained
+tokens (or by the Trainer's ``num_items_in_batch`` under gradient accumulation), which is the
+model's own ``ForCausalLMLoss``: labels shifted left by one with ``-100`` appended, ``-100``
+ignored, logits upcast to fp32. Logit soft-capping (Gemma 2/3), Cohere's ``logit_scale`` and
+Granite's ``logits_scaling`` are applied per chunk as the models do. With labels the output
+carries the loss only (``logits`` is None); without labels (generation) the model's own forward
+runs unchanged.
+
+The chunk size follows Liger-Kernel's fused linear cross-entropy: chunks of
+``next_power_of_2(tokens / ceil(vocabulary / hidden))`` tokens, so that one chunk's logits are
+about as large as the hidden states, but at least 32 MiB of fp32 logits per chunk (small models
+would otherwise get chunks of a few tokens, and a much slower step). Liger's and Cut
+Cross-Entropy's fused kernels need Triton on CUDA; this pure-PyTorch version runs everywhere (CPU
+tests, fake-tensor estimates) and is what the estimator traces.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from memtrain.config import RunConfig
+from memtrain.errors import MemtrainError
+from memtrain.patches import LOSS, PatchRecord, add_records, register
+
+IGNORE_INDEX = -100
+_MARK = "_memtrain_chunked_loss"
+
+
+# Chunks smaller than this many fp32 logit bytes cost more in per-chunk overhead than they save:
+# measured on the tiny-llama recipe (hidden 128), Liger's rule alone gave 16-token chunks and a
+# step 2.5x slower than the standard loss on a CPU (docs/bench/floor_cpu.md).
+MIN_CHUNK_BYTES = 32 * 2**20
+
+
+def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger-Kernel's rule (chunks whose logits are about the size of the hidden states), but
+    never chunks with fewer than ``MIN_CHUNK_BYTES`` of fp32 logits."""
+    per_chunk = max(math.ceil(tokens / max(1, math.ceil(vocab / hidden))),
+                    math.ceil(MIN_CHUNK_BYTES / (4 * vocab)))
+    return 1 << max(0, per_chunk - 1).bit_length()
+
+
+def logit_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What a model does to the head's output before its loss (identity for most)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)  # Cohere multiplies
+    divide = getattr(config, "logits_scaling", None)  # Granite divides
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return transform
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
+                          transform: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                          num_items_in_batch: torch.Tensor | int | None = None,
+                          chunk: int | None = None, shift: bool = True) -> torch.Tensor:
+    """The causal-LM loss of ``head(hidden)`` against ``labels``, computed chunk by chunk.
+
+    Args:
+        hidden: final hidden states, ``(batch, tokens, hidden)``.
+        labels: ``(batch, tokens)`` token ids, ``-100`` where no loss is taken.
+        head: the output layer (any module mapping hidden states to logits).
+        transform: applied to each chunk's logits before the loss (soft-capping, scaling).
+        num_items_in_batch: divide the summed loss by this (the Trainer's count over all
+            accumulated micro-batches) instead of this batch's trained tokens.
+        chunk: tokens per chunk (default: :func:`chunk_tokens`).
+        shift: labels are the input ids (shift left by one, as the model's loss does).
+    """
+    if shift:
+        labels = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets = labels.reshape(-1).to(flat.device)
+    size = chunk or chunk_tokens(flat.shape[0], flat.shape[-1], _out_features(head))
+
+    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = transform(head(h).float())
+        return nn.functional.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    total = None
+    for start in range(0, flat.shape[0], size):
+        h, y = flat[start:start + size], targets[start:start + size]
+        part = (checkpoint(piece, h, y, use_reentrant=False, preserve_rng_state=False)
+                if torch.is_grad_enabled() else piece(h, y))
+        total = part if total is None else total + part
+    assert total is not None
+    if num_items_in_batch is None:
+        return total / (targets != IGNORE_INDEX).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _out_features(head: nn.Module) -> int:
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(head.out_features)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers ``*ForCausalLM`` inside ``model`` (also through a peft wrapper)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner
+
+
+def apply(model: nn.Module, chunk: int | None = None) -> nn.Module:
+    """Make the causal LM compute its loss in chunks (see the module docstring); returns ``model``.
+
+    Raises:
+        MemtrainError: the model has no linear output head or decoder to call, or adds a loss
+            term of its own (a mixture-of-experts router loss).
+    """
+    lm = causal_lm(model)
+    if getattr(lm, _MARK, False):
+        return model  # already patched (prepare_for_budget run twice on one model)
+    decoder = getattr(lm, getattr(lm, "base_model_prefix", ""), None)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    config = getattr(lm, "config", None)
+    if decoder is None or head is None or decoder is lm:
+        raise MemtrainError(
+            f"`memory.loss`: chunked loss needs a causal LM with a decoder and an output head; "
+            f"{type(lm).__name__} has {'no output head' if head is None else 'no separate decoder'}. "
+            "Fix: set `memory.loss: standard`.")
+    if getattr(config, "output_router_logits", False):
+        raise MemtrainError(
+            "`memory.loss`: this mixture-of-experts model adds its router loss to the loss, which "
+            "the chunked loss does not compute. Fix: set `memory.loss: standard`.")
+    transform = logit_transform(config)
+    original = lm.forward
+
+    def forward(self: nn.Module, input_ids: Any = None, attention_mask: Any = None,
+                labels: torch.Tensor | None = None, num_items_in_batch: Any = None,
+                **kwargs: Any) -> Any:
+        if labels is None:  # generation or logits wanted: the model's own forward
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return original(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        kwargs.pop("logits_to_keep", None)
+        kwargs.setdefault("use_cache", False)  # a cache of every layer's keys and values: not for training
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        loss = chunked_cross_entropy(out[0], labels, head, transform, num_items_in_batch, chunk)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+            hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))
+
+    lm.forward = types.MethodType(forward, lm)
+    setattr(lm, _MARK, True)
+
+    def undo() -> None:
+        del lm.forward
+        delattr(lm, _MARK)
+
+    add_records(model, [PatchRecord("chunked_loss", [type(lm).__name__],
+                                    f"chunked loss ({chunk or 'auto'} tokens per chunk)", undo)])
+    return model
+
+
+@register("chunked_loss", LOSS)
+def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
+    if cfg.memory.loss != "chunked":
+        return None
+    return apply(model, cfg.memory.loss_chunk_tokens)

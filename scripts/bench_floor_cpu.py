@@ -1,0 +1,153 @@
+"""The floor techniques on this CPU: saving and cost of each, measured by an independent counter.
+
+    python scripts/bench_floor_cpu.py          # writes docs/bench/floor_cpu.md
+
+Two models: the `tiny-llama-shakespeare` recipe's model (vocabulary 30,522, full training, micro-
+batch 16 x 128 tokens) and a Qwen-shaped tiny model with Qwen2's 151,936-token vocabulary (same
+batch). Each technique is turned on by a recipe override; the run's real model, optimizer and a
+worst-case batch are built the way `memtrain train` builds them, one warm-up step creates the
+optimizer state, and the next step is measured:
+
+- **measured peak**: live tensor bytes counted by ``tests/memprobe.py`` (a dispatch-mode storage
+  counter that shares no code with ``memtrain.memory``): the bytes of every tensor the model,
+  optimizer and batch hold before the step (unique storages of parameters, buffers, optimizer
+  state and bitsandbytes quantization constants) plus the peak of the storages the step creates;
+- **predicted**: ``memtrain.estimate`` of the same recipe (fake tensors, no weights);
+- **step seconds**: the median of 3 timed steps after the measured one (1 thread), to weigh what
+  each technique costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+MIB = 2**20
+RECIPE = ROOT / "recipes" / "tiny-llama-shakespeare.yaml"
+QWEN_150K = ["model.from_config.model_type=qwen2", "model.from_config.vocab_size=151936"]
+BASE = ["data.packing=false", "training.max_grad_norm=null"]
+SETTINGS: list[tuple[str, list[str]]] = [
+    ("full fine-tuning, standard loss", []),
+    ("chunked loss", ["memory.loss=chunked"]),
+    ("optimizer in backward", ["training.optimizer_in_backward=true"]),
+    ("chunked loss + optimizer in backward", ["memory.loss=chunked", "training.optimizer_in_backward=true"]),
+    ("QLoRA (nf4, bf16), peft's fp32 upcast", ["adapter.method=lora", "model.quantization=nf4",
+                                               "model.dtype=bf16", "memory.lean_kbit=false"]),
+    ("QLoRA (nf4, bf16), lean loading", ["adapter.method=lora", "model.quantization=nf4",
+                                         "model.dtype=bf16", "memory.lean_kbit=true"]),
+]
+
+
+def _storages(tensors: list[Any]) -> int:
+    import torch
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _quant_tensors(obj: Any, depth: int = 0) -> list[Any]:
+    """Tensors inside a bitsandbytes quant_state (absmax, code, nested state2)."""
+    import torch
+
+    if obj is None or depth > 3:
+        return []
+    out = []
+    for value in vars(obj).values() if hasattr(obj, "__dict__") else []:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif hasattr(value, "__dict__") and type(value).__module__.startswith("bitsandbytes"):
+            out += _quant_tensors(value, depth + 1)
+    return out
+
+
+def resident(model: Any, optimizer: Any, batch: dict) -> int:
+    """Bytes held before a step: parameters, buffers, quantization constants, optimizer state, batch."""
+    import torch
+
+    tensors: list[Any] = [*model.parameters(), *model.buffers(), *batch.values()]
+    for param in model.parameters():
+        tensors += _quant_tensors(getattr(param, "quant_state", None))
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return _storages(tensors)
+
+
+def measure(overrides: list[str]) -> dict[str, float]:
+    import torch
+    from memprobe import LiveBytes
+
+    from memtrain.config import load_recipe
+    from memtrain.memory.build import _warm_recipe_step
+    from memtrain.memory.estimate import estimate, resolve_config
+
+    cfg = load_recipe(RECIPE, [*BASE, *overrides])
+    config, _ = resolve_config(cfg.model)
+    torch.manual_seed(0)
+    with _warm_recipe_step(cfg, config) as (step, model, optimizer, batch):
+        before = resident(model, optimizer, batch)
+        with LiveBytes() as probe:
+            probe.reset_peak()
+            step()
+        measured = before + probe.device_peak
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    predicted = estimate(copy.deepcopy(cfg), device="cpu").peak_bytes
+    return {"measured": measured / MIB, "predicted": predicted / MIB, "seconds": statistics.median(times)}
+
+
+def main() -> None:
+    import torch
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from memtrain import hostmem
+
+    hostmem.keep_freed_pages()  # as `memtrain train` on a CPU
+    lines = ["# The floor techniques on a CPU: measured saving and cost", "",
+             f"`python scripts/bench_floor_cpu.py --threads {args.threads}` on {platform.node()} "
+             f"({platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}), "
+             f"{time.strftime('%Y-%m-%d')}. Measured: exact live tensor bytes on CPU from "
+             "`tests/memprobe.py` (independent of memtrain's meter). Predicted: `memtrain.estimate` "
+             f"(`--device cpu`). Recipe `{RECIPE.relative_to(ROOT)}` with `{' '.join(BASE)}`; "
+             "micro-batch 16 x 128 tokens.", ""]
+    for model_label, extra in (("tiny Llama (vocabulary 30,522)", []),
+                               ("Qwen-shaped, vocabulary 151,936", QWEN_150K)):
+        lines += [f"## {model_label}", "",
+                  "| setting | measured peak | predicted | predicted − measured | vs first row | step s |",
+                  "|---|---|---|---|---|---|"]
+        first = None
+        for label, overrides in SETTINGS:
+            row = measure([*extra, *overrides])
+            first = first or row
+            lines.append(f"| {label} | {row['measured']:.1f} MiB | {row['predicted']:.1f} MiB | "
+                         f"{row['predicted'] - row['measured']:+.2f} MiB | "
+                         f"{row['measured'] / first['measured']:.2f}x | {row['seconds']:.3f} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+    out = ROOT / "docs" / "bench" / "floor_cpu.md"
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
