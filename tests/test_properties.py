@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from memtrain.config import dump_recipe, load_recipe
-from memtrain.config.loader import _flatten
+from memtrain.config.loader import _flatten, section_model
 from memtrain.config.schema import RunConfig
 from memtrain.errors import MemtrainError
 
@@ -38,6 +38,8 @@ def for_type(annotation: Any) -> st.SearchStrategy:
             choices.append(st.sampled_from(typing.get_args(arg)))
         elif isinstance(arg, type) and issubclass(arg, BaseModel):
             choices.append(for_model(arg))
+        elif origin is list and section_model(arg) is not None:  # data.mix
+            choices.append(st.lists(for_model(section_model(arg)), max_size=2))
         elif origin is list:
             choices.append(st.lists(st.text(max_size=6), max_size=3))
         elif arg is bool:

@@ -158,6 +158,9 @@ def _booleans_for_numbers(data: Any, model: type[BaseModel], prefix: str) -> lis
         kinds = _flatten(field.annotation)
         if isinstance(value, dict) and sub is not None:
             found += _booleans_for_numbers(value, sub, f"{prefix}{key}.")
+        elif isinstance(value, list) and sub is not None:  # a list of mappings (data.mix)
+            for i, item in enumerate(value):
+                found += _booleans_for_numbers(item, sub, f"{prefix}{key}[{i}].")
         elif isinstance(value, bool) and bool not in kinds and (int in kinds or float in kinds):
             found.append(Problem(f"{prefix}{key}", value, f"expected {describe_type(field.annotation)}",
                                  f"set it to {describe_type(field.annotation)} (true and false are "
@@ -175,13 +178,13 @@ def _check_sources(cfg: RunConfig) -> list[Problem]:
     from memtrain.builtin_data import BUILTINS
 
     problems = []
-    for path, value in (("model.name", cfg.model.name), ("model.tokenizer", cfg.model.tokenizer),
-                        ("data.source", cfg.data.source)):
+    data = [(d.key("source"), d.source) for d in cfg.data.datasets()]
+    for path, value in (("model.name", cfg.model.name), ("model.tokenizer", cfg.model.tokenizer), *data):
         if value is None:
             continue
         if value.startswith("builtin:"):
             name = value.removeprefix("builtin:")
-            if path != "data.source" or name not in BUILTINS:
+            if not path.startswith("data.") or name not in BUILTINS:
                 problems.append(Problem(path, value, "is not a built-in dataset",
                                         f"use one of: {', '.join('builtin:' + b for b in BUILTINS)}."))
             continue
@@ -324,6 +327,9 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
         return Problem(path, constraint[0].get("input", value), msg[0].lower() + msg[1:],
                        f"choose a value that satisfies this{about}.")
     expected = describe_type(field.annotation) if field is not None else "another value"
+    item = section_model(field.annotation) if field is not None and path.endswith("]") else None
+    if item is not None:  # an entry of a list of mappings (data.mix[i])
+        expected = describe_type(item)
     fix = f"set it to {expected}."
     options = _literals(field.annotation) if field is not None else []
     close = difflib.get_close_matches(str(value), options, n=1) if options else []
@@ -360,7 +366,7 @@ def describe_type(annotation: Any) -> str:
         if origin is Literal:
             words.extend(repr(a) for a in typing.get_args(arg))
         elif origin is list:
-            words.append("a list")
+            words.append("a list of mappings" if section_model(arg) else "a list")
         elif origin is dict:
             words.append("a mapping")
         elif isinstance(arg, type) and issubclass(arg, BaseModel):

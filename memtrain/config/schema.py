@@ -12,7 +12,7 @@ section has type errors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,7 +20,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -162,14 +164,19 @@ SHAREGPT_ROLES: dict[str, str] = {
 }
 
 
-class DataConfig(Section):
-    """Where the examples come from and how they become tokens."""
+class DatasetConfig(Section):
+    """The settings of one dataset: where its rows come from and how they become tokens."""
 
     source: str = Field(
         ...,
         description="Local file (.json, .jsonl, .csv, .parquet, .txt) or directory, a hub dataset id, "
         "or `builtin:<name>` for the offline datasets shipped with memtrain "
         "(`memtrain datasets` lists them).",
+    )
+    weight: float = Field(
+        1.0, gt=0,
+        description="Mixing weight (with `data.mix`): a dataset's expected share of the training "
+        "examples is its weight over the sum of the weights. Unused without `data.mix`.",
     )
     format: DataFormat = Field(
         "text",
@@ -232,6 +239,41 @@ class DataConfig(Section):
         description="Also train on prompts, system and user turns (completion, alpaca, sharegpt, "
         "messages); by default only answers carry loss.",
     )
+    max_examples: int | None = Field(
+        None, gt=0, description="Use at most this many examples (after shuffling, before the eval split)."
+    )
+
+    @property
+    def kind(self) -> str:
+        """The format with aliases resolved (`instruction` -> `completion`, `chat` -> `messages`)."""
+        return FORMAT_ALIASES.get(self.format, self.format)
+
+
+def _mix_entry_model() -> type[Section]:
+    """``data.mix`` entries: ``source`` and ``weight`` as in DatasetConfig, every other key of a
+    dataset optional (None: inherited from the top-level ``data``), with the same types and checks."""
+    fields: dict[str, Any] = {}
+    for key, field in DatasetConfig.model_fields.items():
+        if key in ("source", "weight"):
+            fields[key] = (field.annotation, field)
+            continue
+        info = Field(None, description=f"As `data.{key}`; absent or null: the top-level value.")
+        info.metadata = list(field.metadata)  # constraints such as max_examples > 0
+        fields[key] = (field.annotation | None, info)
+    doc = ("One more dataset to train on, mixed with `data.source` by weight. Keys not given are "
+           "those of the top-level `data`; `max_length`, `packing`, `eval_split` and `mix_stopping` "
+           "are common to all datasets and set only there.")
+    return create_model("MixEntry", __base__=Section, __doc__=doc, **fields)
+
+
+MixEntry = _mix_entry_model()
+# Settings shared by every dataset of a mix: set once, at the top level of `data`.
+COMMON_DATA_KEYS = ("max_length", "packing", "eval_split", "mix", "mix_stopping")
+
+
+class DataConfig(DatasetConfig):
+    """Where the examples come from and how they become tokens."""
+
     max_length: int = Field(512, gt=0, description="Longest tokenized example; longer ones are cut.")
     packing: bool = Field(
         False,
@@ -244,14 +286,80 @@ class DataConfig(Section):
         description="Fraction of the data held out for evaluation (0 = no evaluation), or the name "
         "of a split of the dataset.",
     )
-    max_examples: int | None = Field(
-        None, gt=0, description="Use at most this many examples (after shuffling, before the eval split)."
+    mix: list[MixEntry] = Field(
+        default_factory=list,
+        description="More datasets, mixed with `data.source` by `weight`: a list of mappings, each "
+        "with a `source` and any per-dataset key of `data` (format, columns, templates, split, ...); "
+        "keys not given are inherited from `data`. Causal-LM formats only. See docs/DATA.md.",
     )
+    mix_stopping: Literal["first_exhausted", "all_exhausted"] = Field(
+        "first_exhausted",
+        description="With `mix`: `first_exhausted` draws examples until one dataset runs out (no "
+        "example repeats within an epoch); `all_exhausted` goes on until every dataset has been "
+        "used whole, repeating the ones that run out first.",
+    )
+    _path: str = PrivateAttr("data")  # where this dataset's keys are in the recipe (error messages)
 
-    @property
-    def kind(self) -> str:
-        """The format with aliases resolved (`instruction` -> `completion`, `chat` -> `messages`)."""
-        return FORMAT_ALIASES.get(self.format, self.format)
+    def key(self, field: str | None = None) -> str:
+        """The recipe path of this dataset (`data` or `data.mix[i]`), or of one of its keys."""
+        return self._path if field is None else f"{self._path}.{field}"
+
+    def datasets(self) -> list[DataConfig]:
+        """Every dataset of the recipe, `data.source` first, each with its inherited keys filled in."""
+        out = [self.model_copy(update={"mix": []})]
+        for i, entry in enumerate(self.mix):
+            dataset = DataConfig.model_validate(self._merged(entry), context={"problems": []})
+            dataset._path = f"data.mix[{i}]"
+            out.append(dataset)
+        return out
+
+    def _merged(self, entry: BaseModel) -> dict[str, Any]:
+        own = {k: v for k, v in entry.model_dump().items() if v is not None}
+        return {**self.model_dump(exclude={"mix"}), **own}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _common_keys_stay_on_top(cls, data: Any, info: ValidationInfo) -> Any:
+        """A mix entry that sets a common key is told where that key goes (not just "unknown key")."""
+        if not isinstance(data, dict) or not isinstance(data.get("mix"), list):
+            return data
+        entries = []
+        for i, entry in enumerate(data["mix"]):
+            if isinstance(entry, dict):
+                for key in [k for k in COMMON_DATA_KEYS if k in entry]:
+                    _report(info, Problem(
+                        f"data.mix[{i}].{key}", entry[key], "is common to all the datasets of a mix",
+                        f"set it once, as `data.{key}`, and remove it here.",
+                    ))
+                entry = {k: v for k, v in entry.items() if k not in COMMON_DATA_KEYS}
+            entries.append(entry)
+        return {**data, "mix": entries}
+
+    @model_validator(mode="after")
+    def _mix_entries(self, info: ValidationInfo) -> DataConfig:
+        """Each entry, completed by the top-level keys, must be a valid causal-LM dataset; a problem
+        is reported at the entry's own key (one it inherits is reported at the top level)."""
+        if self.mix and self.kind not in CAUSAL_FORMATS:
+            _report(info, Problem(
+                "data.mix", [e.source for e in self.mix], f"mixing is for causal-LM data, and "
+                f"`data.format` is `{self.format}`", "train a classifier on one dataset: remove `data.mix`.",
+            ))
+            return self
+        for i, entry in enumerate(self.mix):
+            own = {k for k, v in entry.model_dump().items() if v is not None}
+            found: list[Problem] = []
+            merged = DataConfig.model_validate(self._merged(entry), context={"problems": found})
+            for problem in found:
+                key = problem.path.removeprefix("data.")
+                if key in own:
+                    _report(info, replace(problem, path=f"data.mix[{i}].{key}"))
+            if merged.kind not in CAUSAL_FORMATS:
+                _report(info, Problem(
+                    f"data.mix[{i}].format", merged.format, "mixed datasets must be causal-LM data "
+                    "(all of them train one next-token objective)",
+                    f"use one of {', '.join(CAUSAL_FORMATS)}, or remove this entry.",
+                ))
+        return self
 
     @model_validator(mode="after")
     def _packing_causal_only(self, info: ValidationInfo) -> DataConfig:
