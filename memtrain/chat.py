@@ -55,7 +55,7 @@ def resolve_chat_template(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> str:
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text(encoding="utf-8")
-    raise RecipeError([Problem("data.chat_template", value,
+    raise RecipeError([Problem(cfg.key("chat_template"), value,
                                "is neither a Jinja template (no `{{` or `{%`) nor an existing file",
                                "give the template text, or the path of a file holding it.")])
 

@@ -26,7 +26,7 @@ class RowError(RecipeError):
 
     def __init__(self, cfg: DataConfig, row: int, field: str, message: str, fix: str) -> None:
         column = getattr(cfg, field)
-        super().__init__([Problem(f"data.{field}", column, f"row {row}: {message}", fix)], cfg.source)
+        super().__init__([Problem(cfg.key(field), column, f"row {row}: {message}", fix)], cfg.source)
         self.row = row
 
 

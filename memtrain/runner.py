@@ -264,8 +264,17 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
     table.add_row("model", f"{m.name or m.from_config.get('model_type')} ({m.task})")
     table.add_row("parameters", f"{total:,} total, {trainable:,} trainable ({trainable / total:.2%})")
     table.add_row("weights", f"{m.dtype}, quantization {m.quantization}")
-    table.add_row("data", f"{cfg.data.source}: {len(data.train):,} train, "
-                  f"{len(data.eval) if data.eval is not None else 0:,} eval examples")
+    unit = "packed rows" if data.fill is not None else "examples"
+    sizes = f"{len(data.train):,} train, {len(data.eval) if data.eval is not None else 0:,} eval {unit}"
+    if data.mix is None:
+        table.add_row("data", f"{cfg.data.source}: {sizes}")
+    else:
+        table.add_row("data", f"{len(data.mix)} datasets mixed ({cfg.data.mix_stopping}): {sizes}")
+        drawn, weights = sum(s.examples for s in data.mix), sum(s.weight for s in data.mix)
+        for share in data.mix:
+            table.add_row(f"  {share.path}", f"{share.source}: weight {share.weight:g} "
+                          f"({share.weight / weights:.1%}), {share.examples:,} training examples "
+                          f"({share.examples / max(drawn, 1):.1%})")
     if data.fill is not None:
         table.add_row("packing", f"real tokens fill {data.fill['packed']:.1%} of the "
                       f"{cfg.data.max_length}-token rows ({data.fill['unpacked']:.1%} with one "
