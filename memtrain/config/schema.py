@@ -284,7 +284,8 @@ class DataConfig(DatasetConfig):
     eval_split: Annotated[float | str, FractionOr] = Field(
         0.1,
         description="Fraction of the data held out for evaluation (0 = no evaluation), or the name "
-        "of a split of the dataset.",
+        "of a split of the dataset. With `mix`: a fraction of each dataset; a named split of those "
+        "that have it.",
     )
     mix: list[MixEntry] = Field(
         default_factory=list,
