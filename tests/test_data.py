@@ -194,7 +194,7 @@ def test_plain_text_ends_with_an_end_token(tmp_path: Path, tokenizer) -> None:
     ("sharegpt", [{"conversations": [{"from": "robot", "value": "a"}]}],
      r"`data.conversations_column`: row 1: message 1 has the unknown role 'robot'.*sharegpt_roles"),
     ("alpaca", [{"instruction": "a", "output": "b"}, {"instruction": "c", "output": None}],
-     r"`data.output_column`: row 2: the column is empty"),
+     r"`data.output_column`: is empty \(null\) in train row 2"),
     ("alpaca", [{"instruction": "a", "answer": "b"}],
      r"`data.output_column`.*not a column of the data.*instruction, answer"),
     ("tokenized", [{"input_ids": [1, 2], "labels": [1]}], r"row 1: `labels` has 1 entries for 2"),
