@@ -226,6 +226,22 @@ def test_identify_dispatch_and_probe() -> None:
     assert identify(swapped) is None
 
 
+def test_probe_names_a_model_own_activation_class_by_its_values() -> None:
+    class OwnGelu(nn.Module):  # e.g. BLOOM's BloomGelu: a type no matcher lists
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 0.5 * (1.0 + torch.tanh(0.7978845608 * x * (1.0 + 0.044715 * x * x)))
+
+    class TwoInputs(nn.Module):  # a rotary embedding, say: the probe's call fails
+        def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return x * positions
+
+    assert identify(OwnGelu()) == "gelu_tanh"
+    assert identify(TwoInputs()) is None and identify(nn.LayerNorm(4, elementwise_affine=False)) is None
+    state = torch.random.get_rng_state()
+    assert identify(nn.Dropout(0.5)) is None and identify(nn.RReLU()) is None  # random: no match
+    assert torch.equal(torch.random.get_rng_state(), state)  # and the global RNG did not move
+
+
 def test_inplace_relu_keeps_working() -> None:
     act = FewBitActivation(nn.ReLU(inplace=True), "relu", 1)
     x = torch.randn(100, requires_grad=True)
@@ -243,9 +259,9 @@ def test_pattern_matching_nothing_raises() -> None:
         fewbit.apply(tiny_model("bert"), FewBitConfig(bits=3, targets=["mlp.act_fn"]))
 
 
-def test_unknown_architecture_without_targets_raises() -> None:
+def test_a_model_without_repeated_blocks_needs_targets() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
-    with pytest.raises(MemtrainError, match=r"no default targets.*Fix: set `memory\.activation_t"):
+    with pytest.raises(MemtrainError, match=r"no default targets.*set `memory\.activation_t.*e\.g\. 1\."):
         fewbit.apply(model, FewBitConfig(bits=3))
     fewbit.apply(model, FewBitConfig(bits=3, targets=["1"]))  # explicit targets work
     assert isinstance(model[1], FewBitActivation)

@@ -17,6 +17,7 @@ from memtrain import patches
 from memtrain.config import AdapterConfig, RandomizedLinearConfig, load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.patches import NoMatchError, lora, randomized_linear
+from memtrain.patches._targets import blocks
 from memtrain.patches.randomized_linear import (
     RandomizedConv1D,
     RandomizedLinear,
@@ -156,6 +157,14 @@ def test_fake_tensors_and_meta() -> None:
 # ---------------------------------------------------------------------------------- models
 
 
+_BERT = ["attention.self.query", "attention.self.key", "attention.self.value",
+         "attention.output.dense", "intermediate.dense", "output.dense"]
+_DECODER = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+BLOCK_LINEARS = {"bert": _BERT, "roberta": _BERT, "llama": _DECODER, "mistral": _DECODER,
+                 "qwen2": _DECODER, "gpt2": ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]}
+
+
 @pytest.mark.parametrize("arch", sorted(TINY_CONFIGS))
 def test_model_forward_bit_identical_and_only_patched_weights_change(arch: str) -> None:
     model = tiny_model(arch)
@@ -173,7 +182,11 @@ def test_model_forward_bit_identical_and_only_patched_weights_change(arch: str) 
     after.square().mean().backward()
     (record,) = patches.records(model)
     patched = {f"{m}.weight" for m in record.modules}
-    assert len(record.modules) == len(randomized_linear.DEFAULT_TARGETS[arch]) * 2  # 2 layers
+    # found from the structure, they are the per-architecture lists memtrain once kept by hand
+    inside = {m.removeprefix(f"{b}.") for b in blocks(model) for m in record.modules
+              if m.startswith(f"{b}.")}
+    assert inside == set(BLOCK_LINEARS[arch])
+    assert len(record.modules) == len(BLOCK_LINEARS[arch]) * 2  # 2 layers
     for name, param in model.named_parameters():
         if name in patched:
             assert not torch.equal(param.grad, exact[name])
@@ -253,9 +266,19 @@ def test_pattern_matching_only_frozen_layers_raises() -> None:
         randomized_linear.apply(model, RandomizedLinearConfig(targets=["*.base_layer"]))
 
 
-def test_unknown_architecture_without_targets_raises() -> None:
+def test_a_model_without_repeated_blocks_needs_targets() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
-    with pytest.raises(MemtrainError, match=r"no default targets.*e\.g\. 0, 2"):
+    with pytest.raises(MemtrainError, match=r"linear\.targets`: .*no repeated blocks.*e\.g\. 0, 2"):
+        randomized_linear.apply(model, RandomizedLinearConfig())
+    randomized_linear.apply(model, RandomizedLinearConfig(targets=["2"]))  # explicit targets work
+    assert isinstance(model[2], RandomizedLinear) and type(model[0]) is nn.Linear
+
+
+def test_blocks_without_a_trainable_linear_name_the_blocks_and_real_paths() -> None:
+    model = tiny_model("qwen2")
+    for name, param in model.named_parameters():
+        param.requires_grad_("layers" not in name)  # only the embeddings and head train
+    with pytest.raises(MemtrainError, match=r"inside its repeated blocks \(model\.layers\).*e\.g\. lm_head"):
         randomized_linear.apply(model, RandomizedLinearConfig())
 
 

@@ -1,9 +1,16 @@
-"""Target checks shared by the approximate-layer patches (not a patch: not auto-imported)."""
+"""Target finding shared by the approximate-layer patches (not a patch: not auto-imported).
+
+Default targets are found from the model's structure, not from a table per model type, so they
+work for any decoder or encoder model transformers builds: the *blocks* are the entries of the
+outermost ``nn.ModuleList`` s whose entries are all of one class and hold parameters
+(``model.layers``, ``transformer.h``, ``bert.encoder.layer``, also under a peft wrapper), and a
+patch's default targets are the modules inside those blocks that it can change. Embeddings, the
+final norm and the task head live outside the blocks, so they are never defaults.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 
@@ -22,23 +29,53 @@ def check_every_pattern(patterns: list[str], found: list[str], field: str,
             f"{', ...' if len(found) > 4 else ''}.")
 
 
-def default_targets(model: nn.Module, field: str, defaults: dict[str, list[str]], technique: str,
-                    can_patch: Callable[[nn.Module], Any], what: str) -> list[str]:
-    """The architecture's default target patterns, or an error listing modules ``can_patch`` accepts.
+def block_lists(model: nn.Module) -> list[str]:
+    """Names of the model's repeated-block lists (``model.layers``, ``transformer.h``, ...).
+
+    A block list is an ``nn.ModuleList`` whose entries are all of one class and hold parameters,
+    and which lies inside no other block list (experts inside a block are part of the block).
+    An encoder-decoder model has two.
+    """
+    found: list[str] = []
+    for name, module in model.named_modules():  # pre-order: an outer list comes first
+        if not (name and isinstance(module, nn.ModuleList) and len(module) > 0):
+            continue
+        if any(name.startswith(outer + ".") for outer in found):
+            continue
+        if len({type(m) for m in module}) == 1 and any(True for _ in module[0].parameters()):
+            found.append(name)
+    return found
+
+
+def blocks(model: nn.Module) -> list[str]:
+    """Names of the repeated blocks themselves (``model.layers.0``, ``model.layers.1``, ...)."""
+    return [f"{outer}.{i}" for outer in block_lists(model)
+            for i in range(len(model.get_submodule(outer)))]
+
+
+def default_modules(model: nn.Module, field: str, technique: str, what: str,
+                    accept: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """The modules inside the model's blocks that ``accept(name, module)`` takes, in model order.
 
     Args:
-        defaults: model type -> patterns.
+        field: the recipe field that overrides the defaults, for the message.
         technique: the patch, for the message (e.g. ``few-bit backward``).
-        what: what the patterns name, for the message (e.g. ``activation module``).
-    """
-    from memtrain.patches import model_type
+        what: what the patch changes, for the message (e.g. ``activation module``).
 
-    kind = model_type(model)
-    if kind in defaults:
-        return defaults[kind]
-    candidates = [n for n, m in model.named_modules() if n and can_patch(m) is not None]
-    shown = ", ".join(candidates[:4]) or f"(this model has no {what} it can change)"
+    Raises:
+        MemtrainError: the model has no block list, or no accepted module inside one; the message
+            lists accepted modules anywhere in this model as examples for ``field``.
+    """
+    prefixes = tuple(f"{outer}." for outer in block_lists(model))
+    found = [(name, module) for name, module in model.named_modules()
+             if name.startswith(prefixes) and accept(name, module)] if prefixes else []
+    if found:
+        return found
+    where = ("inside its repeated blocks (" + ", ".join(p[:-1] for p in prefixes) + ")" if prefixes
+             else "because it has no repeated blocks (an nn.ModuleList of layers)")
+    candidates = [n for n, m in model.named_modules() if n and accept(n, m)]
+    shown = (", ".join(candidates[:4]) + (", ..." if len(candidates) > 4 else "")
+             or f"(this model has no {what} this patch can change)")
     raise MemtrainError(
-        f"`{field}`: {technique} has no default targets for model type {kind!r}. Fix: set `{field}` "
-        f"to {what} name patterns, e.g. {shown}."
-    )
+        f"`{field}`: {technique} has no default targets for this model: it finds no {what} "
+        f"{where}. Fix: set `{field}` to {what} name patterns, e.g. {shown}.")

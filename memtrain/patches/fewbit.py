@@ -36,19 +36,9 @@ from memtrain.patches import (
     set_submodule,
 )
 from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, fewbit_table
-from memtrain.patches._targets import check_every_pattern, default_targets
+from memtrain.patches._targets import check_every_pattern, default_modules
 
 Config = FewBitConfig
-
-# The activation module inside each architecture's MLP (transformers module names).
-DEFAULT_TARGETS: dict[str, list[str]] = {
-    "bert": ["intermediate.intermediate_act_fn"],
-    "roberta": ["intermediate.intermediate_act_fn"],
-    "gpt2": ["mlp.act"],
-    "llama": ["mlp.act_fn"],
-    "mistral": ["mlp.act_fn"],
-    "qwen2": ["mlp.act_fn"],
-}
 
 # Elements encoded or decoded per step. The int32 bucket indices, unpacked bit planes and
 # looked-up levels of one chunk are temporaries: a chunk bounds them to ~50 MiB rather than 2-3x
@@ -81,25 +71,65 @@ def _transformers_activation(module: nn.Module) -> str | None:
     return names.get(type(module))
 
 
+def _probed_activation(module: nn.Module) -> str | None:
+    """Any other parameter-free leaf (a model's own activation class, say): the function whose
+    values it reproduces on the probe input, if one does."""
+    if type(module) in _NOT_ACTIVATIONS or next(module.children(), None) is not None:
+        return None
+    if next(module.parameters(), None) is not None:
+        return None
+    out = _probe(module)
+    if out is None:
+        return None
+    return next((name for name in FUNCTIONS if _same(out, name)), None)
+
+
+# Parameter-free leaves that are never activations: the probe skips them without calling them.
+_NOT_ACTIVATIONS: set[type[nn.Module]] = {nn.Dropout, nn.Identity}
+
 # Dispatch list: the first matcher that names a function wins.
-MATCHERS: list[Callable[[nn.Module], str | None]] = [_torch_activation, _transformers_activation]
+MATCHERS: list[Callable[[nn.Module], str | None]] = [
+    _torch_activation, _transformers_activation, _probed_activation]
+
+# Wide enough that a clipped activation (transformers' ClippedGELUActivation(-10, 10)) differs.
+_PROBE = (-20.0, 20.0, 801)
+
+
+def _probe(module: nn.Module) -> torch.Tensor | None:
+    """``module`` applied to the probe input, or None when it is no one-tensor element-wise op.
+
+    Real CPU values, also inside a fake-tensor trace or a meta-device context; a module that draws
+    random numbers does not move the global RNG.
+    """
+    with unset_fake_temporarily(), torch.no_grad(), torch.device("cpu"), \
+            torch.random.fork_rng(devices=[]):
+        probe = torch.linspace(*_PROBE)
+        try:
+            out = module(probe)
+        except Exception:  # any failure means: not an activation module
+            return None
+    return out if isinstance(out, torch.Tensor) and out.shape == probe.shape else None
+
+
+def _same(out: torch.Tensor, function: str) -> bool:
+    with unset_fake_temporarily(), torch.no_grad(), torch.device("cpu"):
+        expected = FUNCTIONS[function](torch.linspace(*_PROBE))
+        return out.dtype == expected.dtype and torch.allclose(out, expected, rtol=0, atol=1e-5)
 
 
 def identify(module: nn.Module) -> str | None:
     """The function (a key of ``_fewbit_tables.FUNCTIONS``) that ``module`` computes, or None.
 
-    A matcher's answer is checked on a probe input, so a module whose type looks right but whose
-    forward was swapped (e.g. for another approximation) is not patched with the wrong table.
+    Known activation types are matched by type, any other parameter-free leaf module by its
+    values. A type's answer is checked on the probe input too, so a module whose type looks right
+    but whose forward was swapped (e.g. for another approximation) is not patched with the wrong
+    table.
     """
     for matcher in MATCHERS:
         name = matcher(module)
         if name is not None:
-            # A real CPU probe, also inside a fake-tensor trace or a meta-device context.
-            with unset_fake_temporarily(), torch.no_grad(), torch.device("cpu"):
-                probe = torch.linspace(-6.0, 6.0, 241)
-                if torch.allclose(module(probe.clone()), FUNCTIONS[name](probe), rtol=0, atol=1e-5):
-                    return name
-            return None
+            out = _probe(module)
+            return name if out is not None and _same(out, name) else None
     return None
 
 
@@ -206,21 +236,32 @@ def apply(model: nn.Module, cfg: FewBitConfig,
 
     Args:
         model: a (possibly peft-wrapped) transformers model.
-        cfg: bits and target name patterns (None: the architecture's MLP activation).
+        cfg: bits and target name patterns (None: every supported activation module inside the
+            model's repeated blocks, see :mod:`memtrain.patches._targets`).
         field: the recipe field named in error messages.
 
     Raises:
-        MemtrainError: no default targets for this architecture and none given.
+        MemtrainError: no targets given and no supported activation module inside the blocks.
         NoMatchError: the patterns match no supported activation module.
     """
-    targets = cfg.targets or _default_targets(model, field)
-    found = find_modules(model, targets, lambda m: identify(m) is not None, field)
-    if cfg.targets:  # a user's pattern that matches nothing is a typo, even if others match
+    known: dict[nn.Module, str | None] = {}  # identify() runs the module: once per module
+
+    def function_of(module: nn.Module) -> str | None:
+        if module not in known:
+            known[module] = identify(module)
+        return known[module]
+
+    if cfg.targets:
+        found = find_modules(model, cfg.targets, lambda m: function_of(m) is not None, field)
+        # a user's pattern that matches nothing is a typo, even if others match
         check_every_pattern(cfg.targets, [name for name, _ in found], field)
+    else:
+        found = default_modules(model, field, "few-bit backward", "activation module",
+                                lambda _, m: function_of(m) is not None)
     originals: dict[str, nn.Module] = {}
     functions: set[str] = set()
     for name, module in found:
-        function = identify(module)
+        function = function_of(module)
         assert function is not None  # the predicate checked it
         functions.add(function)
         originals[name] = set_submodule(model, name, FewBitActivation(module, function, cfg.bits))
@@ -233,10 +274,6 @@ def apply(model: nn.Module, cfg: FewBitConfig,
     detail = f"{cfg.bits}-bit activation backward on {len(originals)} modules ({errors})"
     add_records(model, [PatchRecord("fewbit", list(originals), detail, undo)])
     return model
-
-
-def _default_targets(model: nn.Module, field: str) -> list[str]:
-    return default_targets(model, field, DEFAULT_TARGETS, "few-bit backward", identify, "activation module")
 
 
 @register("fewbit", APPROXIMATE)

@@ -46,20 +46,9 @@ from memtrain.patches import (
     register,
     set_submodule,
 )
-from memtrain.patches._targets import check_every_pattern, default_targets
+from memtrain.patches._targets import check_every_pattern, default_modules
 
 Config = RandomizedLinearConfig
-
-_BERT = ["attention.self.query", "attention.self.key", "attention.self.value",
-         "attention.output.dense", "intermediate.dense", "output.dense"]
-_DECODER = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-# Every linear layer inside the transformer blocks (never the embeddings or the task head).
-DEFAULT_TARGETS: dict[str, list[str]] = {
-    "bert": _BERT, "roberta": _BERT,
-    "gpt2": ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"],
-    "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER,
-}
 
 # Sketch elements drawn at a time: bounds the temporary sketch block to 64 MiB in fp32 (the
 # whole N x k sketch is 215 MiB at N = 16384, ratio 0.2) while keeping the op count low.
@@ -238,26 +227,31 @@ def apply(model: nn.Module, cfg: RandomizedLinearConfig, seed: int = 0,
           field: str = "memory.randomized_linear.targets") -> nn.Module:
     """Give the targeted trainable linear layers a randomized weight-gradient backward (in place).
 
-    A glob pattern naming a LoRA-adapted layer (``attention.self.query``) also selects its
-    trainable ``lora_A`` linear, whose input is the layer's full-width input. Not ``lora_B``: its
-    input has only r columns, so sketching it would save almost nothing and still add gradient
-    noise (target ``*.lora_B.*`` explicitly to have it anyway). Frozen layers never match.
+    The default targets are every trainable linear layer inside the model's repeated blocks
+    (:mod:`memtrain.patches._targets`), never the embeddings or the task head. A glob pattern
+    naming a LoRA-adapted layer (``attention.self.query``) also selects its trainable ``lora_A``
+    linear, whose input is the layer's full-width input. Neither selects ``lora_B``: its input has
+    only r columns, so sketching it would save almost nothing and still add gradient noise (target
+    ``*.lora_B.*`` explicitly to have it anyway). Frozen layers never match.
 
     Args:
         model: a (possibly peft-wrapped) transformers model.
-        cfg: sketch ratio and kind, target name patterns (None: the architecture's block linears).
+        cfg: sketch ratio and kind, target name patterns (None: the blocks' trainable linears).
         seed: seeds the per-layer sketch seed streams (the global RNG is not touched).
         field: the recipe field named in error messages.
 
     Raises:
-        MemtrainError: no default targets for this architecture and none given.
+        MemtrainError: no targets given and no trainable linear layer inside the blocks.
         NoMatchError: the patterns match no trainable linear layer.
     """
-    targets = cfg.targets or _default_targets(model, field)
-    patterns = list(targets) + [q for p in targets for q in _lora_forms(p)]
-    found = find_modules(model, patterns, lambda m: replacement(m) is not None, field)
-    if cfg.targets:  # a user's pattern that matches nothing is a typo, even if others match
+    if cfg.targets:
+        patterns = list(cfg.targets) + [q for p in cfg.targets for q in _lora_forms(p)]
+        found = find_modules(model, patterns, lambda m: replacement(m) is not None, field)
+        # a user's pattern that matches nothing is a typo, even if others match
         check_every_pattern(cfg.targets, [name for name, _ in found], field, _lora_forms)
+    else:
+        found = default_modules(model, field, "randomized backward", "trainable linear layer",
+                                lambda name, m: ".lora_B." not in name and replacement(m) is not None)
     originals: dict[str, nn.Module] = {}
     for name, module in found:
         cls = replacement(module)
@@ -277,10 +271,6 @@ def apply(model: nn.Module, cfg: RandomizedLinearConfig, seed: int = 0,
 def _lora_forms(pattern: str) -> list[str]:
     """The wide-input trainable linear peft puts inside a LoRA-adapted layer ``pattern`` names."""
     return [] if pattern.startswith("re:") else [f"{pattern}.lora_A.*"]
-
-
-def _default_targets(model: nn.Module, field: str) -> list[str]:
-    return default_targets(model, field, DEFAULT_TARGETS, "randomized backward", replacement, "linear layer")
 
 
 @register("randomized_linear", APPROXIMATE)
