@@ -98,3 +98,28 @@ def tiny_model(arch: str, **overrides: Any) -> Any:
     if arch in ("bert", "roberta"):
         return AutoModelForSequenceClassification.from_config(config)
     return AutoModelForCausalLM.from_config(config)
+
+
+# Memory-relevant keys of a catalog entry and their tiny values (absent keys stay absent).
+_TINY_SIZES: dict[str, Any] = {
+    "hidden_size": 64, "n_embd": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n_layer": 2,
+    "num_attention_heads": 4, "n_head": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "vocab_size": 512, "max_position_embeddings": 256, "n_positions": 256, "sliding_window": 16,
+}
+
+
+def tiny_catalog_configs() -> dict[str, dict[str, Any]]:
+    """One tiny config per architecture (``model_type``) in memtrain's catalog: the first entry of
+    that type with its sizes shrunk to 2 layers of width 64, everything else (activation, rope
+    scaling, soft-capping, tied embeddings) kept."""
+    from memtrain.memory import catalog
+
+    tiny: dict[str, dict[str, Any]] = {}
+    for name in catalog.names():
+        _, values = catalog.lookup(name)  # type: ignore[misc]
+        if values["model_type"] not in tiny:
+            small = {k: _TINY_SIZES.get(k, v) for k, v in values.items()}
+            if small.get("pad_token_id", 0) >= small["vocab_size"]:  # Phi-3's 32000
+                small["pad_token_id"] = 0
+            tiny[values["model_type"]] = small
+    return tiny
