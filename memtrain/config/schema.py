@@ -512,7 +512,8 @@ class FewBitConfig(Section):
 
     bits: int = Field(3, ge=1, le=4, description="Bits saved per activation element (1-4).")
     targets: list[str] | None = Field(
-        None, description="Activation module name patterns; null = the architecture's default."
+        None, description="Activation module name patterns; null = every supported activation "
+        "module inside the model's repeated blocks."
     )
 
 
@@ -524,7 +525,8 @@ class RandomizedLinearConfig(Section):
     )
     sketch: Literal["gaussian", "rademacher"] = Field("gaussian", description="Random projection.")
     targets: list[str] | None = Field(
-        None, description="Linear module name patterns; null = the architecture's default."
+        None, description="Linear module name patterns; null = every trainable linear layer "
+        "inside the model's repeated blocks."
     )
 
 
@@ -562,7 +564,8 @@ class MemoryConfig(Section):
         "instead of the input. null = off.",
     )
     activation_targets: list[str] | None = Field(
-        None, description="Activation module name patterns for `activation_bits`; null = default."
+        None, description="Activation module name patterns for `activation_bits`; null = every "
+        "supported activation module inside the model's repeated blocks."
     )
     randomized_linear: RandomizedLinearConfig | Auto | None = Field(
         None, description="Randomized backward for linear layers; null = off."
