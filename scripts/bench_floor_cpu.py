@@ -4,7 +4,8 @@
 
 Two models: the `tiny-llama-shakespeare` recipe's model (vocabulary 30,522, full training, micro-
 batch 16 x 128 tokens) and a Qwen-shaped tiny model with Qwen2's 151,936-token vocabulary (same
-batch). Each technique is turned on by a recipe override; the run's real model, optimizer and a
+batch), then the tiny Llama at 1 x 32 tokens, where gradients and optimizer state set the peak.
+Each technique is turned on by a recipe override; the run's real model, optimizer and a
 worst-case batch are built the way `memtrain train` builds them, one warm-up step creates the
 optimizer state, and the next step is measured:
 
