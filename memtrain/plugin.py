@@ -25,9 +25,11 @@ reporting integrations.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from memtrain import hostmem
 from memtrain.callbacks import MemoryMeterCallback, _move_before_integrations
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
+from memtrain.eval_recovery import EvalBatchRecovery
 from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
 from memtrain.recovery import MicroBatchRecovery
 from memtrain.units import format_bytes, parse_size
@@ -93,6 +96,8 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         self.limit = parse_size(limit) if limit is not None else None
         self.recover = recover
         self.recovery: MicroBatchRecovery | None = None
+        self.eval_recovery: EvalBatchRecovery | None = None
+        self._tracked: tuple[Any, Any, Any] = (None, None, None)
         self.over_budget: list[int] = []  # global steps whose measured peak exceeded the usable budget
         self._simulated: SimulatedBudget | None = None
 
@@ -107,6 +112,15 @@ class MemoryBudgetCallback(MemoryMeterCallback):
             trainer.loss_is_scaled_for_ga = False
         if self.recover and trainer is not None and getattr(trainer, "oom_recovery", None) is None:
             self.recovery = MicroBatchRecovery(trainer, budget_bytes=self.limit or self.budget).install()
+            self.eval_recovery = EvalBatchRecovery(trainer).install()
+        if self.limit is not None and trainer is not None:
+            stock = trainer.evaluate
+
+            def evaluate(*args: Any, **kwargs: Any) -> dict[str, float]:
+                with self.paused():  # the budget limits training steps, as in `memtrain train`
+                    return stock(*args, **kwargs)
+
+            trainer.evaluate = evaluate
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -115,7 +129,23 @@ class MemoryBudgetCallback(MemoryMeterCallback):
             self._close_simulated()  # a loop restarted by auto_find_batch_size never ended
             inner = getattr(optimizer, "optimizer", optimizer)
             opt = inner if isinstance(inner, torch.optim.Optimizer) else None
+            self._tracked = (model, opt, args.device)
             self._simulated = SimulatedBudget(self.limit, model, opt, device=args.device)
+            self._simulated.__enter__()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No simulated budget inside (evaluation: it limits training steps; tracking every op
+        would also slow evaluation several times over)."""
+        if self._simulated is None:
+            yield
+            return
+        self._close_simulated()
+        try:
+            yield
+        finally:
+            model, opt, device = self._tracked
+            self._simulated = SimulatedBudget(self.limit or 0, model, opt, device=device)
             self._simulated.__enter__()
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
