@@ -63,7 +63,7 @@ class Estimate:
     by_phase: dict[str, int]  # peak of each phase
     category_at_phase_peak: dict[str, dict[str, int]]
     host_peak_bytes: int  # offloaded tensors in host memory
-    overheads: dict[str, int]  # named lines on top of tensors (CUDA only)
+    overheads: dict[str, int]  # named lines on top of tensors (CUDA; on CPU only host_offload)
     overhead_sources: dict[str, str]
     total_bytes: int
     method: str
