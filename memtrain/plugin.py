@@ -228,7 +228,11 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     """
     from memtrain import planner
 
-    total = resolve_budget(budget) if isinstance(budget, str) else budget
+    try:
+        total = resolve_budget(budget) if isinstance(budget, str) else budget
+    except ValueError as err:
+        raise MemtrainError(f"prepare_for_budget: `budget={budget!r}`: {err}. Fix: a size like '24GiB', "
+                            "a number of bytes, or 'auto' (the device's free memory).") from err
     base = recipe_for(model, args, max_length, allow_approximate)
     inner = getattr(model, "get_base_model", lambda: model)()
     user_checkpointing = any(bool(getattr(owner, name, False)) for owner, name in (

@@ -55,6 +55,8 @@ def test_gpt2_and_a_bert_classifier_plan_and_the_callback_takes_the_plan(
     model, _ = prepare_for_budget(classifier, args, "1GiB", max_length=32, quiet=True)
     assert model.memtrain_plan.predicted_peak > 0
     assert capsys.readouterr().err == ""  # quiet=True: nothing printed
+    with pytest.raises(MemtrainError, match=r"`budget='24 gigs'`.*Fix: a size like '24GiB'"):
+        prepare_for_budget(classifier, args, "24 gigs")
     encoder = AutoModel.from_config(classifier.config)  # a BertModel: no training head
     with pytest.raises(MemtrainError, match=r"BertModel.*AutoModelForSequenceClassification \(\['Bert"):
         prepare_for_budget(encoder, args, "1GiB", max_length=32)
