@@ -202,6 +202,11 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
+        # offload and in-backward optimizers step from gradient hooks that hold them: unregister
+        # those, or the probe's optimizer and its host state would live on beside training's
+        remove_hooks = getattr(optimizer, "remove_hooks", None)
+        if remove_hooks is not None:
+            remove_hooks()
         del optimizer
         free_memory()
 

@@ -270,7 +270,8 @@ def _print_estimate(result: Any) -> None:
         lines.add_row(name, fmt(value), result.overhead_sources[name])
     lines.add_row(f"[bold]total on {result.device}[/]", f"[bold]{fmt(result.total_bytes)}[/]", "")
     if result.host_peak_bytes:
-        lines.add_row("host (offloaded tensors)", fmt(result.host_peak_bytes), "separate from the device")
+        lines.add_row("host (offloaded tensors)", fmt(result.host_peak_bytes), "separate from the device"
+                      if result.device != "cpu" else "the same RAM: in the total (host_offload)")
     console.print(lines)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)

@@ -73,11 +73,15 @@ class OffloadOptimizer(CPUOffloadOptimizer):
         for group in groups:
             group["params"] = list(group["params"])  # may be a generator, read more than once
         first = next((p for g in groups for p in g["params"]), None)
+        params = [p for g in groups for p in g["params"]]
+        before = {p: set(p._post_accumulate_grad_hooks or ()) for p in params}
         if first is not None and first.device.type == "cpu":
             self._init_on_cpu(groups, optimizer_class, minimal_size, kwargs)
         else:
             super().__init__(groups, optimizer_class, offload_gradients=False,
                              minimal_size=minimal_size, **kwargs)
+        # torchao keeps no handles to its gradient hooks: remember the ones it added, by id
+        self._hook_ids = {p: set(p._post_accumulate_grad_hooks or ()) - before[p] for p in params}
         self._host_grad_scale: torch.Tensor | None = None
 
     def _init_on_cpu(self, groups: list[dict[str, Any]],
@@ -117,6 +121,20 @@ class OffloadOptimizer(CPUOffloadOptimizer):
         mark_host(self.param_d2h_map[p].grad)  # the copy is written under an active meter
         self.queue.pop(p, None)  # re-queued at the end, as torchao does for accumulation
         self.queue[p] = self.stream.record_event()
+
+    def remove_hooks(self) -> None:
+        """Unregister the gradient hooks and drop the host copies (an optimizer that is thrown away).
+
+        The hooks hold this optimizer: without this, a dropped optimizer (the auto-fit probe's)
+        would stay alive with its host state and copy every gradient to the host a second time.
+        """
+        for p, ids in self._hook_ids.items():
+            hooks = p._post_accumulate_grad_hooks
+            for hook_id in ids:
+                if hooks is not None:
+                    hooks.pop(hook_id, None)
+        self._hook_ids = {}
+        self.param_d2h_map, self.optim_dict, self.queue = {}, {}, {}
 
     # ------------------------------------------------------------------------------ clipping
 

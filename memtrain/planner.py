@@ -59,7 +59,11 @@ IN_BACKWARD = "training.optimizer_in_backward"
 
 
 class NothingFits(MemtrainError):
-    """No candidate fits the budget; the message names the smallest reachable peak."""
+    """No candidate fits the budget; the message names the smallest reachable peak (``smallest``)."""
+
+    def __init__(self, message: str, smallest: Candidate | None = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest  # the candidate with the smallest reachable peak
 
 
 @dataclass
@@ -165,7 +169,7 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             f"{format_bytes(smallest.min_peak)}, with {smallest.label() or 'the recipe as written'}. "
             f"Fix: raise `memory.budget` to at "
             f"least {format_bytes(int(smallest.min_peak / (1 - margin)) + 1)}, set more fields "
-            "to `auto` (or `memory.allow_approximate: true`), or train a smaller model.")
+            "to `auto` (or `memory.allow_approximate: true`), or train a smaller model.", smallest)
     if tune > 0:
         chosen, fits = tune_choice(cfg, search, [chosen, *fits], tune)
     return Plan(total, usable, target, auto_fields(cfg), chosen, fits, rejected, search.rates.source,

@@ -1,7 +1,8 @@
 """Out-of-memory recovery in the middle of training: halve the micro-batch, redo the same step.
 
 When a forward or backward of a micro-batch raises ``torch.OutOfMemoryError`` (CUDA's, or the
-simulated one of :class:`memtrain.memory.budget.SimulatedBudget`), :class:`MicroBatchRecovery`
+simulated one of :class:`memtrain.memory.budget.SimulatedBudget`) or the ``RuntimeError`` of a
+failed CPU allocation (:func:`is_out_of_memory`), :class:`MicroBatchRecovery`
 frees what the failed attempt held, sets every gradient of the model to None and replays *this
 optimizer step's* micro-batches from the start, each split in two (accumulation doubles, the
 effective batch is unchanged). The optimizer, its state and the learning-rate schedule are never
@@ -24,6 +25,8 @@ them), so the pieces' gradients add up to the unsplit one. Which kind of loss a 
 found once, on the first split, by computing a piece's loss (no gradient) with two different
 ``num_items_in_batch``. The Trainer's own scaling for gradient accumulation is left as it is.
 With dropout, a replayed micro-batch draws new masks: the same distribution, not the same bits.
+
+Evaluation batches are split the same way by :class:`memtrain.eval_recovery.EvalBatchRecovery`.
 
 Limits: only one process (with several, the processes would have to agree to redo the step
 together); an out-of-memory error in ``optimizer.step`` is not a micro-batch problem and is not
@@ -96,8 +99,8 @@ class MicroBatchRecovery:
                         self._run_pieces(model, earlier, num_items_in_batch)
                 loss = self._run_pieces(model, inputs, num_items_in_batch)
                 break
-            except torch.OutOfMemoryError as err:
-                if isinstance(err, MicroBatchTooLarge):
+            except (torch.OutOfMemoryError, RuntimeError) as err:
+                if isinstance(err, MicroBatchTooLarge) or not is_out_of_memory(err):
                     raise
                 message = str(err)
             # Outside the except block the traceback, and the activations its frames hold, are gone.
@@ -224,6 +227,19 @@ class MicroBatchRecovery:
 
 
 # --------------------------------------------------------------------------------- helpers
+
+# What allocators say when they run out: CUDA's caching allocator (torch.OutOfMemoryError), torch's
+# CPU allocator (a plain RuntimeError: "DefaultCPUAllocator: can't allocate memory: you tried to
+# allocate ..." or "... not enough memory ..."), and CUDA errors outside the caching allocator.
+OOM_TEXTS = ("can't allocate memory", "not enough memory", "out of memory")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure (on any device) rather than a bug in the step."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in OOM_TEXTS)
+
 
 
 def split_batch(inputs: dict[str, Any], parts: int) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.data import PreparedData
 from memtrain.errors import MemtrainError
+from memtrain.eval_recovery import EvalBatchRecovery
 from memtrain.recovery import MicroBatchRecovery
 from memtrain.safety import NonFiniteLossGuard
 from memtrain.units import parse_size
@@ -125,7 +126,9 @@ class MemtrainTrainer(Trainer):
     - with ``optimizer_in_backward``, every parameter steps in backward as soon as its gradient is
       complete (:mod:`memtrain.optim_backward`);
     - a micro-batch that runs out of memory is split in two and its optimizer step redone
-      (:mod:`memtrain.recovery`), unless ``recover_oom`` is False or the step is in backward.
+      (:mod:`memtrain.recovery`), unless ``recover_oom`` is False or the step is in backward; an
+      evaluation batch that runs out of memory is split and predicted in pieces
+      (:mod:`memtrain.eval_recovery`).
     """
 
     def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,
@@ -143,6 +146,7 @@ class MemtrainTrainer(Trainer):
         # cannot do (it steps at the end of every backward).
         self.oom_recovery = (MicroBatchRecovery(self, super().training_step, budget_bytes)
                              if recover_oom and not optimizer_in_backward else None)
+        self.eval_recovery = EvalBatchRecovery(self, super().prediction_step) if recover_oom else None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.started_at = time.time()  # checkpoints record the run's training time so far
@@ -160,6 +164,12 @@ class MemtrainTrainer(Trainer):
         if self.oom_recovery is None:
             return super().training_step(model, inputs, num_items_in_batch)
         return self.oom_recovery.training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        if self.eval_recovery is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        return self.eval_recovery.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)

@@ -115,3 +115,31 @@ def test_recipe_run_with_auto_micro_batch_trains_within_the_budget(
     assert result.batch == Batch(4, 4)
     assert not [e for e in result.log_history if "memory/recovered_micro_batch" in e]
     assert result.metrics["train_loss"] > 0
+
+
+@pytest.mark.parametrize("memory", [{"offload": {"optimizer": True}}, {}],
+                         ids=["offload", "in-backward"])
+def test_probe_leaves_no_hooked_optimizer_behind(tmp_path: Path, tiny_text_file: Path,
+                                                 memory: dict[str, Any]) -> None:
+    # An offload or in-backward optimizer steps from gradient hooks that hold it: the probe's must go,
+    # or training keeps a second copy of the host state and copies every gradient twice.
+    import gc
+
+    from memtrain.optim_offload import OffloadOptimizer
+
+    cfg = auto_recipe(tmp_path, tiny_text_file, "1GiB", **memory)
+    if not memory:
+        training = cfg.training.model_copy(update={"optimizer_in_backward": True})
+        cfg = cfg.model_copy(update={"training": training})
+    trainer = trainer_for(cfg, Batch(4, 4))
+    autofit.confirm(trainer, cfg, Batch(4, 4))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert all(not p._post_accumulate_grad_hooks for p in params)  # the probe's hooks are gone
+    optimizer = trainer.create_optimizer()
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in params)
+    assert hooks and all(len(p._post_accumulate_grad_hooks or {}) <= 1 for p in params)  # one optimizer's
+    gc.collect()
+    ours = set(params)
+    live = [o for o in gc.get_objects()
+            if isinstance(o, OffloadOptimizer) and ours & set(getattr(o, "param_d2h_map", {}))]
+    assert live == ([optimizer] if memory else [])  # host copies and state: one optimizer's

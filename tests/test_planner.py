@@ -159,3 +159,24 @@ def test_train_plans_auto_fields_and_saves_the_decision(tmp_path: Path, corpus: 
     assert result.batch.effective == 16 and result.batch.micro == 16
     saved = load_recipe(str(result.output_dir / "recipe.yaml"))
     assert saved.training.micro_batch_size == 16
+
+
+def test_on_a_cpu_offloading_to_the_host_does_not_fit_a_ram_budget(tmp_path: Path, corpus: Path) -> None:
+    # On a CPU "device" and "host" are one RAM: offloaded bytes count against the same budget.
+    recipe = causal_recipe(tmp_path, corpus, data={"max_length": 64}, adapter={"method": "full"},
+                           training={"effective_batch_size": 8, "micro_batch_size": 8,
+                                     "gradient_accumulation": 1},
+                           memory={"offload": {"activations": "auto", "optimizer": "auto"}})
+    cfg = load_recipe(recipe)
+    plain = estimate(planner.with_values(cfg, {"memory.offload.activations": False,
+                                               "memory.offload.optimizer": False}), device="cpu")
+    moved = estimate(planner.with_values(cfg, {"memory.offload.activations": False,
+                                               "memory.offload.optimizer": True}), device="cpu")
+    assert moved.peak_bytes < plain.peak_bytes and moved.host_peak_bytes > 0  # fewer "device" bytes
+    assert moved.total_bytes >= plain.total_bytes - 2**10  # but not less RAM
+    assert moved.overheads["host_offload"] > 0
+    budget = int((moved.peak_bytes + plain.total_bytes) / 2 / 0.9)  # fits offload's device bytes only
+    with pytest.raises(planner.NothingFits):
+        planner.plan(cfg, budget, device="cpu")
+    enough = planner.plan(cfg, int(plain.total_bytes / 0.9) + 2**12, device="cpu")
+    assert enough.chosen.peak <= enough.usable

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from plain_trainer import arguments, collate, tiny_model, token_dataset
@@ -98,3 +99,33 @@ def test_callback_keeps_accumulated_classifier_gradients_equal_to_one_big_batch(
         trainer.train()
         grads.append(capture.grads[0])
     assert max_grad_difference(*grads) < 1e-4
+
+
+def test_simulated_budget_is_off_in_evaluation_and_evaluation_recovers(tmp_path: Path) -> None:
+    from test_recovery import oom_when
+
+    short, long_rows = [8] * 8, [64] * 8  # evaluation: 8 rows of 64 tokens, far above a training step
+    measure = plain_run(tmp_path / "a", MemoryBudgetCallback(), lengths=short, micro=2, accumulation=1)
+    peak = max(e["memory/peak_mib"] for e in measure.state.log_history if "memory/peak_mib" in e)
+    limit = int(peak * MiB) + 2**20
+
+    def run(name: str, model: Any, recover: bool) -> tuple[Trainer, MemoryBudgetCallback]:
+        callback = MemoryBudgetCallback(simulate_budget=limit, recover=recover)
+        args = arguments(tmp_path / name, 2, 1, 2, eval_strategy="steps", eval_steps=1,
+                         per_device_eval_batch_size=8)
+        trainer = Trainer(model=model, args=args, train_dataset=token_dataset("causal-lm", short),
+                          eval_dataset=token_dataset("causal-lm", long_rows), data_collator=collate,
+                          callbacks=[callback])
+        trainer.train()
+        return trainer, callback
+
+    trainer, _ = run("b", tiny_model(), recover=False)  # unlimited evaluation: no recovery needed
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [1, 2]
+    peaks = [e["memory/peak_mib"] for e in trainer.state.log_history if "memory/peak_mib" in e]
+    assert peaks and max(peaks) <= limit / MiB  # training steps stayed under the simulated budget
+    model = tiny_model()
+    raised = oom_when(model, "causal-lm", rows_over=4, forward=True)
+    trainer, callback = run("c", model, recover=True)
+    assert raised == [8]  # the first evaluation's batch of 8 failed once; pieces of 4 from then on
+    assert callback.eval_recovery is not None and callback.eval_recovery.parts == 2
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [1, 2]

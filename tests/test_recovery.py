@@ -25,26 +25,34 @@ from memtrain.trainer import MemtrainTrainer
 LENGTHS = [8, 7, 8, 6, 8, 40, 8, 5, 8, 6, 7, 8, 8, 8, 7, 6]
 
 
-def oom_when(model: torch.nn.Module, task: str, rows_over: int, length_over: int = 32) -> list[int]:
+def oom_when(model: torch.nn.Module, task: str, rows_over: int, length_over: int = 32,
+             cpu_allocation: bool = False, forward: bool = False) -> list[int]:
     """Raise torch's OOM in the middle of backward (after the later layers' gradients were added)
-    for micro-batches with more than ``rows_over`` rows longer than ``length_over`` tokens."""
+    for micro-batches with more than ``rows_over`` rows longer than ``length_over`` tokens.
+
+    ``cpu_allocation``: a real failed CPU allocation instead (a ``RuntimeError`` from torch's
+    DefaultCPUAllocator); ``forward``: in the forward instead (what evaluation runs)."""
     layer = model.model.layers[0].mlp if task == "causal-lm" else model.bert.encoder.layer[0].output
     raised: list[int] = []
 
-    def hook(module: Any, grad_in: Any, grad_out: Any) -> None:
-        shape = grad_out[0].shape
+    def fail(shape: torch.Size) -> None:
         if shape[0] > rows_over and shape[1] > length_over:
             raised.append(int(shape[0]))
+            if cpu_allocation:
+                torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the allocator refuses
             raise torch.OutOfMemoryError(f"injected: {shape[0]} rows of {shape[1]} tokens do not fit")
 
-    layer.register_full_backward_hook(hook)
+    if forward:
+        layer.register_forward_hook(lambda module, args, out: fail(out.shape))
+    else:
+        layer.register_full_backward_hook(lambda module, grad_in, grad_out: fail(grad_out[0].shape))
     return raised
 
 
-def run(tmp_path: Path, task: str, rows_over: int | None, steps: int = 2
+def run(tmp_path: Path, task: str, rows_over: int | None, steps: int = 2, cpu_allocation: bool = False
         ) -> tuple[MemtrainTrainer, GradCapture, list[int]]:
     model = tiny_model(task)
-    raised = oom_when(model, task, rows_over) if rows_over is not None else []
+    raised = oom_when(model, task, rows_over, cpu_allocation=cpu_allocation) if rows_over is not None else []
     capture = GradCapture()
     # SGD with momentum: updates are linear in the gradients, so runs agree to float rounding
     # (Adam's first update is about lr × sign(gradient), which magnifies rounding in ~0 gradients)
@@ -55,10 +63,12 @@ def run(tmp_path: Path, task: str, rows_over: int | None, steps: int = 2
     return trainer, capture, raised
 
 
-@pytest.mark.parametrize("task", ["causal-lm", "classification"])
-def test_recovered_step_equals_the_unsplit_step(tmp_path: Path, task: str) -> None:
+@pytest.mark.parametrize(("task", "cpu_allocation"),
+                         [("causal-lm", False), ("classification", False), ("causal-lm", True)],
+                         ids=["causal-lm", "classification", "cpu-allocation"])
+def test_recovered_step_equals_the_unsplit_step(tmp_path: Path, task: str, cpu_allocation: bool) -> None:
     ref, ref_grads, _ = run(tmp_path / "ref", task, rows_over=None)
-    rec, rec_grads, raised = run(tmp_path / "rec", task, rows_over=2)
+    rec, rec_grads, raised = run(tmp_path / "rec", task, rows_over=2, cpu_allocation=cpu_allocation)
     assert raised == [4]  # the long micro-batch failed once, at 4 rows; halves of 2 fit
     assert rec.oom_recovery.events == [{"step": 1, "micro_batch_before": 4, "micro_batch": 2,
                                         "accumulation": 4}]
@@ -102,6 +112,45 @@ def test_repeated_oom_halves_to_one_then_raises_with_the_budget(tmp_path: Path) 
     with pytest.raises(MicroBatchTooLarge, match=message):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_only_allocation_failures_count_as_out_of_memory() -> None:
+    from memtrain.recovery import is_out_of_memory
+
+    with pytest.raises(RuntimeError) as real:
+        torch.empty(2**50, dtype=torch.uint8)
+    assert is_out_of_memory(real.value) and not isinstance(real.value, torch.OutOfMemoryError)
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x8)"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+
+
+def eval_run(tmp_path: Path, task: str, rows_over: int | None, cpu_allocation: bool = False
+             ) -> tuple[MemtrainTrainer, list[int]]:
+    model = tiny_model(task)
+    raised = [] if rows_over is None else oom_when(model, task, rows_over, cpu_allocation=cpu_allocation,
+                                                   forward=True)
+    args = arguments(tmp_path, 4, 1, 1, per_device_eval_batch_size=8)
+    trainer = MemtrainTrainer(model=model, args=args, data_collator=collate,
+                              eval_dataset=token_dataset(task, LENGTHS))
+    return trainer, raised
+
+
+@pytest.mark.parametrize(("task", "cpu_allocation"), [("causal-lm", True), ("classification", False)])
+def test_an_evaluation_batch_out_of_memory_is_split_and_gives_the_same_results(
+        tmp_path: Path, task: str, cpu_allocation: bool) -> None:
+    ref, _ = eval_run(tmp_path / "ref", task, None)
+    rec, raised = eval_run(tmp_path / "rec", task, 2, cpu_allocation)
+    expected = ref.evaluate()
+    got = rec.evaluate()
+    assert raised == [8, 4]  # the batch holding the long example failed at 8 rows, then at 4
+    assert rec.eval_recovery.events == [{"eval_batch_before": 8, "eval_batch": 4},
+                                        {"eval_batch_before": 4, "eval_batch": 2}]
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+    ref_out, rec_out = ref.predict(token_dataset(task, LENGTHS)), rec.predict(token_dataset(task, LENGTHS))
+    assert rec_out.predictions.shape == ref_out.predictions.shape
+    assert abs(rec_out.predictions - ref_out.predictions).max() < 1e-4
+    assert (rec_out.label_ids == ref_out.label_ids).all()
 
 
 def test_split_batch_and_item_counts() -> None:

@@ -2,8 +2,9 @@
 
 :class:`SimulatedBudget` raises the framework's own out-of-memory error
 (``torch.OutOfMemoryError``, what CUDA raises) as soon as the live tensor bytes it tracks exceed a
-limit. With it, auto-fit and out-of-memory recovery run for real on a machine without a GPU: the
-code under test sees exactly the exception a GPU would raise, at the op that would have failed.
+limit (on a CPU, offloaded "host" tensors count too: they live in the same RAM). With it, auto-fit
+and out-of-memory recovery run for real on a machine without a GPU: the code under test sees
+exactly the exception a GPU would raise, at the op that would have failed.
 It counts tensor bytes as the meter does (no allocator caching or fragmentation).
 """
 
@@ -51,10 +52,18 @@ class _BudgetTracker(_Tracker):
         super().__init__(device, host, timeline=False)
         self.limit = limit
 
+    def live(self) -> int:
+        """Live bytes that count against the limit: on a CPU also the offloaded ones (same RAM)."""
+        snap = self._curr_mem_snap
+        live = snap.get(self.compute_device, {}).get(_TOTAL_KEY, 0)
+        if self.compute_device.type == "cpu":
+            live += snap.get(self.host_device, {}).get(_TOTAL_KEY, 0)
+        return int(live)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         # Only the device total and its peak: nothing reads the meter's phase and category
         # bookkeeping here, and it ran after every op of a guarded step.
-        live = self._curr_mem_snap.get(self.compute_device, {}).get(_TOTAL_KEY, 0)
+        live = self.live()
         if live > self._peak_mem.get(self.compute_device, 0):
             self._peak_mem[self.compute_device] = live
         if live > self.limit:
@@ -95,7 +104,7 @@ class SimulatedBudget:
 
     @property
     def live_bytes(self) -> int:
-        return int(self._tracker._curr_mem_snap.get(self._tracker.compute_device, {}).get(_TOTAL_KEY, 0))
+        return self._tracker.live()
 
     @property
     def peak_bytes(self) -> int:

@@ -63,7 +63,7 @@ class Estimate:
     by_phase: dict[str, int]  # peak of each phase
     category_at_phase_peak: dict[str, dict[str, int]]
     host_peak_bytes: int  # offloaded tensors in host memory
-    overheads: dict[str, int]  # named lines on top of tensors (CUDA only)
+    overheads: dict[str, int]  # named lines on top of tensors (CUDA; on CPU only host_offload)
     overhead_sources: dict[str, str]
     total_bytes: int
     method: str
@@ -361,6 +361,10 @@ def _summarize(plan: _Plan, cands: Candidates, counts: Counts, method: str,
     peak = int(totals[top])
     overheads, sources = _overheads(plan, peak, int(values[:, ROUNDED].max()),
                                     _resident(_categories(values[top])))
+    shared = int((totals + values[:, HOST]).max()) - peak
+    if plan.device == "cpu" and shared > 0:  # offloading to the RAM the "device" is: one budget
+        overheads["host_offload"] = shared
+        sources["host_offload"] = "offloaded tensors: on a CPU the host is the same RAM"
     cfg = plan.cfg
     settings = {
         "task": cfg.model.task, "dtype": cfg.model.dtype, "quantization": cfg.model.quantization,
