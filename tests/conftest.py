@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                 "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 30522,
                 "max_position_embeddings": 258, "pad_token_id": 0},
 }
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    """The MiniLM tokenizer that every tiny model in these tests uses."""
+    from memtrain.config import load_recipe
+    from memtrain.model import load_tokenizer
+
+    cfg = load_recipe({"model": {"name": MINILM}, "data": {"source": "builtin:shakespeare-text"}})
+    return load_tokenizer(cfg.model)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """Rows as JSON Lines at ``path``."""
+    path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    return path
 
 
 @pytest.fixture

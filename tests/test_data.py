@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import MINILM, causal_recipe
+from conftest import MINILM, causal_recipe, write_jsonl
 
 from memtrain.config import RecipeError, load_recipe
 from memtrain.data import IGNORE_INDEX, prepare_data
-from memtrain.model import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    cfg = load_recipe({"model": {"name": MINILM}, "data": {"source": "builtin:shakespeare-text"}})
-    return load_tokenizer(cfg.model)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
-    return path
 
 
 def recipe(tmp_path: Path, data_file: Path, **data) -> object:

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import MINILM, causal_recipe
+from conftest import MINILM, causal_recipe, write_jsonl
 from transformers import AutoTokenizer
 
 from memtrain.config import RecipeError, load_recipe
 from memtrain.data import IGNORE_INDEX, prepare_data
-from memtrain.model import load_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    cfg = load_recipe({"model": {"name": MINILM}, "data": {"source": "builtin:shakespeare-text"}})
-    return load_tokenizer(cfg.model)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
-    return path
 
 
 def alpaca_file(tmp_path: Path, n: int, word: str = "number", **columns: str) -> Path:
