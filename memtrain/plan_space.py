@@ -12,9 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrain.autofit import valid_batches
 from memtrain.config import RunConfig
-from memtrain.config.batch import Batch, resolve_batch
+from memtrain.config.batch import Batch, resolve_batch, valid_batches
 from memtrain.memory import estimate as est
 
 # Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
