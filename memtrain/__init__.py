@@ -6,12 +6,12 @@ to their own script are both importable from here.
 
 from typing import TYPE_CHECKING, Any
 
-from memtrain.config import RunConfig, load_recipe
 from memtrain.errors import MemtrainError
-from memtrain.patches import apply_patches
 
 if TYPE_CHECKING:
+    from memtrain.config import RunConfig, load_recipe
     from memtrain.memory.estimate import Estimate, estimate
+    from memtrain.patches import apply_patches
     from memtrain.plugin import MemoryBudgetCallback, prepare_for_budget
 
 __version__ = "0.1.0"
@@ -21,8 +21,16 @@ __all__ = ["Estimate", "MemoryBudgetCallback", "MemtrainError", "RunConfig", "ap
 
 
 def __getattr__(name: str) -> Any:
-    # The estimator pulls in transformers, peft and bitsandbytes (seconds to import): load it on
-    # first use, so that `import memtrain` and quick CLI commands stay fast.
+    # The estimator pulls in transformers, peft and bitsandbytes, the patches torch (seconds to
+    # import): load them on first use, so that `import memtrain` and quick CLI commands stay fast.
+    if name in ("RunConfig", "load_recipe"):  # pydantic and the schema: not needed for `--help`
+        from memtrain import config
+
+        return getattr(config, name)
+    if name == "apply_patches":
+        from memtrain.patches import apply_patches
+
+        return apply_patches
     if name in ("Estimate", "estimate"):
         from memtrain.memory import estimate as module
 

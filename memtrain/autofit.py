@@ -39,16 +39,15 @@ import torch
 from torch import nn
 
 from memtrain.config import RunConfig
+from memtrain.config.batch import MICRO_CAP as MICRO_CAP
 from memtrain.config.batch import Batch
-from memtrain.config.schema import TrainingConfig
+from memtrain.config.batch import valid_batches as valid_batches
 from memtrain.errors import MemtrainError
 from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
 from memtrain.recovery import free_memory, reset_module_tracking
 from memtrain.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
-
-MICRO_CAP = 1024  # largest micro-batch considered when the effective batch does not bound it
 
 
 @dataclass
@@ -65,22 +64,6 @@ class Probe:
     def failed(self) -> int:
         """Out-of-memory attempts before the probe that fitted."""
         return sum(1 for _, ok in self.tried if not ok)
-
-
-def valid_batches(training: TrainingConfig, processes: int = 1) -> list[tuple[int, int]]:
-    """The (micro, accumulation) pairs ``micro_batch_size: auto`` may choose, smallest first.
-
-    With an effective batch, the micro-batches that divide it per process (and a fixed
-    accumulation, if one is given); without one, any micro-batch with the given accumulation.
-    """
-    eff, accum = training.effective_batch_size, training.gradient_accumulation
-    if eff is None:
-        fixed = accum if isinstance(accum, int) else 1
-        return [(m, fixed) for m in range(1, MICRO_CAP + 1)]
-    per_process = eff // processes
-    if isinstance(accum, int):
-        return [(per_process // accum, accum)]
-    return [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
 
 
 def budget_limit(cfg: RunConfig) -> int | None:

@@ -245,8 +245,6 @@ def disk_full_as_error(folder: Path, what: str, staged: Path) -> Iterator[None]:
 
 def weights_finite(model: torch.nn.Module) -> bool:
     """Whether every trained weight is finite (every process's shard, with several)."""
-    from memtrain.safety import _largest_over_processes
-
     bad = 0
     device = torch.device("cpu")
     for param in model.parameters():
@@ -327,3 +325,14 @@ def write_checkpoint(trainer: Any, save: Callable[[], None]) -> None:
     keep = newest_finite(root)  # rotation must never delete the newest finite checkpoint
     rotate_checkpoints(output_dir=str(root), save_total_limit=trainer.args.save_total_limit,
                        best_model_checkpoint=str(keep) if keep else trainer.state.best_model_checkpoint)
+
+
+def _largest_over_processes(value: int, device: torch.device) -> int:
+    """``value``'s maximum over all processes (one tiny all-reduce per optimizer step)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    flag = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())

@@ -14,8 +14,8 @@ accelerate makes: each decoder layer, the input embedding, the output head, then
 before the Trainer exists, so ``Accelerator.prepare`` finds an FSDP2 model and keeps it.
 Accelerate only enables FSDP on accelerators: on CPU it silently trains replicas with DDP. One
 code path keeps the CPU tests meaningful for GPU runs, and the estimator traces the very same
-function in a fake process group (:func:`estimate_process_step`). On CPU, :func:`adopt_fsdp`
-switches the accelerator's state from DDP to FSDP2 after creation.
+function in a fake process group (:func:`estimate_process_step`). On CPU,
+:func:`memtrain.trainer.adopt_fsdp` switches the accelerator's state from DDP to FSDP2 after creation.
 
 Starting the processes: :mod:`memtrain.launch`.
 """
@@ -185,27 +185,6 @@ def fsdp_plugin(model: nn.Module, cfg: RunConfig) -> FullyShardedDataParallelPlu
         activation_checkpointing=False,  # memtrain's checkpointing patch does it
         cpu_ram_efficient_loading=False,
     )
-
-
-def adopt_fsdp(trainer: Any, plugin: FullyShardedDataParallelPlugin) -> None:
-    """Make a Trainer (right after it created its Accelerator) treat the model as FSDP2.
-
-    On CUDA accelerate already chose FSDP from the plugin. On CPU it enables FSDP for no backend
-    and picked DDP (``MULTI_CPU``), which would wrap the sharded model in DistributedDataParallel;
-    switching the shared state to FSDP makes ``prepare`` keep the FSDP2 model and the Trainer use
-    its FSDP paths (no-sync accumulation, DTensor clipping, full-state-dict saving). Both shared
-    states change: every later ``AcceleratorState()`` copies ``distributed_type`` from
-    ``PartialState``, which would quietly turn the run back into DDP.
-    """
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
-    state = trainer.accelerator.state
-    if state.distributed_type != DistributedType.FSDP:
-        PartialState().distributed_type = DistributedType.FSDP
-        state.distributed_type = DistributedType.FSDP
-        state.fsdp_plugin = plugin
-    trainer.is_fsdp_enabled = True
 
 
 # ----------------------------------------------------------------------------------- estimate

@@ -24,6 +24,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from memtrain.checkpoints import (  # noqa: F401 (re-exported: the checkpoint helpers lived here)
     STAGING,
+    _largest_over_processes,
     check_disk_space,
     checkpoint_bytes,
     last_complete_checkpoint,
@@ -97,17 +98,6 @@ class StopOnSignal(TrainerCallback):
             self.signum = signum
             control.should_save = True
             control.should_training_stop = True
-
-
-def _largest_over_processes(value: int, device: torch.device) -> int:
-    """``value``'s maximum over all processes (one tiny all-reduce per optimizer step)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    flag = torch.tensor([value], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
 
 
 # ------------------------------------------------------------------------------------- NaN guard

@@ -180,8 +180,6 @@ class MemtrainTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if self.fsdp_plugin is not None:
-            from memtrain.distributed import adopt_fsdp
-
             adopt_fsdp(self, self.fsdp_plugin)  # on CPU accelerate picked DDP: make it FSDP2
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -303,3 +301,24 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
     return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload),
             "budget_bytes": parse_size(budget) if budget else None,
             "optimizer_in_backward": cfg.training.optimizer_in_backward}
+
+
+def adopt_fsdp(trainer: Any, plugin: Any) -> None:
+    """Make a Trainer (right after it created its Accelerator) treat the model as FSDP2.
+
+    On CUDA accelerate already chose FSDP from the plugin. On CPU it enables FSDP for no backend
+    and picked DDP (``MULTI_CPU``), which would wrap the sharded model in DistributedDataParallel;
+    switching the shared state to FSDP makes ``prepare`` keep the FSDP2 model and the Trainer use
+    its FSDP paths (no-sync accumulation, DTensor clipping, full-state-dict saving). Both shared
+    states change: every later ``AcceleratorState()`` copies ``distributed_type`` from
+    ``PartialState``, which would quietly turn the run back into DDP.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = trainer.accelerator.state
+    if state.distributed_type != DistributedType.FSDP:
+        PartialState().distributed_type = DistributedType.FSDP
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True

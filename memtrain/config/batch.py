@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from memtrain.config.schema import TrainingConfig
 
 DEFAULT_MICRO_BATCH = 8  # used only when the recipe states no batch size at all
+MICRO_CAP = 1024  # largest micro-batch considered when the effective batch does not bound it
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,19 @@ def resolve_batch(training: TrainingConfig, processes: int = 1) -> Batch:
     if accum is not None:
         return Batch(eff // (accum * processes), accum, processes)
     return Batch(eff // processes, 1, processes)
+
+
+def valid_batches(training: TrainingConfig, processes: int = 1) -> list[tuple[int, int]]:
+    """The (micro, accumulation) pairs ``micro_batch_size: auto`` may choose, smallest first.
+
+    With an effective batch, the micro-batches that divide it per process (and a fixed
+    accumulation, if one is given); without one, any micro-batch with the given accumulation.
+    """
+    eff, accum = training.effective_batch_size, training.gradient_accumulation
+    if eff is None:
+        fixed = accum if isinstance(accum, int) else 1
+        return [(m, fixed) for m in range(1, MICRO_CAP + 1)]
+    per_process = eff // processes
+    if isinstance(accum, int):
+        return [(per_process // accum, accum)]
+    return [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]

@@ -240,7 +240,7 @@ def time_recipe_step(cfg: RunConfig, steps: int = 2) -> float:
     Builds the real model and optimizer on this machine's device, with a worst-case batch
     (``data.max_length`` tokens per example); what the planner's tuning measures.
     """
-    from memtrain.memory.estimate import resolve_config
+    from memtrain.memory.trace_plan import resolve_config
 
     config, _ = resolve_config(cfg.model)
     torch.manual_seed(cfg.training.seed)

@@ -11,6 +11,9 @@ On top of live tensor bytes, a CUDA run pays for the CUDA context and the cachin
 (512-byte rounding of each allocation, fragmentation). Those appear as separate named lines:
 rounding is computed from the traced allocations, the others come from ``memtrain calibrate``'s
 profile when one exists, else from the documented defaults in :mod:`memtrain.memory.calibrate`.
+
+What to trace (architecture, step shape, device; :func:`resolve_config`) is decided in
+:mod:`memtrain.memory.trace_plan`, re-exported here.
 """
 
 from __future__ import annotations
@@ -23,12 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
-from memtrain.config import ModelConfig, RunConfig, load_recipe
+from memtrain.config import RunConfig
 from memtrain.config.batch import resolve_batch
-from memtrain.errors import MemtrainError
-from memtrain.memory import calibrate, catalog
+from memtrain.memory import calibrate
 from memtrain.memory.trace import (
     CATEGORY_NAMES,
     HOST,
@@ -42,6 +43,12 @@ from memtrain.memory.trace import (
     trace_step,
     with_depth,
 )
+from memtrain.memory.trace_plan import _NEEDS_VALUE as _NEEDS_VALUE
+from memtrain.memory.trace_plan import _cached_config as _cached_config
+from memtrain.memory.trace_plan import _check_positions as _check_positions
+from memtrain.memory.trace_plan import _fsdp, _Plan, _plan
+from memtrain.memory.trace_plan import _get as _get
+from memtrain.memory.trace_plan import resolve_config as resolve_config
 
 PHASES = ("forward", "backward", "optimizer")
 Counts = tuple[int, int, list[str], "Work | None"]  # parameters, trainable, patches, work
@@ -88,21 +95,6 @@ class Sweep:
                 "seq_len": [list(p) for p in self.seq_len]}
 
 
-@dataclass
-class _Plan:
-    """What to trace: the recipe, its architecture, the step shape and the target device."""
-
-    cfg: RunConfig
-    config: PretrainedConfig
-    label: str
-    depth: int
-    micro_batch: int
-    seq_len: int
-    device: str
-    trace_device: str
-    notes: list[str]
-
-
 def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
              device: str | None = None, exact: bool = False) -> Estimate:
     """Predict the peak memory of one training step of ``recipe``, by category and phase.
@@ -125,12 +117,6 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
         return _sharded_estimate(plan, start)
     candidates, counts, method = _candidates(plan, plan.micro_batch, plan.seq_len, exact)
     return _summarize(plan, candidates, counts, method, time.perf_counter() - start)
-
-
-def _fsdp(cfg: RunConfig) -> bool:
-    """Sharded with FSDP2 and buildable on the meta device (bitsandbytes needs real weights)."""
-    d = cfg.distributed
-    return d.processes > 1 and d.sharding == "full" and cfg.model.quantization == "none"
 
 
 def _sharded_estimate(plan: _Plan, start: float) -> Estimate:
@@ -198,109 +184,6 @@ def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), 
         est = _summarize(plan, *_candidates(plan, plan.micro_batch, length, exact=False), 0.0)
         by_length.append((length, est.peak_bytes, est.total_bytes))
     return Sweep(by_batch, by_length)
-
-
-# ---------------------------------------------------------------------------------- planning
-
-
-_NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
-                "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
-                "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear",
-                "memory.loss", "training.optimizer_in_backward")
-
-
-def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], device: str | None) -> _Plan:
-    cfg = recipe if isinstance(recipe, RunConfig) else load_recipe(recipe, overrides)
-    if isinstance(recipe, RunConfig) and overrides:
-        raise ValueError("pass overrides with a recipe file or dict, not with a RunConfig")
-    for path in _NEEDS_VALUE:
-        if _get(cfg, path) == "auto":
-            raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
-                                f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
-                                "run `memtrain plan`.")
-    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if target not in ("cuda", "cpu"):
-        raise MemtrainError(f"`--device` must be `cuda` or `cpu`, got {target!r}.")
-    config, label = resolve_config(cfg.model)
-    batch = resolve_batch(cfg.training, cfg.distributed.processes)
-    seq_len = cfg.data.max_length
-    _check_positions(config, seq_len)
-    trace_device = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
-    notes = [f"every example is data.max_length = {seq_len} tokens (the worst case; data is not read)"]
-    if cfg.model.task == "sequence-classification" and cfg.model.num_labels is None:
-        notes.append("classification head sized for 2 labels (model.num_labels unset, data not read)")
-    if target == "cuda" and trace_device == "cpu":
-        notes.append("CUDA run traced on CPU fake tensors, with CUDA's multi-tensor optimizer kernels; "
-                     "int8 layers follow their CPU path")
-    if cfg.distributed.processes > 1 and not _fsdp(cfg):
-        notes.append(f"distributed.processes = {cfg.distributed.processes}: this sharding is not modelled, "
-                     "figures are for one unsharded process (an upper bound)")
-    if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
-        notes.append("optimizer offload copies nothing on a CPU trace: its state is counted on the "
-                     "device (an upper bound for the GPU)")
-    if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
-        notes.append("paged optimizer state counted as device memory (all pages resident)")
-    depth = int(config.num_hidden_layers)
-    return _Plan(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes)
-
-
-def _get(cfg: RunConfig, path: str) -> Any:
-    node: Any = cfg
-    for part in path.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def resolve_config(cfg: ModelConfig) -> tuple[PretrainedConfig, str]:
-    """The architecture config of the recipe's model and a label for it, without weights or network.
-
-    ``model.from_config`` and local folders are read as training reads them; hub ids come from
-    the built-in catalog (:mod:`memtrain.memory.catalog`) or else the local Hugging Face cache.
-    """
-    from memtrain import sources
-    from memtrain.model import build_config
-
-    num_labels = cfg.num_labels if cfg.task == "sequence-classification" else None
-    if cfg.from_config is not None:
-        config, label = build_config(cfg, num_labels), f"from_config ({cfg.from_config['model_type']})"
-    elif cfg.name.startswith(sources.PKG_PREFIX) or sources.looks_local(cfg.name):  # type: ignore[union-attr]
-        config, label = build_config(cfg, num_labels), cfg.name
-    elif (found := catalog.lookup(cfg.name)) is not None:  # type: ignore[arg-type]
-        label, values = found
-        config = AutoConfig.for_model(values.pop("model_type"), **values)
-    else:
-        config, label = _cached_config(cfg), cfg.name
-    if num_labels is not None:
-        config.num_labels = num_labels
-    if cfg.task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
-        # Training takes it from the tokenizer; any id gives the same memory.
-        eos = getattr(config, "eos_token_id", None)
-        config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) or 0
-    return config, label  # type: ignore[return-value]
-
-
-def _cached_config(cfg: ModelConfig) -> PretrainedConfig:
-    try:
-        return AutoConfig.from_pretrained(cfg.name, revision=cfg.revision, local_files_only=True,
-                                          trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError):
-        raise MemtrainError(
-            f"`model.name`: {cfg.name!r} is not in memtrain's catalog and its config is not in the local "
-            "Hugging Face cache (the estimator never uses the network). Fix: use a catalog model ("
-            f"{', '.join(catalog.names())}), point `model.name` at a local folder with its config.json, or "
-            "give the architecture in `model.from_config`."
-        ) from None
-
-
-def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
-    """Models with learned position embeddings cannot take longer sequences (fake tensors would)."""
-    limit = getattr(config, "n_positions", None)
-    if limit is None and config.model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
-        offset = (config.pad_token_id or 0) + 1 if config.model_type != "bert" else 0
-        limit = config.max_position_embeddings - offset
-    if limit is not None and seq_len > limit:
-        raise MemtrainError(f"`data.max_length`: {seq_len} tokens exceed the {limit} positions this model "
-                            f"({config.model_type}) has. Fix: set `data.max_length` to {limit} or less.")
 
 
 # ----------------------------------------------------------------------------------- tracing

@@ -1,0 +1,60 @@
+"""The building blocks of the recipe schema: :class:`Section`, :class:`Problem` and shared types.
+
+Checks that involve several fields live in ``after`` validators. They do not raise: they append a
+:class:`Problem` to the list passed in the validation context (:func:`_report`), so that one pass
+reports every mistake of a recipe at once, even when another section has type errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo
+
+Auto = Literal["auto"]
+
+
+def _unit_fraction(v: float | str) -> float | str:
+    if isinstance(v, float) and not 0 <= v < 1:
+        raise ValueError("a fraction must be in [0, 1)")
+    return v
+
+
+# A fraction in [0, 1), or one of the words its field allows (checked after the union resolves,
+# so a bad number gets one message instead of one per member of the union).
+FractionOr = AfterValidator(_unit_fraction)
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One mistake in a recipe: where it is, what was found, and how to fix it."""
+
+    path: str
+    value: Any
+    message: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        shown = "" if self.value is _MISSING else f", got {self.value!r}"
+        fix = f" Fix: {self.fix}" if self.fix else ""
+        return f"`{self.path}`: {self.message}{shown}.{fix}"
+
+
+_MISSING = object()
+
+
+def _report(info: ValidationInfo, problem: Problem) -> None:
+    """Record a cross-field problem in the validation context (see module docstring)."""
+    if info.context is not None and "problems" in info.context:
+        info.context["problems"].append(problem)
+    else:  # validated outside load_recipe: fail loudly rather than lose the problem
+        raise ValueError(str(problem))
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+

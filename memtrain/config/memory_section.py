@@ -1,0 +1,161 @@
+"""The ``memory`` section of the recipe schema: the budget and the memory-saving techniques."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from memtrain.config.base import Auto, FractionOr, Problem, Section, _report
+from memtrain.units import parse_size
+
+# -------------------------------------------------------------------------------------- memory
+
+
+class OffloadConfig(Section):
+    """What moves to host (CPU) memory during training."""
+
+    activations: bool | Auto = Field(
+        False,
+        description="Move tensors saved for backward to host memory (pinned, on a side stream on "
+        "CUDA) and bring them back for backward. With checkpointing, only layer inputs move.",
+    )
+    optimizer: bool | Auto = Field(
+        False, description="Keep optimizer state (and run the optimizer step) on the CPU."
+    )
+    parameters: bool = Field(
+        False, description="With several processes (FSDP): keep sharded parameters on the CPU."
+    )
+    min_tensor_bytes: int = Field(
+        2**20, ge=0, description="Activations smaller than this stay on the device."
+    )
+
+
+class FewBitConfig(Section):
+    """Few-bit activation backward (Novikov et al., 2023)."""
+
+    bits: int = Field(3, ge=1, le=4, description="Bits saved per activation element (1-4).")
+    targets: list[str] | None = Field(
+        None, description="Activation module name patterns; null = every supported activation "
+        "module inside the model's repeated blocks."
+    )
+
+
+class RandomizedLinearConfig(Section):
+    """Randomized backward for linear layers (Bershatsky et al., 2022)."""
+
+    ratio: float = Field(
+        0.2, gt=0, le=1, description="Rows of the saved sketch as a fraction of batch × sequence."
+    )
+    sketch: Literal["gaussian", "rademacher"] = Field("gaussian", description="Random projection.")
+    targets: list[str] | None = Field(
+        None, description="Linear module name patterns; null = every trainable linear layer "
+        "inside the model's repeated blocks."
+    )
+
+
+Checkpointing = Literal["none", "full", "selective", "auto"]
+
+
+class MemoryConfig(Section):
+    """The memory budget and the techniques that trade compute or accuracy for memory."""
+
+    budget: str | None = Field(
+        None,
+        description="Memory the run may use per device, like `24GiB`, or `auto` (the device's "
+        "free memory; on CPU the available RAM). null = no budget, nothing is planned.",
+    )
+    margin: Annotated[float | Auto, FractionOr] = Field(
+        "auto",
+        description="Fraction of the budget kept free for what estimates miss. `auto`: 0.1, or 0 "
+        "when planning against `simulate_budget` alone (it counts the live tensor bytes the "
+        "estimator predicts exactly).",
+    )
+    simulate_budget: str | None = Field(
+        None,
+        description="Raise an out-of-memory error when tracked live tensor bytes exceed this size, "
+        "e.g. `2GiB` (tests auto-fit and recovery on CPU).",
+    )
+    checkpointing: Checkpointing | int = Field(
+        "none",
+        description="Activation checkpointing: `none`, `full` (every layer), a number n (the first "
+        "n layers), `selective` (recompute cheap element-wise work only) or `auto`.",
+    )
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description=OffloadConfig.__doc__)
+    activation_bits: int | Auto | None = Field(
+        None,
+        description="Few-bit activation backward: save this many bits (1-4) per activation input "
+        "instead of the input. null = off.",
+    )
+    activation_targets: list[str] | None = Field(
+        None, description="Activation module name patterns for `activation_bits`; null = every "
+        "supported activation module inside the model's repeated blocks."
+    )
+    randomized_linear: RandomizedLinearConfig | Auto | None = Field(
+        None, description="Randomized backward for linear layers; null = off."
+    )
+    allow_approximate: bool = Field(
+        False, description="Let the planner choose approximate-gradient layers for `auto` fields."
+    )
+    loss: Literal["standard", "chunked", "auto"] = Field(
+        "standard",
+        description="Causal LM loss: `standard` (the model's own: full-vocabulary logits), `chunked` "
+        "(output head and cross-entropy over chunks of tokens, each recomputed in backward: full "
+        "logits never exist; same loss and gradients) or `auto` (the planner decides).",
+    )
+    loss_chunk_tokens: int | None = Field(
+        None, gt=0, description="Tokens per chunk of the chunked loss; null = about as many logits "
+        "as hidden-state values (Liger-Kernel's rule)."
+    )
+    lean_kbit: bool = Field(
+        True,
+        description="QLoRA/int8: keep frozen embeddings, output head and norms in the compute dtype "
+        "instead of peft's fp32 upcast (`prepare_model_for_kbit_training`). LoRA weights stay fp32.",
+    )
+
+    @field_validator("budget", "simulate_budget")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is None or v == "auto":
+            return v
+        try:
+            parse_size(v)
+        except ValueError:
+            raise ValueError("must look like '24GiB', '512MiB' or 'auto'") from None
+        return v
+
+    @property
+    def margin_fraction(self) -> float:
+        """``margin`` as a number: ``auto`` is 0 when the only budget is the simulated one, else 0.1.
+
+        A simulated budget counts live tensor bytes, which the estimator predicts exactly
+        (docs/bench/estimate.md); a real device also holds what no trace sees (allocator caching
+        and fragmentation, the CUDA context beyond its modelled size, non-tensor RAM).
+        """
+        if self.margin != "auto":
+            return float(self.margin)
+        return 0.0 if self.budget is None and self.simulate_budget is not None else 0.1
+
+    @field_validator("checkpointing")
+    @classmethod
+    def _layers(cls, v: str | int) -> str | int:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("a number of checkpointed layers must be at least 1")
+        return v
+
+    @model_validator(mode="after")
+    def _bits_range(self, info: ValidationInfo) -> MemoryConfig:
+        bits = self.activation_bits
+        if isinstance(bits, int) and not 1 <= bits <= 4:
+            _report(info, Problem(
+                "memory.activation_bits", bits, "few-bit backward supports 1 to 4 bits",
+                "use 1, 2, 3 or 4 (3 is the usual choice), or null to turn it off.",
+            ))
+        return self
+
+    @property
+    def fewbit(self) -> FewBitConfig | None:
+        """The few-bit patch settings, or None when off or undecided."""
+        if not isinstance(self.activation_bits, int):
+            return None
+        return FewBitConfig(bits=self.activation_bits, targets=self.activation_targets)

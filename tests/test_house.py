@@ -1,0 +1,116 @@
+"""House rules that keep the package navigable: small modules, no import cycles (issue 17, point 5)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "memtrain"
+MAX_LINES = 400  # docs: /work/shared/DESIGN.md, "modules under ~400 lines"
+# Cycles that exist and are not removed yet, each as its sorted modules. Empty: there are none.
+# A cycle may only leave this list; a new one fails the test.
+KNOWN_CYCLES: list[list[str]] = []
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The memtrain module that importing ``name`` runs (a name inside a module is that module)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> memtrain modules it imports, at module level or inside functions (every
+    ``import`` statement in the file; the parent packages Python imports on the way are not edges)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges.update(_resolve(a.name, modules) for a in node.names if a.name.startswith("memtrain"))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from this module's package, `level - 1` packages up
+                    base = ".".join([*package[:len(package) - node.level + 1], *filter(None, [node.module])])
+                if base == "memtrain" or base.startswith("memtrain."):
+                    for alias in node.names:  # `from memtrain import planner` imports a module
+                        sub = f"{base}.{alias.name}"
+                        edges.add(sub if sub in modules else _resolve(base, modules))
+        graph[name] = {e for e in edges if e is not None and e != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_module_over_400_lines() -> None:
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"split these modules along a real seam (at most {MAX_LINES} lines): {long}"
+
+
+def test_import_graph_has_no_new_cycles() -> None:
+    found = cycles(import_graph())
+    new = [c for c in found if c not in KNOWN_CYCLES]
+    assert not new, f"import cycles (module-level or function-level imports): {new}"
+
+
+def test_the_cycle_finder_finds_function_level_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    real = import_graph()
+    assert "memtrain.planner" in real["memtrain.cli_estimate"]  # an import inside a function counts
+    assert "memtrain.config.schema" in real["memtrain.config"]
+
+
+def test_the_command_line_starts_without_heavy_libraries() -> None:
+    """`memtrain --help` and `memtrain validate` import no torch, transformers, datasets or peft."""
+    code = ("import sys; import memtrain.cli; import memtrain.config; "
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
