@@ -3,12 +3,11 @@ estimator traces each technique exactly, and the planner chooses them when the b
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import causal_recipe, merge
+from conftest import causal_recipe, merge, write_jsonl
 
 from memtrain import planner
 from memtrain.config import load_recipe
@@ -22,10 +21,8 @@ QWEN_150K = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
 
 @pytest.fixture
 def corpus(tmp_path: Path) -> Path:
-    lines = [f"to be or not to be that is the question {i % 4}" for i in range(80)]
-    path = tmp_path / "corpus.jsonl"
-    path.write_text("\n".join(json.dumps({"text": t}) for t in lines))
-    return path
+    return write_jsonl(tmp_path / "corpus.jsonl",
+                       [{"text": f"to be or not to be that is the question {i % 4}"} for i in range(80)])
 
 
 @pytest.mark.slow
