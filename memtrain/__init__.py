@@ -12,12 +12,12 @@ if TYPE_CHECKING:
     from memtrain.config import RunConfig, load_recipe
     from memtrain.memory.estimate import Estimate, estimate
     from memtrain.patches import apply_patches
-    from memtrain.plugin import MemoryBudgetCallback, prepare_for_budget
+    from memtrain.plugin import MemoryBudgetCallback, attach, prepare_for_budget
 
 __version__ = "0.1.0"
 
-__all__ = ["Estimate", "MemoryBudgetCallback", "MemtrainError", "RunConfig", "apply_patches", "estimate",
-           "load_recipe", "prepare_for_budget"]
+__all__ = ["Estimate", "MemoryBudgetCallback", "MemtrainError", "RunConfig", "apply_patches", "attach",
+           "estimate", "load_recipe", "prepare_for_budget"]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,7 +35,7 @@ def __getattr__(name: str) -> Any:
         from memtrain.memory import estimate as module
 
         return getattr(module, name)
-    if name in ("MemoryBudgetCallback", "prepare_for_budget"):  # the plain-Trainer plugin, same reason
+    if name in ("MemoryBudgetCallback", "attach", "prepare_for_budget"):  # the plain-Trainer plugin
         from memtrain import plugin
 
         return getattr(plugin, name)

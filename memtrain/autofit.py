@@ -45,6 +45,7 @@ from memtrain.config.batch import valid_batches as valid_batches
 from memtrain.errors import MemtrainError
 from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
 from memtrain.recovery import free_memory, reset_module_tracking
+from memtrain.step import hold_gradients, training_step
 from memtrain.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
         config = getattr(model, "config", None)
         tiny = example_batch(cfg, config, 1, min(8, cfg.data.max_length), _device(model))
         with recipe_stage("training.micro_batch_size", "the auto-fit probe's warm-up step"):
-            _step(model, optimizer, [tiny], None)
+            training_step(model, tiny, optimizer, skip_non_finite=True)
         yield optimizer
     finally:
         model.zero_grad(set_to_none=True)
@@ -197,7 +198,7 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
 def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, micro: int,
               micro_batches: int, seq_len: int, limit: int | None) -> tuple[bool, int | None]:
     """Run the probe step: whether it fitted, and its peak (None when untracked)."""
-    from memtrain.memory.build import example_batch, hold_gradients
+    from memtrain.memory.build import example_batch
 
     if micro_batches > 1:  # the earlier micro-batches' gradients: one forward+backward shows the peak
         hold_gradients(model)
@@ -206,7 +207,8 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
         with budget:
             inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])  # as collators send it
-            _step(model, optimizer, [inputs], cfg.training.max_grad_norm, accumulation=micro_batches)
+            training_step(model, inputs, optimizer, micro_batches, cfg.training.max_grad_norm,
+                          held_gradients=True, skip_non_finite=True)
             del inputs
     except torch.OutOfMemoryError:
         failed = True
@@ -219,28 +221,6 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
         log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, seq_len)
         return False, None
     return True, budget.peak_bytes if isinstance(budget, SimulatedBudget) else None
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
-          max_grad_norm: float | None, accumulation: int | None = None) -> None:
-    """Forward + backward per micro-batch, clipping, an optimizer step that changes nothing.
-
-    ``accumulation``: the micro-batches of the whole step (default: those given; more when the
-    earlier ones are stood in for by held gradients), for the 1/accumulation loss scale.
-    """
-    model.train()
-    for inputs in micro_batches:
-        loss = model(**inputs).loss / (accumulation or len(micro_batches))
-        loss.backward()
-        del loss
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if max_grad_norm:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
-    if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
-        for g in grads:  # 0 × NaN is NaN: a non-finite gradient must not reach the parameters
-            g.zero_()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _device(model: nn.Module) -> torch.device:

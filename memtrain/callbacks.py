@@ -4,33 +4,27 @@
 and puts what it measured into the Trainer's own logs (``memory/peak_bytes``,
 ``memory/<category>``, ...), so TensorBoard, W&B or any other tracker records it.
 
-Why the re-ordering in :func:`_move_before_integrations`: the Trainer calls callbacks in list
-order and puts reporting integrations before user callbacks, so a user callback that adds keys to
-``logs`` in ``on_log`` would be too late for them. The callback therefore moves itself ahead of
-the integrations the first time it is called (the only way in, since callbacks are not handed
-their handler).
+Why :meth:`MemoryMeterCallback.attach`: the Trainer calls callbacks in list order and puts
+reporting integrations before user callbacks, so a callback passed in ``callbacks=[...]`` that adds
+keys to ``logs`` in ``on_log`` is too late for them (the keys still reach ``state.log_history``).
+Callbacks are never handed their Trainer or handler, so the Trainer is given explicitly:
+``callback.attach(trainer)`` puts the callback right after ``DefaultFlowCallback``, ahead of the
+integrations.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import CallbackHandler
 
 from memtrain.memory.meter import MemoryMeter, StepMemory
 
+if TYPE_CHECKING:
+    from typing import Self
 
-def _move_before_integrations(callback: TrainerCallback) -> None:
-    caller = sys._getframe(2).f_locals.get("self")  # CallbackHandler.call_event -> on_<event>
-    if not isinstance(caller, CallbackHandler):
-        return
-    callbacks = caller.callbacks
-    if callback in callbacks and callbacks.index(callback) > 1:
-        callbacks.remove(callback)
-        callbacks.insert(1, callback)  # after DefaultFlowCallback, before integrations
+    from transformers import Trainer
 
 
 class MemoryMeterCallback(TrainerCallback):
@@ -57,15 +51,19 @@ class MemoryMeterCallback(TrainerCallback):
         self._since_log: list[StepMemory] = []
         self._first = 0  # the global step training (re)started at
 
-    # -- events ---------------------------------------------------------------------------
+    def attach(self, trainer: Trainer) -> Self:
+        """Add this callback to ``trainer`` (or move it there) ahead of the reporting integrations,
+        so that TensorBoard, W&B, ... receive the memory entries it logs. Returns the callback."""
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(min(1, len(callbacks)), self)  # after DefaultFlowCallback
+        return self
 
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
-        _move_before_integrations(self)
+    # -- events ---------------------------------------------------------------------------
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
-        _move_before_integrations(self)
         self._first = state.global_step  # a resumed run measures its own first two steps too
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

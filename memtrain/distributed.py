@@ -23,7 +23,6 @@ Starting the processes: :mod:`memtrain.launch`.
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,9 @@ from torch import nn
 
 from memtrain import patches
 from memtrain.config import DistributedConfig, RunConfig
-from memtrain.errors import MemtrainError
+from memtrain.sharding import quant_storage as quant_storage
+from memtrain.sharding import sharded as _sharded
+from memtrain.step import training_step
 
 if TYPE_CHECKING:
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -112,22 +113,6 @@ def shard_model(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh | None = None
     return model
 
 
-def _sharded(cfg: RunConfig) -> bool:
-    """Does the recipe ask for FSDP2 (several processes, full sharding)?"""
-    if cfg.distributed.sharding == "auto" and cfg.distributed.processes > 1:
-        raise MemtrainError("`distributed.sharding`: `auto` must be resolved by the planner before "
-                            "training. Fix: set it to `full` (FSDP2) or `none` (replicas, DDP).")
-    sharded = cfg.distributed.processes > 1 and cfg.distributed.sharding == "full"
-    if cfg.memory.offload.parameters and not sharded:  # nothing would move: say so
-        raise MemtrainError(
-            "`memory.offload.parameters`: true keeps FSDP's parameter shards on the CPU, which needs "
-            f"several processes and `distributed.sharding: full` (got processes="
-            f"{cfg.distributed.processes}, sharding={cfg.distributed.sharding}). Fix: set "
-            "`distributed.processes` to 2 or more with full sharding, or offload the optimizer "
-            "instead (`memory.offload.optimizer: true`).")
-    return sharded
-
-
 def _default_mesh() -> DeviceMesh:
     from accelerate import PartialState
     from torch.distributed.device_mesh import init_device_mesh
@@ -149,16 +134,6 @@ def _local_and_total_bytes(model: nn.Module) -> tuple[int, int]:
         total += p.numel() * size
         local += (p.to_local().numel() if isinstance(p, DTensor) else p.numel()) * size
     return local, total
-
-
-def quant_storage(cfg: RunConfig) -> torch.dtype | None:
-    """The dtype 4-bit weights are stored in: FSDP shards them like the other weights only when
-    the packed bytes are viewed as a float dtype (bitsandbytes' FSDP guidance); None = default."""
-    if not _sharded(cfg) or cfg.model.quantization not in ("nf4", "fp4"):
-        return None
-    from memtrain.model import DTYPES
-
-    return DTYPES[cfg.model.compute_dtype or cfg.model.dtype]
 
 
 # ------------------------------------------------------------------------------------ Trainer
@@ -228,9 +203,10 @@ def estimate_process_step(build_model: Callable[[], nn.Module], cfg: RunConfig,
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from memtrain.memory.build import build_optimizer, optimizer_arguments_for
     from memtrain.memory.meter import MemoryMeter
 
-    make_optimizer = _optimizer_factory(cfg)  # before faking: it builds TrainingArguments
+    args = optimizer_arguments_for(cfg)  # before faking: TrainingArguments probe the devices
     with torch.device("meta"):
         model = build_model()
     # allow_non_fake_inputs: to_empty turns the meta parameters into fake ones (building under
@@ -241,34 +217,10 @@ def estimate_process_step(build_model: Callable[[], nn.Module], cfg: RunConfig,
         if hasattr(model, "tie_weights"):
             model.tie_weights()  # to_empty gave tied weights one tensor each
         model = shard_model(model, cfg, mesh)
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        optimizer = build_optimizer(cfg, model, args)
         inputs = {k: torch.zeros(shape, dtype=torch.long, device=device_type) for k, shape in batch.items()}
         for _ in range(steps - 1):
-            _step(model, optimizer, inputs, cfg.training.max_grad_norm)
+            training_step(model, inputs, optimizer, 1, cfg.training.max_grad_norm)
         with MemoryMeter(model, optimizer, inputs) as meter:
-            _step(model, optimizer, inputs, cfg.training.max_grad_norm)
+            training_step(model, inputs, optimizer, 1, cfg.training.max_grad_norm)
     return meter.result()
-
-
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, torch.Tensor],
-          max_grad_norm: float | None) -> None:
-    """One Trainer step without accumulation: forward, backward, clipping, update, zero_grad."""
-    loss = model(**inputs).loss
-    loss.backward()
-    del loss
-    if max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _optimizer_factory(cfg: RunConfig) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    """The optimizer the Trainer builds for the recipe (same class and arguments)."""
-    from transformers import Trainer
-
-    from memtrain.config.batch import Batch
-    from memtrain.trainer import training_arguments
-
-    args = training_arguments(cfg, Batch(1, 1, cfg.distributed.processes), tempfile.gettempdir(), False)
-    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
-    return lambda params: cls(params, **kwargs)

@@ -3,7 +3,8 @@
 ::
 
     model, args = prepare_for_budget(model, args, "24GiB")          # fit the step to the budget
-    trainer = Trainer(model=model, args=args, ..., callbacks=[MemoryBudgetCallback("24GiB")])
+    trainer = Trainer(model=model, args=args, ...)
+    attach(trainer)                                                 # memory logs, OOM recovery
 
 :class:`MemoryBudgetCallback` measures every logged step (memtrain's meter: live tensor bytes by
 category; on CUDA also the allocator's peaks) and puts it into the Trainer's own logs, beside the
@@ -19,10 +20,12 @@ optimizer — applies memtrain's checkpointing patch to the model and returns ad
 the decision (:class:`memtrain.plugin_plan.BudgetPlan`) is printed and kept as
 ``model.memtrain_plan``, which the callback takes as its budget and prediction.
 
-How the callback reaches the Trainer: callbacks are not handed their Trainer, so it is found on
-the call stack the first time the Trainer calls the callback (``on_init_end``, from
-``Trainer.__init__``), the same trick :mod:`memtrain.callbacks` uses to order itself before the
-reporting integrations.
+How the callback reaches the Trainer: transformers never hands a callback its Trainer, and
+recovery must wrap the Trainer's ``training_step`` and ``prediction_step``. So the Trainer is
+given explicitly: :func:`attach` (or ``MemoryBudgetCallback(...).attach(trainer)``) adds the
+callback ahead of the reporting integrations and installs recovery. Passed only in
+``callbacks=[...]``, the callback measures, logs and enforces a simulated budget, and warns once
+that recovery needs ``attach``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +41,7 @@ from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from memtrain import hostmem
-from memtrain.callbacks import MemoryMeterCallback, _move_before_integrations
+from memtrain.callbacks import MemoryMeterCallback
 from memtrain.errors import MemtrainError
 from memtrain.eval_recovery import EvalBatchRecovery
 from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
@@ -50,19 +52,6 @@ from memtrain.units import format_bytes, parse_size
 log = logging.getLogger(__name__)
 
 MiB = 2**20
-
-
-def find_trainer(depth: int = 12) -> Trainer | None:
-    """The Trainer that is calling the current callback, found on the call stack."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Trainer):
-            return owner
-        frame = frame.f_back
-    return None
 
 
 class MemoryBudgetCallback(MemoryMeterCallback):
@@ -107,20 +96,22 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         self._tracked: tuple[Any, Any, Any] = (None, None, None)
         self.over_budget: list[int] = []  # global steps whose measured peak exceeded the usable budget
         self._simulated: SimulatedBudget | None = None
+        self._warned = self._evaluate_paused = self._attached = False
 
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
-        _move_before_integrations(self)
-        trainer = find_trainer()
-        if trainer is not None and trainer.loss_is_scaled_for_ga is None and _is_classifier(trainer.model):
+    def attach(self, trainer: Trainer) -> MemoryBudgetCallback:
+        """Add the callback to ``trainer`` (ahead of its reporting integrations) and install
+        out-of-memory recovery for training and evaluation into it. Call before ``train()``."""
+        super().attach(trainer)
+        self._attached = True
+        if trainer.loss_is_scaled_for_ga is None and _is_classifier(trainer.model):
             # Transformers 5 would skip 1/accumulation for sequence classifiers (their forward takes
             # **kwargs, but the loss is a plain mean): gradients would grow with the accumulation
             # that prepare_for_budget raises. Same fix as memtrain.trainer.build_trainer.
             trainer.loss_is_scaled_for_ga = False
-        if self.recover and trainer is not None and getattr(trainer, "oom_recovery", None) is None:
+        if self.recover and getattr(trainer, "oom_recovery", None) is None and self.recovery is None:
             self.recovery = MicroBatchRecovery(trainer, budget_bytes=self.limit or self.budget).install()
             self.eval_recovery = EvalBatchRecovery(trainer).install()
-        if self.limit is not None and trainer is not None:
+        if self.limit is not None and not self._evaluate_paused:
             stock = trainer.evaluate
 
             def evaluate(*args: Any, **kwargs: Any) -> dict[str, float]:
@@ -128,10 +119,18 @@ class MemoryBudgetCallback(MemoryMeterCallback):
                     return stock(*args, **kwargs)
 
             trainer.evaluate = evaluate
+            self._evaluate_paused = True
+        return self
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
         super().on_train_begin(args, state, control, **kwargs)
+        if (self.recover or self.limit is not None) and not self._attached and not self._warned:
+            self._warned = True
+            log.warning("MemoryBudgetCallback: out-of-memory recovery (and pausing a simulated budget "
+                        "during evaluation) needs the Trainer, which callbacks are never given: call "
+                        "`memtrain.attach(trainer)` (or `callback.attach(trainer)`) before "
+                        "`trainer.train()`; without it an out-of-memory error stops training.")
         if self.limit is not None:
             self._close_simulated()  # a loop restarted by auto_find_batch_size never ended
             inner = getattr(optimizer, "optimizer", optimizer)
@@ -185,6 +184,26 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         if self._simulated is not None:
             self._simulated.__exit__(None, None, None)
             self._simulated = None
+
+
+def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **options: Any
+           ) -> MemoryBudgetCallback:
+    """Add a :class:`MemoryBudgetCallback` to an existing Trainer: the second of the two lines.
+
+    Args:
+        trainer: the user's Trainer (any subclass), before ``train()``.
+        budget: a size, bytes, ``"auto"`` or a plan; default: the plan ``prepare_for_budget``
+            attached to the Trainer's model (``model.memtrain_plan``), else measurement only.
+        options: the callback's other arguments (``margin``, ``simulate_budget``, ``recover``, ...).
+
+    Returns:
+        The attached callback (its ``recovery``, ``over_budget``, ``steps``, ... for inspection).
+    """
+    if budget is None:
+        model = trainer.model
+        budget = getattr(getattr(model, "get_base_model", lambda: model)(), "memtrain_plan",
+                         getattr(model, "memtrain_plan", None))
+    return MemoryBudgetCallback(budget, **options).attach(trainer)
 
 
 # ---------------------------------------------------------------------------- prepare_for_budget

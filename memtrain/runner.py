@@ -101,6 +101,7 @@ def train(cfg: RunConfig, console: Console | None = None,
         trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
                                 [*guards, stopper, *(callbacks or [])],
                                 fsdp_plugin=distributed.fsdp_plugin(model, cfg))
+        meter.attach(trainer)  # ahead of the reporting integrations: they log its memory entries
         if choices:
             batch = _confirm_batch(trainer, cfg, batch, choices, console)
             cfg = planner.with_values(cfg, {"training.micro_batch_size": batch.micro,

@@ -22,8 +22,8 @@ LONG = [200 if n == 40 else n for n in LENGTHS]  # one micro-batch is much longe
 def plain_run(tmp_path: Path, callback: MemoryBudgetCallback, lengths: list[int] = LONG,
               micro: int = 4, accumulation: int = 2, model=None) -> Trainer:
     trainer = Trainer(model=model or tiny_model(), args=arguments(tmp_path, micro, accumulation, 2),
-                      train_dataset=token_dataset("causal-lm", lengths), data_collator=collate,
-                      callbacks=[callback])
+                      train_dataset=token_dataset("causal-lm", lengths), data_collator=collate)
+    callback.attach(trainer)
     trainer.train()
     return trainer
 
@@ -74,9 +74,9 @@ def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
     assert micro * accumulation == 16 and micro < 16  # the effective batch is kept; 16 does not fit
     assert micro >= 4  # at least what fits without any technique
     assert new_args.learning_rate == args.learning_rate and new_args.optim == args.optim
-    callback = MemoryBudgetCallback(budget, simulate=True)
     trainer = Trainer(model=model, args=new_args, train_dataset=token_dataset("causal-lm", [32] * 32),
-                      data_collator=collate, callbacks=[callback])
+                      data_collator=collate)
+    callback = memtrain.attach(trainer, budget, simulate=True)
     trainer.train()
     assert trainer.state.global_step == 2
     assert callback.recovery is not None and callback.recovery.events == []  # the prediction held
@@ -95,7 +95,8 @@ def test_callback_keeps_accumulated_classifier_gradients_equal_to_one_big_batch(
         capture = GradCapture()
         trainer = Trainer(model=tiny_model("classification"), train_dataset=data, data_collator=collate,
                           args=arguments(tmp_path / f"{micro}", micro, accumulation, 1, max_grad_norm=0.0),
-                          callbacks=[MemoryBudgetCallback(recover=False), capture])
+                          callbacks=[capture])
+        MemoryBudgetCallback(recover=False).attach(trainer)
         trainer.train()
         grads.append(capture.grads[0])
     assert max_grad_difference(*grads) < 1e-4
@@ -114,8 +115,8 @@ def test_simulated_budget_is_off_in_evaluation_and_evaluation_recovers(tmp_path:
         args = arguments(tmp_path / name, 2, 1, 2, eval_strategy="steps", eval_steps=1,
                          per_device_eval_batch_size=8)
         trainer = Trainer(model=model, args=args, train_dataset=token_dataset("causal-lm", short),
-                          eval_dataset=token_dataset("causal-lm", long_rows), data_collator=collate,
-                          callbacks=[callback])
+                          eval_dataset=token_dataset("causal-lm", long_rows), data_collator=collate)
+        callback.attach(trainer)
         trainer.train()
         return trainer, callback
 
@@ -129,3 +130,25 @@ def test_simulated_budget_is_off_in_evaluation_and_evaluation_recovers(tmp_path:
     assert raised == [8]  # the first evaluation's batch of 8 failed once; pieces of 4 from then on
     assert callback.eval_recovery is not None and callback.eval_recovery.parts == 2
     assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [1, 2]
+
+
+def test_callback_passed_in_the_list_measures_and_says_recovery_needs_attach(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import TrainerCallback
+
+    class Reporter(TrainerCallback):  # stands in for an integration (TensorBoard, W&B): listed first
+        pass
+
+    callback = MemoryBudgetCallback()
+    trainer = Trainer(model=tiny_model(), args=arguments(tmp_path / "list", 4, 1, 1),
+                      train_dataset=token_dataset("causal-lm", [8] * 4), data_collator=collate,
+                      callbacks=[Reporter(), callback])
+    with caplog.at_level(logging.WARNING, logger="memtrain.plugin"):
+        trainer.train()
+    assert callback.recovery is None and "memtrain.attach(trainer)" in caplog.text
+    assert any("memory/peak_mib" in e for e in trainer.state.log_history)  # still measured
+    handler = trainer.callback_handler.callbacks
+    callback.attach(trainer)  # moved ahead of the integration, recovery installed, once
+    callback.attach(trainer)
+    assert handler.index(callback) == 1 and handler.count(callback) == 1
+    assert callback.recovery is not None and trainer.training_step == callback.recovery.training_step

@@ -8,8 +8,8 @@ Training (:mod:`memtrain.runner`), measurement (the benchmarks) and estimation
   the same load arguments, quantized the way loading quantizes, and the same patches.
 - :func:`build_optimizer` is the Trainer's own ``create_optimizer`` (parameter groups, optimizer
   class from ``training.optimizer``, bitsandbytes embedding overrides), called without a Trainer.
-- :func:`training_step` is what the Trainer does to memory in one optimizer step: forward and
-  backward per micro-batch, gradient clipping, the optimizer step, gradients set to None.
+- :func:`memtrain.step.training_step` (re-exported here) is the one optimizer step every
+  estimate, measurement, probe and sharded trace runs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from transformers import PretrainedConfig, TrainingArguments
 
 from memtrain import patches
@@ -30,6 +29,12 @@ from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import StepMemory
 from memtrain.model import keep_4bit_trainable_on_cpu, load_model, model_class, model_kwargs
+from memtrain.sharding import quant_storage
+from memtrain.step import hold_gradients, training_step
+
+__all__ = ["BuildError", "apply_patches", "build_fake_model", "build_model", "build_optimizer",
+           "example_batch", "hold_gradients", "measure_recipe_step", "optimizer_arguments_for",
+           "recipe_stage", "step_settings", "time_recipe_step", "training_step"]
 
 # The recipe field each patch reads, for error messages.
 PATCH_FIELDS = {"lora": "adapter", "chunked_loss": "memory.loss", "checkpointing": "memory.checkpointing",
@@ -72,10 +77,8 @@ def build_model(cfg: RunConfig, num_labels: int | None = None, pad_token_id: int
         pad_token_id: the tokenizer's padding id.
         label_names: class names, stored in the model config for saved models.
     """
-    from memtrain import distributed
-
     model = load_model(cfg.model, num_labels, pad_token_id, cfg.training.seed,
-                       quant_storage=distributed.quant_storage(cfg))
+                       quant_storage=quant_storage(cfg))
     if label_names:
         model.config.id2label = dict(enumerate(label_names))
         model.config.label2id = {n: i for i, n in enumerate(label_names)}
@@ -103,15 +106,32 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
     return apply_patches(model, cfg)
 
 
-def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
+def optimizer_arguments_for(cfg: RunConfig) -> TrainingArguments:
+    """The ``TrainingArguments`` :func:`build_optimizer` reads: build them outside ``FakeTensorMode``."""
+    from memtrain.trainer import optimizer_arguments
+
+    with tempfile.TemporaryDirectory(prefix="memtrain-optim-") as tmp:
+        return TrainingArguments(output_dir=tmp, use_cpu=not torch.cuda.is_available(),
+                                 report_to="none", **optimizer_arguments(cfg))
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module,
+                    args: TrainingArguments | None = None) -> torch.optim.Optimizer:
     """The optimizer the Trainer would create for ``model`` under ``cfg``.
 
     Runs :meth:`memtrain.trainer.MemtrainTrainer.create_optimizer` (the stock Trainer's, unless
     memtrain overrides it) on a subclass that skips the Trainer's constructor, so parameter groups,
     weight-decay exclusions, the optimizer class and its arguments, and the bitsandbytes
-    embedding overrides are the Trainer's own.
+    embedding overrides are the Trainer's own. Training, estimation (also of one FSDP process)
+    and measurement all create their optimizer here.
+
+    Args:
+        cfg: the recipe.
+        model: the patched (possibly sharded) model.
+        args: from :func:`optimizer_arguments_for` (default: built here, which must then happen
+            outside ``FakeTensorMode``).
     """
-    from memtrain.trainer import MemtrainTrainer, optimizer_arguments, trainer_options
+    from memtrain.trainer import MemtrainTrainer, trainer_options
 
     class OptimizerOnly(MemtrainTrainer):
         def __init__(self, args: TrainingArguments, model: nn.Module) -> None:  # no data, no accelerate
@@ -123,9 +143,7 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
             self.optimizer_in_backward = options["optimizer_in_backward"]
             self.fsdp_plugin = None
 
-    with tempfile.TemporaryDirectory(prefix="memtrain-optim-") as tmp:
-        args = TrainingArguments(output_dir=tmp, use_cpu=not torch.cuda.is_available(),
-                                 report_to="none", **optimizer_arguments(cfg))
+    args = args or optimizer_arguments_for(cfg)
     with recipe_stage("training.optimizer", f"creating the {cfg.training.optimizer} optimizer"):
         return OptimizerOnly(args, model).create_optimizer()
 
@@ -146,49 +164,6 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
     else:
         labels = ids.clone()
     return {"input_ids": ids, "labels": labels}
-
-
-def training_step(model: nn.Module, batch: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                  accumulation: int = 1, max_grad_norm: float | None = None, *,
-                  held_gradients: bool = False) -> None:
-    """One optimizer step as the Trainer runs it, for memory purposes.
-
-    ``accumulation`` micro-batches of forward + backward (loss scaled by 1/accumulation), gradient
-    clipping when ``max_grad_norm`` is set, the optimizer step, then ``zero_grad(set_to_none=True)``.
-
-    With ``held_gradients``, only the last micro-batch runs: the earlier ones are stood in for by
-    what they leave behind, a gradient for every trainable parameter, which the caller puts in
-    place first (:func:`hold_gradients`, before a meter starts so that they count as gradients).
-    From the second micro-batch on, every micro-batch holds the same memory, so the step's peak is
-    the same and its forward and backward cost a single micro-batch.
-    """
-    model.train()
-    for _ in range(1 if held_gradients else accumulation):
-        loss = model(**batch).loss
-        if accumulation > 1:
-            loss = loss / accumulation
-        loss.backward()
-        del loss
-    if max_grad_norm:
-        params = [p for p in model.parameters() if p.requires_grad]
-        # torch picks the multi-tensor norm for real tensors on CPU and CUDA, but never for fake
-        # ones (their type is not on its list): pick it explicitly so a trace does what a run does.
-        foreach = True if any(isinstance(p, FakeTensor) for p in params[:1]) else None
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=foreach)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def hold_gradients(model: nn.Module) -> None:
-    """Give every trainable parameter without one a zero gradient: what a micro-batch leaves behind.
-
-    Gradients have the parameter's shape, dtype and placement whatever their values, so the next
-    micro-batch accumulates into them exactly as it would after a real one.
-    """
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
 
 
 @contextmanager

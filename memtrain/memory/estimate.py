@@ -122,17 +122,14 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
 def _sharded_estimate(plan: _Plan, start: float) -> Estimate:
     """One process of an FSDP2 run: the real sharding code traced in a fake process group
     (:func:`memtrain.distributed.estimate_process_step`); every layer is traced."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     from memtrain import distributed
-    from memtrain.memory.build import apply_patches
+    from memtrain.memory.build import build_fake_model
     from memtrain.model import count_parameters
 
     cfg = plan.cfg
-    auto = AutoModelForCausalLM if cfg.model.task == "causal-lm" else AutoModelForSequenceClassification
 
-    def build() -> torch.nn.Module:
-        return apply_patches(auto.from_config(plan.config), cfg)
+    def build() -> torch.nn.Module:  # the recipe's dtype, attention, quantization and patches
+        return build_fake_model(cfg, plan.config)
 
     with torch.device("meta"):
         total, trainable = count_parameters(build())

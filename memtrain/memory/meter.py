@@ -208,17 +208,19 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 def measure_step(model: nn.Module, batch: dict[str, torch.Tensor],
                  optimizer: torch.optim.Optimizer | None = None, timeline: bool = False) -> StepMemory:
-    """Run and measure one step: forward, backward, and the optimizer step if one is given.
+    """Run and measure one step (:func:`memtrain.step.training_step`): forward, backward, and the
+    optimizer step with ``zero_grad(set_to_none=True)`` if an optimizer is given.
 
-    The loss is the model's own (``model(**batch).loss``); gradients are cleared afterwards the
-    way the Trainer does (``zero_grad(set_to_none=True)``), inside the measurement.
+    Without an optimizer the gradients stay in place, as after a micro-batch of accumulation.
     """
+    from memtrain.step import training_step
+
     model.train()
     with MemoryMeter(model, optimizer, inputs=batch, timeline=timeline) as meter:
-        loss = model(**batch).loss
-        loss.backward()
-        del loss
         if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            training_step(model, batch, optimizer)
+        else:
+            loss = model(**batch).loss
+            loss.backward()
+            del loss
     return meter.result()

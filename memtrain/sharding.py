@@ -1,0 +1,39 @@
+"""What a recipe's ``distributed`` section asks for, as plain decisions on the config.
+
+Kept apart from :mod:`memtrain.distributed` (which shards real models and imports the builders)
+so that the model builder can ask "is this run sharded?" without an import cycle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memtrain.config import RunConfig
+from memtrain.errors import MemtrainError
+
+
+def sharded(cfg: RunConfig) -> bool:
+    """Does the recipe ask for FSDP2 (several processes, full sharding)?"""
+    if cfg.distributed.sharding == "auto" and cfg.distributed.processes > 1:
+        raise MemtrainError("`distributed.sharding`: `auto` must be resolved by the planner before "
+                            "training. Fix: set it to `full` (FSDP2) or `none` (replicas, DDP).")
+    sharded = cfg.distributed.processes > 1 and cfg.distributed.sharding == "full"
+    if cfg.memory.offload.parameters and not sharded:  # nothing would move: say so
+        raise MemtrainError(
+            "`memory.offload.parameters`: true keeps FSDP's parameter shards on the CPU, which needs "
+            f"several processes and `distributed.sharding: full` (got processes="
+            f"{cfg.distributed.processes}, sharding={cfg.distributed.sharding}). Fix: set "
+            "`distributed.processes` to 2 or more with full sharding, or offload the optimizer "
+            "instead (`memory.offload.optimizer: true`).")
+    return sharded
+
+
+
+def quant_storage(cfg: RunConfig) -> torch.dtype | None:
+    """The dtype 4-bit weights are stored in: FSDP shards them like the other weights only when
+    the packed bytes are viewed as a float dtype (bitsandbytes' FSDP guidance); None = default."""
+    if not sharded(cfg) or cfg.model.quantization not in ("nf4", "fp4"):
+        return None
+    from memtrain.model import DTYPES
+
+    return DTYPES[cfg.model.compute_dtype or cfg.model.dtype]
