@@ -43,7 +43,7 @@ from memtrain.config.batch import MICRO_CAP as MICRO_CAP
 from memtrain.config.batch import Batch
 from memtrain.config.batch import valid_batches as valid_batches
 from memtrain.errors import MemtrainError
-from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
+from memtrain.memory.budget import budget_guard, resolve_budget, usable_bytes
 from memtrain.recovery import free_memory, reset_module_tracking
 from memtrain.step import hold_gradients, training_step
 from memtrain.units import format_bytes, parse_size
@@ -202,7 +202,9 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
 
     if micro_batches > 1:  # the earlier micro-batches' gradients: one forward+backward shows the peak
         hold_gradients(model)
-    budget = SimulatedBudget(limit, model, optimizer) if limit is not None else contextlib.nullcontext()
+    simulated = cfg.memory.simulate_budget is not None
+    budget = (budget_guard(limit, model, optimizer, device=_device(model), simulated=simulated)
+              if limit is not None else contextlib.nullcontext())
     try:
         with budget:
             inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))
@@ -220,7 +222,7 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     if failed:
         log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, seq_len)
         return False, None
-    return True, budget.peak_bytes if isinstance(budget, SimulatedBudget) else None
+    return True, getattr(budget, "peak_bytes", None)
 
 
 def _device(model: nn.Module) -> torch.device:

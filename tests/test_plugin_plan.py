@@ -111,3 +111,25 @@ def test_user_checkpointing_is_planned_once_and_rerunning_is_idempotent(tmp_path
     trainer.train()
     # each micro-batch runs the layer twice: its forward and one recompute (not 3: doubled or nested)
     assert calls[0] == 2 * new_args.gradient_accumulation_steps
+
+
+def test_the_recipe_describes_the_weights_as_stored_not_the_first_parameter(
+        tmp_path: Path, tiny_text_file: Path) -> None:
+    from conftest import causal_recipe
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from memtrain.config import load_recipe
+    from memtrain.model import load_model
+
+    args = arguments(tmp_path, 4, 1, 1)
+    model = tiny_model().to(torch.bfloat16)
+    model.get_input_embeddings().float()  # an fp32 embedding first, bf16 everywhere else
+    assert next(model.parameters()).dtype == torch.float32
+    assert recipe_for(model, args, 32).model.dtype == "bf16"
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file,
+                                    model={"dtype": "bf16", "quantization": "nf4", "double_quant": False}))
+    qlora = prepare_model_for_kbit_training(load_model(cfg.model))  # its unquantized weights now fp32
+    qlora = get_peft_model(qlora, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    described = recipe_for(qlora, args, 32).model
+    assert (described.quantization, described.dtype, described.compute_dtype) == ("nf4", "bf16", "bf16")
+    assert described.double_quant is False

@@ -18,14 +18,14 @@ import psutil
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain.device import AllocatorBudget, compute_device
 from memtrain.memory.meter import _HOST_ON_CPU, _TOTAL_KEY, _Tracker
 from memtrain.units import format_bytes, parse_size
 
 
 def device_free_bytes(device: torch.device | str | None = None) -> int:
     """Free memory of the compute device: CUDA's free bytes, or available RAM on CPU."""
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device) if device is not None else compute_device()
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
@@ -87,9 +87,7 @@ class SimulatedBudget:
 
     def __init__(self, limit: int | str, *track: Any, device: torch.device | str | None = None) -> None:
         self.limit = parse_size(limit)
-        device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
+        device = torch.device(device) if device is not None else compute_device()
         self._tracker = _BudgetTracker(device, self.limit)
         self._track = [t for t in track if t is not None]
 
@@ -109,6 +107,20 @@ class SimulatedBudget:
     @property
     def peak_bytes(self) -> int:
         return int(self._tracker._peak_mem.get(self._tracker.compute_device, 0))
+
+
+def budget_guard(limit: int, *track: Any, device: torch.device | None = None,
+                 simulated: bool = False) -> SimulatedBudget | AllocatorBudget:
+    """What enforces ``limit`` for a step: the allocator itself on CUDA (reserved memory and the
+    context, :class:`memtrain.device.AllocatorBudget`), live tensor bytes on a CPU or when the
+    budget is a simulated one (``memory.simulate_budget``: tensor bytes on every device).
+
+    Both raise ``torch.OutOfMemoryError`` when the step goes over and report ``peak_bytes``.
+    """
+    device = device or compute_device()
+    if device.type == "cuda" and not simulated:
+        return AllocatorBudget(limit, device)
+    return SimulatedBudget(limit, *track, device=device)
 
 
 class SimulatedBudgetCallback(TrainerCallback):
