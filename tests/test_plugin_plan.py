@@ -133,3 +133,37 @@ def test_the_recipe_describes_the_weights_as_stored_not_the_first_parameter(
     described = recipe_for(qlora, args, 32).model
     assert (described.quantization, described.dtype, described.compute_dtype) == ("nf4", "bf16", "bf16")
     assert described.double_quant is False
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "llama", "bert"])
+def test_a_plain_trainer_script_per_architecture_plans_logs_and_recovers(arch: str, tmp_path: Path) -> None:
+    """The two lines of docs/plugin.md in a plain Trainer script, and an out-of-memory error."""
+    from transformers import AutoModelForSequenceClassification
+
+    import memtrain
+
+    values = copy.deepcopy(TINY_CONFIGS[arch])
+    config = AutoConfig.for_model(values.pop("model_type"), **values, num_labels=2)
+    task = "classification" if arch == "bert" else "causal-lm"
+    auto = AutoModelForSequenceClassification if arch == "bert" else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model, args = memtrain.prepare_for_budget(auto.from_config(config), arguments(tmp_path, 4, 1, 2),
+                                              "1GiB", max_length=32, quiet=True)
+    raised: list[int] = []
+
+    def out_of_memory_over_two_rows(module: torch.nn.Module, positional: tuple, kwargs: dict) -> None:
+        rows = kwargs["input_ids"].shape[0]
+        if rows > 2:
+            raised.append(rows)
+            raise torch.OutOfMemoryError(f"injected: {rows} rows do not fit")
+
+    model.register_forward_pre_hook(out_of_memory_over_two_rows, with_kwargs=True)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(task, [16] * 8),
+                      data_collator=collate)
+    callback = memtrain.attach(trainer)  # the plan prepare_for_budget left on the model
+    trainer.train()
+    assert trainer.state.global_step == 2 and raised == [4]  # split once, pieces of 2 from then on
+    assert callback.recovery is not None and callback.recovery.parts == 2
+    assert callback.predicted == model.memtrain_plan.predicted_peak
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert logged and all("memory/peak_mib" in e and "memory/predicted_peak_mib" in e for e in logged)
