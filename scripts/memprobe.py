@@ -12,9 +12,11 @@ tests (``from scripts.memprobe import LiveBytes``) measure independently:
   have sizes), which is how a benchmark counts a trace with the same counter.
 - :func:`resident`: the bytes a step finds already allocated (parameters, buffers, bitsandbytes
   quantization constants, optimizer state, the batch), counted once per storage.
-- :func:`reset_peak_rss` / :func:`peak_rss`: the process's peak resident set size, reset before a
-  step, the operating system's view beside the tensor count (it also holds the interpreter, the
-  libraries and memory the allocator keeps, so it is a ceiling, never equal to tensor bytes).
+- :func:`reset_peak_rss` / :func:`peak_rss` / :func:`current_rss`: the process's resident set
+  size and its peak, reset before a step: the operating system's view beside the tensor count
+  (it also holds the interpreter, the libraries and memory the allocator keeps, so it is a
+  ceiling, never equal to tensor bytes).
+- :func:`probe_step`: all of the above around one step.
 """
 
 from __future__ import annotations
@@ -124,12 +126,39 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def current_rss() -> int:
+    """Resident set size now, in bytes (``VmRSS``; 0 where ``/proc`` is missing)."""
+    return _status_kib("VmRSS:") * 1024
+
+
 def peak_rss() -> int:
     """Peak resident set size in bytes: ``VmHWM`` (since :func:`reset_peak_rss`), else ``ru_maxrss``."""
+    return _status_kib("VmHWM:") * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_kib(key: str) -> int:
     try:
         for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+            if line.startswith(key):
+                return int(line.split()[1])
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return 0
+
+
+def probe_step(step: Callable[[], None], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 batch: dict) -> dict[str, int]:
+    """Run ``step()`` once under the counter; return its peak and the process's RSS beside it.
+
+    ``peak`` is what the step holds at its worst moment: :func:`resident` bytes before it plus the
+    peak of the storages it creates. ``rss_before``/``rss_peak`` are the operating system's view
+    of the whole process just before the step and at its highest during it.
+    """
+    held = resident(model, optimizer, batch)
+    rss_before = current_rss()
+    reset_peak_rss()
+    with LiveBytes() as probe:
+        probe.reset_peak()
+        step()
+    return {"peak": held + probe.device_peak, "resident": held, "rss_before": rss_before,
+            "rss_peak": peak_rss()}
