@@ -167,14 +167,14 @@ PLAN_RECIPE: dict[str, Any] = {
 PLAN_TOP = 3  # candidates measured
 
 # A-priori costs (seconds) for the time pruning, deliberately pessimistic for an H100.
-START_S = 12.0  # fresh Python: torch, transformers, peft, bitsandbytes imports and CUDA start
+START_S = 10.0  # fresh Python: torch, transformers, peft, bitsandbytes imports and CUDA start
 GPU_FLOPS = 1.0e14  # bf16 training throughput assumed (an H100 reaches 3-5x this on large matmuls)
 
 
 def row_seconds(row: Row) -> float:
     """A-priori wall time of one row's process: start, build, warm-up and timed steps."""
     params = MODELS[row.model][1]
-    build = params / 1e9 * (15.0 if row.method == "qlora" else 5.0)  # QLoRA: save, reload quantized
+    build = params / 1e9 * (10.0 if row.method == "qlora" else 4.0)  # QLoRA: save, reload quantized
     tokens = row.micro * row.seq * row.accumulation
     flops = 6 * params * tokens * (4 / 3 if row.checkpointing == "full" else 1.0)
     return START_S + build + (1 + STEPS) * flops / GPU_FLOPS

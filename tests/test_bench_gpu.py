@@ -1,0 +1,156 @@
+"""scripts/bench_gpu.py on a CPU: its grid, its pruning, its page and its refusal to run (issue 15).
+
+The measurements need a CUDA GPU; everything that decides what to run and how to report it does
+not, and is tested here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtrain.config import load_recipe
+from scripts import bench_gpu as bench
+
+GiB = 2**30
+
+
+def test_every_row_is_a_valid_recipe() -> None:
+    for row in bench.GRID:
+        cfg = load_recipe(row.recipe())
+        assert cfg.training.micro_batch_size == row.micro
+        assert cfg.data.max_length == row.seq
+        assert cfg.model.quantization == ("nf4" if row.method == "qlora" else "none")
+        assert cfg.adapter.method == ("full" if row.method == "full" else "lora")
+        assert cfg.memory.checkpointing == row.checkpointing
+        assert cfg.training.optimizer == row.optimizer
+    assert load_recipe(bench.PLAN_RECIPE).training.micro_batch_size == "auto"
+
+
+def test_the_grid_spans_every_axis_of_the_issue() -> None:
+    axes = {"model": set(bench.MODELS), "method": {"full", "lora", "qlora"},
+            "checkpointing": {"none", "full"}, "optimizer": {"adamw", "adamw_8bit"}, "micro": {1, 4, 16},
+            "seq": {512, 2048}}
+    for axis, values in axes.items():
+        assert {getattr(r, axis) for r in bench.GRID} == values, axis
+    assert {(r.model, r.method) for r in bench.GRID} == {(m, k) for m in bench.MODELS
+                                                         for k in ("full", "lora", "qlora")}
+    assert len(set(bench.GRID)) == len(bench.GRID)
+    # 8-bit AdamW only where its state matters (full fine-tuning)
+    assert all(r.method == "full" for r in bench.GRID if r.optimizer == "adamw_8bit")
+
+
+def test_time_pruning_keeps_rows_in_order_within_the_budget() -> None:
+    costs = [bench.row_seconds(r) for r in bench.GRID]
+    assert all(c > bench.START_S for c in costs)
+    kept, dropped = bench.select(bench.GRID, sum(costs))
+    assert kept == bench.GRID and dropped == []
+    kept, dropped = bench.select(bench.GRID, sum(costs[:5]) + 1)
+    assert kept[:5] == bench.GRID[:5]
+    assert sum(bench.row_seconds(r) for r in kept) <= sum(costs[:5]) + 1
+    assert sorted(kept + dropped, key=bench.GRID.index) == bench.GRID
+    assert bench.select(bench.GRID, 0) == ([], bench.GRID)
+
+
+def test_the_default_budget_leaves_room_for_the_grid() -> None:
+    """Under 9 minutes on one H100: the a-priori cost of the grid and the planner's candidates,
+    with a minute for calibration and 100 s for the predictions and the plan, fits the default
+    budget, so the time pruning is there for slower machines, not to cut the grid on an H100."""
+    args = bench.parse_args([])
+    assert args.budget_s <= 9 * 60 - 30
+    plan = [bench.Row(bench.ONE_B, "full", "none", "adamw", 2, 2048, 8) for _ in range(bench.PLAN_TOP)]
+    grid = sum(bench.row_seconds(r) for r in bench.GRID)
+    assert 60 + 100 + grid + sum(bench.row_seconds(r) for r in plan) <= args.budget_s
+
+
+def test_size_pruning() -> None:
+    assert bench.fits_device(10 * GiB, 80 * GiB)
+    assert not bench.fits_device(81 * GiB, 80 * GiB)
+    assert bench.fits_device(None, 80 * GiB)  # no prediction: run it and see
+
+
+def test_planner_candidates_become_valid_rows() -> None:
+    candidates = [{"values": {"memory.checkpointing": 8, "training.optimizer": "adamw_8bit",
+                              "memory.loss": "chunked"}, "micro": 4, "accumulation": 4},
+                  {"values": {"memory.checkpointing": "selective"}, "micro": 2, "accumulation": 8}]
+    rows = bench.plan_rows(candidates)
+    first, second = (load_recipe(r.recipe()) for r in rows)
+    assert first.memory.checkpointing == 8 and first.memory.loss == "chunked"
+    assert first.training.optimizer == "adamw_8bit" and first.training.gradient_accumulation == 4
+    assert second.memory.checkpointing == "selective" and second.training.micro_batch_size == 2
+    assert "x8 accumulated" in rows[1].label()
+
+
+def test_child_command_and_result_parsing() -> None:
+    cmd = bench.row_command("measure", {"a": 1})
+    assert cmd[:2] == [sys.executable, str(bench.SCRIPT)] and cmd[2] == "--measure"
+    assert json.loads(cmd[3]) == {"a": 1}
+    out = f"noise\n{bench.RESULT}{json.dumps({'x': 1})}\nmore noise\n{bench.RESULT}{json.dumps([2])}\n"
+    assert bench.parse_result(out) == [2]
+    assert bench.parse_result("a traceback") is None
+    assert bench.parse_args(["--measure", "{}"]).measure == "{}"
+
+
+def _record(row: bench.Row, tensors: float, total: float, allocated: float, reserved: float,
+            nvml: float | None, **extra: object) -> dict:
+    """A result as the parent keeps it, with sizes in GiB."""
+    predicted = {"tensors": int(tensors * GiB), "total": int(total * GiB),
+                 "overheads": {"cuda_context": GiB // 2}}
+    measured = {"device": "NVIDIA H100 80GB HBM3", "allocated": int(allocated * GiB),
+                "reserved": int(reserved * GiB), "nvml_before": GiB // 2, "step_s": 0.25,
+                "nvml_after": None if nvml is None else int((nvml + 0.5) * GiB)}
+    return {"model": row.model, "run": row.label(), "predicted": predicted, "measured": measured,
+            "skipped": None, **extra}
+
+
+def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
+    rows = bench.GRID[:4]
+    grid = [
+        _record(rows[0], 10, 12, 10.2, 11.4, 12.1),  # +2% / -0.9% / +0.8%: all pass
+        _record(rows[1], 10, 12, 10.5, 12.5, None),  # +5% FAIL; reserved +8.7% FAIL; NVML unknown
+        {"model": rows[2].model, "run": rows[2].label(), "predicted": {"tensors": 1, "total": 2},
+         "measured": None, "skipped": "time budget: 3 s left, about 20 s needed"},
+        {"model": rows[3].model, "run": rows[3].label(), "predicted": {"error": "MemtrainError: boom"},
+         "measured": None, "skipped": None},
+    ]
+    planned = [{"predicted": {"label": "checkpointing=none, micro=2", "chosen": True,
+                              "predicted_total": 30 * GiB, "predicted_s": 1.0},
+                "measured": {"reserved": 28 * GiB, "nvml_before": 0, "nvml_after": 29 * GiB, "step_s": 1.25},
+                "skipped": None}]
+    meta = {"command": "python scripts/bench_gpu.py", "device": "NVIDIA H100 80GB HBM3", "driver": "550",
+            "date": "2026-11-23", "torch": "2.13", "cuda": "12.8", "transformers": "5", "peft": "0.21",
+            "bitsandbytes": "0.50", "python": "3.11", "wall_s": 400.0, "budget_s": 510.0,
+            "calibrate_s": 40.0, "profile": {"overheads": {"cuda_context_bytes": GiB // 2,
+                                                          "fragmentation": 0.05}}}
+    text = bench.page(meta, grid, planned, dropped=bench.GRID[-1:])
+    assert "NVIDIA H100 80GB HBM3" in text and "fragmentation 5.0%" in text
+    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ")}
+    first, second = lines[rows[0].label()], lines[rows[1].label()]
+    assert "+2.0% pass" in first and "-0.9% pass" in first and "+0.8% pass" in first
+    assert "+5.0% FAIL" in second and "+8.7% FAIL" in second
+    assert "not measured: time budget" in lines[rows[2].label()]
+    assert "not measured: MemtrainError: boom" in lines[rows[3].label()]
+    assert "allocated within 3% of the predicted tensors: 1/2" in text.lower()
+    assert "1.25x" in text and "(chosen)" in text
+    assert bench.GRID[-1].label() in text  # the rows the time pruning left out are named
+    assert bench.page(meta, grid, {"error": "timed out after 400 s"}, []).count("did not run: timed out") == 1
+
+
+def test_on_a_machine_without_cuda_it_stops_with_a_message(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the benchmark would run")
+    out = tmp_path / "gpu.md"
+    env = {**os.environ, "PYTHONPATH": str(bench.ROOT)}
+    done = subprocess.run([sys.executable, str(bench.SCRIPT), "--out", str(out)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == bench.NO_CUDA_EXIT
+    assert "CUDA GPU" in done.stderr and "Nothing was measured or written" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not out.exists()
