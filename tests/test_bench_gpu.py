@@ -141,6 +141,7 @@ def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
     assert bench.page(meta, grid, {"error": "timed out after 400 s"}, []).count("did not run: timed out") == 1
 
 
+@pytest.mark.slow
 def test_on_a_machine_without_cuda_it_stops_with_a_message(tmp_path: Path) -> None:
     import torch
 
@@ -154,3 +155,26 @@ def test_on_a_machine_without_cuda_it_stops_with_a_message(tmp_path: Path) -> No
     assert "CUDA GPU" in done.stderr and "Nothing was measured or written" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's flow (build, optimizer, batch, warm-up, timed steps, statistics) on the CPU:
+    what breaks here would break on the GPU too (memtrain's build API, the recipe, the result)."""
+    import torch
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "nvml_memory", lambda field: 100)
+    for name, value in {"synchronize": None, "reset_peak_memory_stats": None, "get_device_name": "stub",
+                        "max_memory_allocated": 1, "max_memory_reserved": 2}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, **k: v)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 3}))
+    recipe = bench.Row(bench.TINY, "lora", "full", "adamw", 2, 16, 2).recipe()
+    recipe["model"]["from_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    recipe["model"]["dtype"] = "fp32"
+    got = bench.measure_child(recipe)
+    assert got["built"] == "built on the GPU"  # the device context path, not the fallback
+    assert "error" not in got and len(got["steps_s"]) == bench.STEPS
+    assert (got["allocated"], got["reserved"], got["device_bytes"], got["device"]) == (1, 2, 3, "stub")
+    assert bench.nvml_run_bytes(got) == 0
