@@ -15,22 +15,23 @@ CUDA it stops at once with a message and writes nothing.
    ``auto`` fields (``PLAN_RECIPE``) for its top candidates and their predicted step times.
 3. Measurements, each row in a fresh process so that the peak statistics and the CUDA context
    are its own: the model built from its config the way training builds it
-   (``memtrain.memory.build``: load, patches, the Trainer's optimizer, a worst-case batch), moved
-   to the GPU, one warm-up optimizer step, then ``STEPS`` timed steps (``training_step``) after
-   ``torch.cuda.reset_peak_memory_stats()``: ``max_memory_allocated``, ``max_memory_reserved``, and
-   the device memory NVML reports used by the process (pynvml, else ``nvidia-smi``; read before the
-   process touches CUDA and after the steps). Nothing on the measured side is memtrain's meter.
+   (``memtrain.memory.build``: load, patches, the Trainer's optimizer, a worst-case batch) with
+   its weights created on the GPU, one warm-up optimizer step, then ``STEPS`` timed steps
+   (``training_step``) after ``torch.cuda.reset_peak_memory_stats()``: ``max_memory_allocated``,
+   ``max_memory_reserved``, and the device memory NVML reports used by the process (pynvml, else
+   ``nvidia-smi``; read before the process touches CUDA and after the steps). Nothing on the
+   measured side is memtrain's meter.
 
 The grid. The full cross product of the issue's axes (3 models: a tiny Llama, a ~300M Llama and a
 Llama-3.2-1B-shaped model, all built from config; full bf16 / LoRA / QLoRA nf4; checkpointing none
 / full; AdamW / 8-bit AdamW; micro-batch 1 / 4 / 16; 512 / 2048 tokens) is 216 runs, about an hour
 of fresh processes. ``GRID`` keeps 18: every value of every axis appears, each method on each
 model, 8-bit AdamW only with full fine-tuning (with LoRA its state is a few MiB either way), and
-the 1B model's largest activations only with checkpointing. The rows are listed most informative
-first; two prunings then apply, both reported in the page:
+the 1B model's 16 examples only at 512 tokens (at 16 x 2048 its logits alone take about 40 GB).
+The rows are listed most informative first; two prunings then apply, both reported in the page:
 
 - *time*: :func:`select` keeps rows in order while their a-priori cost (:func:`row_seconds`: process
-  start, model build, steps at a conservative speed) fits the budget left after calibration,
+  start, model build, steps at a conservative speed) fits the time left after calibration, the
   predictions and the planner's candidates; at run time a row that would end after the deadline
   is not started;
 - *size*: a row whose predicted total exceeds the device's memory is not run (:func:`fits_device`).
@@ -326,7 +327,8 @@ def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
         out["step_s"], out["steps_s"] = statistics.median(times), times
     except torch.OutOfMemoryError as err:
-        out["error"] = f"out of memory: {str(err).splitlines()[0][:200]}"
+        out["error"] = (f"out of memory at {torch.cuda.max_memory_allocated() / GiB:.2f} GiB allocated: "
+                        f"{str(err).splitlines()[0][:160]}")
     out["allocated"] = torch.cuda.max_memory_allocated()
     out["reserved"] = torch.cuda.max_memory_reserved()
     out["nvml_after"] = nvml_memory("used")
@@ -482,15 +484,14 @@ def grid_lines(records: list[dict[str, Any]]) -> list[str]:
     for r in records:
         pred, meas = r["predicted"], r["measured"] or {}
         cells = [r["model"], r["run"]]
-        if r["skipped"] or "error" in pred or "allocated" not in meas:
+        if r["skipped"] or "error" in pred or "step_s" not in meas:
             why = r["skipped"] or pred.get("error") or meas.get("error", "no result")
             lines.append("| " + " | ".join([*cells, f"not measured: {why}", *["—"] * 8]) + " |")
             continue
         c = comparisons(pred, meas)
-        error = f" ({meas['error']})" if "error" in meas else ""
         cells += [_gib(pred["tensors"]), _gib(meas["allocated"]), c["allocated"], _gib(pred["total"]),
                   _gib(meas["reserved"]), c["reserved"], _gib(nvml_run_bytes(meas)), c["nvml"],
-                  f"{meas['step_s']:.3f}" if "step_s" in meas else f"—{error}"]
+                  f"{meas['step_s']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -516,7 +517,7 @@ def plan_lines(records: list[dict[str, Any]]) -> list[str]:
 def summary_lines(records: list[dict[str, Any]]) -> list[str]:
     """How many measured rows meet each target."""
     done = [r for r in records if not r["skipped"] and "error" not in r["predicted"]
-            and "allocated" in (r["measured"] or {}) and "step_s" in r["measured"]]
+            and "step_s" in (r["measured"] or {})]
     counts = {key: sum(comparisons(r["predicted"], r["measured"])[key].endswith("pass") for r in done)
               for key in ("allocated", "reserved", "nvml")}
     n = len(done)
@@ -574,10 +575,10 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    import bitsandbytes
-    import peft
+    """Versions and driver, read without importing the libraries (bitsandbytes would start CUDA here)."""
+    from importlib.metadata import version
+
     import torch
-    import transformers
 
     driver = None
     if exe := shutil.which("nvidia-smi"):
@@ -585,8 +586,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
                                      capture_output=True, text=True, timeout=30)
         driver = (with_driver.stdout.strip().splitlines() or [None])[0]
     return {"command": " ".join(["python scripts/bench_gpu.py", *args.argv]), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "transformers": transformers.__version__, "peft": peft.__version__,
-            "bitsandbytes": bitsandbytes.__version__, "python": platform.python_version(),
+            "cuda": torch.version.cuda, "transformers": version("transformers"), "peft": version("peft"),
+            "bitsandbytes": version("bitsandbytes"), "python": platform.python_version(),
             "driver": driver, "date": time.strftime("%Y-%m-%d"), "budget_s": args.budget_s}
 
 

@@ -109,7 +109,7 @@ def _record(row: bench.Row, tensors: float, total: float, allocated: float, rese
 
 
 def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
-    rows = bench.GRID[:4]
+    rows = bench.GRID[:5]
     grid = [
         _record(rows[0], 10, 12, 10.2, 11.4, 12.1),  # +2% / -0.9% / +0.8%: all pass
         _record(rows[1], 10, 12, 10.5, 12.5, None),  # +5% FAIL; reserved +8.7% FAIL; NVML unknown
@@ -117,6 +117,9 @@ def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
          "measured": None, "skipped": "time budget: 3 s left, about 20 s needed"},
         {"model": rows[3].model, "run": rows[3].label(), "predicted": {"error": "MemtrainError: boom"},
          "measured": None, "skipped": None},
+        {"model": rows[4].model, "run": rows[4].label(), "predicted": {"tensors": 1, "total": 2},
+         "measured": {"allocated": 9, "reserved": 9, "error": "out of memory at 79.10 GiB allocated: x"},
+         "skipped": None},
     ]
     planned = [{"predicted": {"label": "checkpointing=none, micro=2", "chosen": True,
                               "predicted_total": 30 * GiB, "predicted_s": 1.0},
@@ -129,12 +132,14 @@ def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
                                                           "fragmentation": 0.05}}}
     text = bench.page(meta, grid, planned, dropped=bench.GRID[-1:])
     assert "NVIDIA H100 80GB HBM3" in text and "fragmentation 5.0%" in text
-    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| ")}
-    first, second = lines[rows[0].label()], lines[rows[1].label()]
+    lines = {tuple(line[2:].split(" | ")[:2]): line for line in text.splitlines() if line.startswith("| ")}
+    lines = {run: lines[(run.model, run.label())] for run in rows}
+    first, second = lines[rows[0]], lines[rows[1]]
     assert "+2.0% pass" in first and "-0.9% pass" in first and "+0.8% pass" in first
     assert "+5.0% FAIL" in second and "+8.7% FAIL" in second
-    assert "not measured: time budget" in lines[rows[2].label()]
-    assert "not measured: MemtrainError: boom" in lines[rows[3].label()]
+    assert "not measured: time budget" in lines[rows[2]]
+    assert "not measured: MemtrainError: boom" in lines[rows[3]]
+    assert "not measured: out of memory at 79.10 GiB" in lines[rows[4]]  # no pass/fail on a crash
     assert "allocated within 3% of the predicted tensors: 1/2" in text.lower()
     assert "1.25x" in text and "(chosen)" in text
     assert bench.GRID[-1].label() in text  # the rows the time pruning left out are named
