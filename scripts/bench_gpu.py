@@ -484,12 +484,15 @@ def grid_lines(records: list[dict[str, Any]]) -> list[str]:
     for r in records:
         pred, meas = r["predicted"], r["measured"] or {}
         cells = [r["model"], r["run"]]
-        if r["skipped"] or "error" in pred or "step_s" not in meas:
-            why = r["skipped"] or pred.get("error") or meas.get("error", "no result")
+        if r["skipped"] or "step_s" not in meas:
+            why = r["skipped"] or meas.get("error") or pred.get("error") or "no result"
             lines.append("| " + " | ".join([*cells, f"not measured: {why}", *["—"] * 8]) + " |")
             continue
-        c = comparisons(pred, meas)
-        cells += [_gib(pred["tensors"]), _gib(meas["allocated"]), c["allocated"], _gib(pred["total"]),
+        if "error" in pred:  # measured all the same: the numbers stand without a verdict
+            c = {"allocated": f"no prediction: {pred['error']}", "reserved": "—", "nvml": "—"}
+        else:
+            c = comparisons(pred, meas)
+        cells += [_gib(pred.get("tensors")), _gib(meas["allocated"]), c["allocated"], _gib(pred.get("total")),
                   _gib(meas["reserved"]), c["reserved"], _gib(nvml_run_bytes(meas)), c["nvml"],
                   f"{meas['step_s']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")

@@ -115,8 +115,7 @@ def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
         _record(rows[1], 10, 12, 10.5, 12.5, None),  # +5% FAIL; reserved +8.7% FAIL; NVML unknown
         {"model": rows[2].model, "run": rows[2].label(), "predicted": {"tensors": 1, "total": 2},
          "measured": None, "skipped": "time budget: 3 s left, about 20 s needed"},
-        {"model": rows[3].model, "run": rows[3].label(), "predicted": {"error": "MemtrainError: boom"},
-         "measured": None, "skipped": None},
+        {**_record(rows[3], 1, 1, 3, 4, 5), "predicted": {"error": "MemtrainError: boom"}},
         {"model": rows[4].model, "run": rows[4].label(), "predicted": {"tensors": 1, "total": 2},
          "measured": {"allocated": 9, "reserved": 9, "error": "out of memory at 79.10 GiB allocated: x"},
          "skipped": None},
@@ -138,7 +137,7 @@ def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
     assert "+2.0% pass" in first and "-0.9% pass" in first and "+0.8% pass" in first
     assert "+5.0% FAIL" in second and "+8.7% FAIL" in second
     assert "not measured: time budget" in lines[rows[2]]
-    assert "not measured: MemtrainError: boom" in lines[rows[3]]
+    assert "| 3.00 | no prediction: MemtrainError: boom | — | 4.00 | — |" in lines[rows[3]]
     assert "not measured: out of memory at 79.10 GiB" in lines[rows[4]]  # no pass/fail on a crash
     assert "allocated within 3% of the predicted tensors: 1/2" in text.lower()
     assert "1.25x" in text and "(chosen)" in text
