@@ -388,15 +388,15 @@ def calibrate(profile: Path, env: dict[str, str], timeout: float) -> float:
     return time.monotonic() - start
 
 
-def predict_all(rows: list[Row], env: dict[str, str], workers: int
+def predict_all(rows: list[Row], env: dict[str, str], workers: int, timeout: float
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | dict[str, Any]]:
     """Every row's prediction (``workers`` processes, rows dealt round-robin) and, at the same time,
-    the planner's top candidates."""
+    the planner's top candidates; each process is stopped after ``timeout`` seconds."""
     workers = max(1, min(workers, len(rows)))
     chunks = [rows[i::workers] for i in range(workers)]
     with ThreadPoolExecutor(workers + 1) as pool:
-        plan = pool.submit(run_child, "plan", {"recipe": PLAN_RECIPE, "top": PLAN_TOP}, env, 400)
-        futures = [pool.submit(run_child, "predict", [r.recipe() for r in chunk], env, 400)
+        plan = pool.submit(run_child, "plan", {"recipe": PLAN_RECIPE, "top": PLAN_TOP}, env, timeout)
+        futures = [pool.submit(run_child, "predict", [r.recipe() for r in chunk], env, timeout)
                    for chunk in chunks]
         got = [f.result() for f in futures]
         candidates = plan.result()
@@ -622,7 +622,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_calibrate:
         meta["calibrate_s"] = calibrate(profile, env, timeout=max(60.0, args.budget_s / 3))
     meta["profile"] = json.loads(profile.read_text(encoding="utf-8")) if profile.exists() else None
-    predicted, candidates = predict_all(GRID, env, args.workers)
+    # at least two minutes stay for measuring, whatever the predictions cost
+    predicted, candidates = predict_all(GRID, env, args.workers, max(30.0, deadline - time.monotonic() - 120))
     meta["predict_s"] = time.monotonic() - start - meta.get("calibrate_s", 0.0)
     planned_rows = plan_rows(candidates) if isinstance(candidates, list) else []
     reserve = sum(row_seconds(r) for r in planned_rows)  # the planner's candidates run last

@@ -182,3 +182,41 @@ def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.Monk
     assert "error" not in got and len(got["steps_s"]) == bench.STEPS
     assert (got["allocated"], got["reserved"], got["device_bytes"], got["device"]) == (1, 2, 3, "stub")
     assert bench.nvml_run_bytes(got) == 0
+
+
+def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The orchestration with its children faked: every grid row predicted and measured once, in
+    order, the planner's candidates measured after them, the page and the raw JSON written."""
+    calls: list[str] = []
+
+    def child(mode: str, payload: object, env: dict, timeout: float) -> object:
+        assert env["MEMTRAIN_CALIBRATION"] == str(tmp_path / "gpu_calibration.json") and timeout > 0
+        if mode == "predict":
+            return [{"tensors": GiB, "total": 2 * GiB, "overheads": {"cuda_context": GiB // 2}}
+                    for _ in payload]
+        if mode == "plan":
+            return [{"values": {"memory.checkpointing": "full"}, "micro": 4, "accumulation": 4,
+                     "predicted_total": 3 * GiB, "predicted_s": 1.0, "chosen": True, "label": "ckpt=full"}]
+        calls.append(json.dumps(payload, sort_keys=True))
+        return {"device": "Fake GPU", "allocated": GiB, "reserved": int(1.5 * GiB), "step_s": 0.5,
+                "nvml_before": 0, "nvml_after": 2 * GiB, "device_bytes": 80 * GiB}
+
+    def calibrate(profile: Path, env: dict, timeout: float) -> float:
+        profile.write_text(json.dumps({"overheads": {"cuda_context_bytes": GiB // 2,
+                                                     "fragmentation": 0.1}}))
+        return 1.0
+
+    monkeypatch.setattr(bench, "run_child", child)
+    monkeypatch.setattr(bench, "calibrate", calibrate)
+    monkeypatch.setattr(bench, "nvml_memory", lambda field: 80 * GiB)
+    out = tmp_path / "gpu.md"
+    assert bench.run(bench.parse_args(["--out", str(out), "--budget-s", "100000"])) == 0
+    expected = [json.dumps(r.recipe(), sort_keys=True) for r in [*bench.GRID, *bench.plan_rows(
+        [{"values": {"memory.checkpointing": "full"}, "micro": 4, "accumulation": 4}])]]
+    assert calls == expected
+    text = out.read_text()
+    assert "Fake GPU" in text and f"{len(bench.GRID)}/{len(bench.GRID)}" in text
+    assert "| 1 | ckpt=full (chosen) | 3.00 | 1.50 | 2.00 | 1.000 | 0.500 | 0.50x |" in text
+    raw = json.loads(out.with_suffix(".json").read_text())
+    assert len(raw["grid"]) == len(bench.GRID) and raw["dropped"] == []
