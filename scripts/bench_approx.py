@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import statistics
 import sys
@@ -76,6 +77,7 @@ class MemoryRow:
     fake_peak: int | None = None
     rss_before: int = 0
     rss_peak: int = 0
+    load: float = 0.0  # the machine's 1-minute load average as the step started (timings need a quiet one)
 
 
 def load_minilm() -> nn.Module:
@@ -133,11 +135,13 @@ def one_step(factory: Callable[[], nn.Module], variant: str, fake: bool,
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+        load = os.getloadavg()[0]
         start = time.perf_counter()
         got = probe_step(step, model, optimizer, batch)
         seconds = time.perf_counter() - start
     return MemoryRow(variant, got["peak"], got["peak"] - got["resident"], seconds,
-                     rss_before=0 if fake else got["rss_before"], rss_peak=0 if fake else got["rss_peak"])
+                     rss_before=0 if fake else got["rss_before"], rss_peak=0 if fake else got["rss_peak"],
+                     load=load)
 
 
 def memory_table(name: str, shape: Callable[[], nn.Module],
@@ -156,8 +160,8 @@ def memory_table(name: str, shape: Callable[[], nn.Module],
     base = rows[0]
     head = (f"| variant | {'measured' if real else 'traced'} peak (MiB) | saving | step's own bytes at "
             "the peak (MiB) | published saving |"
-            + (" process RSS before → peak in the step (MiB) | fake-trace peak (MiB) | step time |"
-               if real else ""))
+            + (" process RSS before → peak in the step (MiB) | fake-trace peak (MiB) | step time "
+               "| load average |" if real else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         saving = "—" if row is base else f"−{100 * (1 - row.peak / base.peak):.1f} %"
@@ -168,7 +172,7 @@ def memory_table(name: str, shape: Callable[[], nn.Module],
             same = "same" if row.fake_peak == row.peak else (
                 f"{row.fake_peak / 2**20:,.0f} ({row.fake_peak - row.peak:+,} B)")
             line += (f" {row.rss_before / 2**20:,.0f} → {row.rss_peak / 2**20:,.0f} | {same} | "
-                     f"{row.seconds:.0f} s ({row.seconds / base.seconds:.2f}x) |")
+                     f"{row.seconds:.0f} s ({row.seconds / base.seconds:.2f}x) | {row.load:.1f} |")
         lines.append(line)
     return "\n".join(lines), rows
 
@@ -265,8 +269,9 @@ def memory_section(command: str) -> str:
         "the byte. 'Process RSS': the operating system's view of the whole process (`VmRSS` before the "
         "step, `VmHWM` reset before it), which also holds the interpreter, libraries and freed pages "
         "the allocator keeps. Step times are the wall-clock time of the measured step (counter on, the "
-        "same for every row) on a shared CPU (noisy; the ratio to vanilla in the same run is what to "
-        "read).",
+        "same for every row) on a shared CPU; 'load average' is the machine's 1-minute load as the step "
+        "started: the ratios to vanilla mean something only where it stayed near or below the threads "
+        "used.",
         "",
         "### RoBERTa-base shape (12 layers, hidden 768, 12 heads, GELU), traced under FakeTensorMode",
         "",
