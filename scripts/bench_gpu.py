@@ -539,7 +539,7 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
     lines = [
         "# GPU truth: predicted vs measured on a CUDA device", "",
         f"Command: `{meta['command']}`  ",
-        f"Device: **{meta['device']}** (driver {meta.get('driver', '?')}), {meta['date']}  ",
+        f"Device: **{meta['device']}** (driver {meta.get('driver') or '?'}), {meta['date']}  ",
         f"Versions: torch {meta['torch']} (CUDA {meta['cuda']}), transformers {meta['transformers']}, "
         f"peft {meta['peft']}, bitsandbytes {meta['bitsandbytes']}, Python {meta['python']}  ",
         f"Calibration (`memtrain calibrate`, {meta.get('calibrate_s', 0):.0f} s): CUDA context "
@@ -619,6 +619,10 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile or args.out.with_name("gpu_calibration.json")
     env = child_env(profile)
     meta = environment(args)
+    if args.skip_calibrate and not profile.exists():
+        raise SystemExit(f"--skip-calibrate needs a profile, and {profile} does not exist. Fix: pass "
+                         "--profile PATH of a `memtrain calibrate --output PATH` run, or drop "
+                         "--skip-calibrate.")
     if not args.skip_calibrate:
         meta["calibrate_s"] = calibrate(profile, env, timeout=max(60.0, args.budget_s / 3))
     meta["profile"] = json.loads(profile.read_text(encoding="utf-8")) if profile.exists() else None
