@@ -62,12 +62,14 @@ def _quant_state_tensors(state: Any) -> list[torch.Tensor]:
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 
-def quantize_fake(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def quantize_fake(model: nn.Module, cfg: ModelConfig, quant_storage: torch.dtype | None = None) -> nn.Module:
     """Quantize a fake model's linear layers the way loading with ``model.quantization`` does.
 
     Args:
         model: a transformers model whose parameters are fake tensors (built in ``cfg.dtype``).
         cfg: the ``model`` section; ``quantization`` must be nf4, fp4 or int8.
+        quant_storage: the dtype packed 4-bit weights are stored in (default uint8; a sharded
+            run stores them in the compute dtype, :func:`memtrain.sharding.quant_storage`).
 
     Returns:
         The same model, with bitsandbytes layers holding fake quantized weights, marked as
@@ -78,7 +80,7 @@ def quantize_fake(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 
     from memtrain.model import quantization_config
 
-    quant = quantization_config(cfg)
+    quant = quantization_config(cfg, quant_storage)
     if quant is None:
         raise ValueError(f"model.quantization={cfg.quantization!r} is not a bitsandbytes setting")
     quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
