@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrain import costmodel
+from memtrain import costmodel, sharding
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.memory import estimate as est
@@ -72,9 +72,9 @@ class _Search:
         domains = [_options(self.cfg, f, self.depth) for f in self.fields]
         for combo in itertools.product(*domains):
             values = dict(zip(self.fields, combo, strict=True))
-            try:  # e.g. a quantized base trained in full, the step in backward with clipping
-                with_values(self.cfg, values)
-            except ValueError:
+            try:  # e.g. a quantized base trained in full, the step in backward with clipping,
+                sharding.sharded(with_values(self.cfg, values))  # an 8-bit optimizer on shards
+            except (ValueError, MemtrainError):
                 continue
             yield Candidate(values)
 

@@ -12,6 +12,9 @@ from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 
 SHARDED = ("full", "grad_op")  # the `distributed.sharding` values that run FSDP2
+# Optimizers whose update cannot run on FSDP2's sharded parameters (DTensors): bitsandbytes'
+# kernels have no DTensor rule, transformers' Adafactor mixes DTensors with plain tensors.
+NOT_ON_SHARDS = ("adamw_8bit", "paged_adamw_8bit", "adafactor")
 
 
 def sharded(cfg: RunConfig) -> bool:
@@ -28,6 +31,11 @@ def sharded(cfg: RunConfig) -> bool:
             f"{cfg.distributed.processes}, sharding={cfg.distributed.sharding}). Fix: set "
             "`distributed.processes` to 2 or more with sharding, or offload the optimizer "
             "instead (`memory.offload.optimizer: true`).")
+    if sharded and cfg.training.optimizer in NOT_ON_SHARDS:
+        raise MemtrainError(
+            f"`training.optimizer`: {cfg.training.optimizer} cannot update FSDP2's sharded parameters "
+            f"(`distributed.sharding: {cfg.distributed.sharding}`): its update step fails on DTensor "
+            "shards. Fix: use `adamw` or `sgd`, or `distributed.sharding: none` (replicas).")
     return sharded
 
 

@@ -24,6 +24,10 @@ and restores everything it touched afterwards:
   state; bitsandbytes recovers it by wrapping that parameter in ``Params4bit``, which cannot wrap
   a fake tensor. While tracing, the state is put back on the gathered parameter itself (the
   same state object, and no new tensor, as the real wrapper does).
+- DTensor (FSDP2's sharded parameters, in the optimizer step and gradient clipping) learns an
+  op's output layout the first time it sees the op by running it on fake tensors, in the active
+  fake mode if there is one. While tracing that would be the estimator's own mode, and those
+  tensors would count as memory of the step, once per new op: it gets a fake mode of its own.
 - bitsandbytes' ``GlobalOptimManager`` is a process-wide singleton that the Trainer fills with
   per-module overrides (embeddings keep 32-bit optimizer state). Its state is saved and restored
   so that a trace does not leave overrides behind for a later real optimizer, or the reverse.
@@ -50,6 +54,7 @@ def fake_tensor_mode() -> Iterator[FakeTensorMode]:
         stack.enter_context(_deepcopyable_fakes())
         stack.enter_context(_unpacked_positions())
         stack.enter_context(_bnb_on_fakes(mode))
+        stack.enter_context(_dtensor_propagation_apart())
         stack.enter_context(isolated_bnb_overrides())
         stack.enter_context(mode)
         yield mode
@@ -143,6 +148,18 @@ def _bnb_on_fakes(mode: FakeTensorMode) -> Iterator[None]:
         F.create_dynamic_map = original
         F.name2qmap.clear()
         F.name2qmap.update(cache)
+
+
+@contextmanager
+def _dtensor_propagation_apart() -> Iterator[None]:
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
 
 
 @contextmanager

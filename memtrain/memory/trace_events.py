@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
 from torch.utils.flop_counter import flop_registry
 
@@ -50,6 +51,8 @@ class _EventRecorder:
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
         if out is NotImplemented:  # a DTensor op (FSDP2): its local ops come back through here
             return out
+        if active_fake_mode() is not self._fake_mode_on_entry:  # type: ignore[attr-defined]
+            return out  # DTensor's layout propagation (memtrain.memory.fake): not part of the step
         self.ops["optimizer" if phase == "optimizer" else "step"] += 1
         count = flop_registry.get(func._overloadpacket)
         if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
