@@ -71,6 +71,9 @@ def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], devic
     if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
         notes.append("optimizer offload copies nothing on a CPU trace: its state is counted on the "
                      "device (an upper bound for the GPU)")
+    if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.parameters:
+        notes.append("parameter offload copies nothing on a CPU trace: the shards, their gradients and "
+                     "optimizer state are counted on the device (an upper bound for the GPU)")
     if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
         notes.append("paged optimizer state counted as device memory (all pages resident)")
     depth = int(config.num_hidden_layers)
