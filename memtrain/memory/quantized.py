@@ -24,11 +24,12 @@ misses them; :func:`quantization_state_tensors` lists them for the meter.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memtrain.config import ModelConfig
 
@@ -124,6 +125,10 @@ def _fake_params4bit(module: nn.Module, weight: torch.Tensor, device: torch.devi
         quant_storage=meta.quant_storage,
     )
     param = nn.Parameter(packed, requires_grad=False)
+    if isinstance(param, FakeTensor):
+        # peft's fp32 upcast (`prepare_model_for_kbit_training`) skips 4-bit weights by their class
+        # name; stored in bf16 (sharded runs) a fake one would be upcast, as a real one is not
+        param.__class__ = _fake_params4bit_class()
     for key in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):
         setattr(param, key, getattr(meta, key))
     param.quant_state = state
@@ -131,6 +136,12 @@ def _fake_params4bit(module: nn.Module, weight: torch.Tensor, device: torch.devi
     param.module = module
     module.quant_state = state
     return param
+
+
+@functools.cache
+def _fake_params4bit_class() -> type:
+    """A fake tensor that answers to bitsandbytes' class name ``Params4bit``."""
+    return type("Params4bit", (FakeTensor,), {"__module__": __name__})
 
 
 def _fake_int8params(weight: torch.Tensor, device: torch.device) -> nn.Parameter:
