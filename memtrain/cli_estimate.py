@@ -96,6 +96,8 @@ def _print_estimate(result: Any) -> None:
     title = (f"{result.model}: {result.parameters:,} parameters, {result.trainable:,} trainable; "
              f"{s['adapter']} {s['dtype']} quant={s['quantization']} {s['optimizer']}, micro-batch "
              f"{s['micro_batch_size']} x {s['seq_len']} tokens, checkpointing={s['checkpointing']}")
+    if s.get("processes", 1) > 1:
+        title += f"; one of {s['processes']} processes, sharding={s['sharding']}"
     phases = list(result.by_phase)
     table = Table("category", "at the peak", *[f"{p} peak" for p in phases], title=title,
                   title_justify="left")

@@ -2,10 +2,15 @@
 
 Saves: with N processes each holds 1/N of the parameters, gradients and optimizer state, plus the
 full weights (and, in backward, full gradients) of the layer being computed (FSDP2: Zhao et al.,
-2023, "PyTorch FSDP"; the ZeRO-3 partitioning of Rajbhandari et al., 2020). With
-``memory.offload.parameters`` the shards live in host memory and only the layer in use is on the
-device. Costs: an all-gather of every layer's weights in forward and again in backward, and a
-reduce-scatter of its gradients, on every step; with offload, host<->device copies as well.
+2023, "PyTorch FSDP"; the ZeRO-3 partitioning of Rajbhandari et al., 2020). ``sharding: grad_op``
+keeps each layer's gathered weights from its forward to its backward (ZeRO-2): by the end of the
+forward the process holds the whole model's weights, in exchange for one all-gather per step
+instead of two. With ``memory.offload.parameters`` the shards (and their gradients and optimizer
+state) live in host memory and only the layer in use is on the device. Costs: an all-gather of
+every layer's weights in forward and again in backward (``full``), and a reduce-scatter of its
+gradients, on every step; with offload, host<->device copies as well. With gradient accumulation
+the micro-batches before the last do not reduce-scatter (accelerate's ``no_sync``): each process
+accumulates the full gradients of the whole model until the last micro-batch.
 
 The Trainer runs it as accelerate's FSDP2 (``FullyShardedDataParallelPlugin``, ``fsdp_version=2``):
 no-sync gradient accumulation, DTensor-aware gradient clipping, full-state-dict saving. What is
@@ -14,7 +19,8 @@ accelerate makes: each decoder layer, the input embedding, the output head, then
 before the Trainer exists, so ``Accelerator.prepare`` finds an FSDP2 model and keeps it.
 Accelerate only enables FSDP on accelerators: on CPU it silently trains replicas with DDP. One
 code path keeps the CPU tests meaningful for GPU runs, and the estimator traces the very same
-function in a fake process group (:func:`estimate_process_step`). On CPU,
+function in a fake process group (:func:`fake_process_group`, used by
+:func:`memtrain.memory.trace.trace_step`). On CPU,
 :func:`memtrain.trainer.adopt_fsdp` switches the accelerator's state from DDP to FSDP2 after creation.
 
 Starting the processes: :mod:`memtrain.launch`.
@@ -23,7 +29,7 @@ Starting the processes: :mod:`memtrain.launch`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,14 +38,12 @@ from torch import nn
 from memtrain import patches
 from memtrain.config import DistributedConfig, RunConfig
 from memtrain.sharding import quant_storage as quant_storage
+from memtrain.sharding import reshard_after_forward
 from memtrain.sharding import sharded as _sharded
-from memtrain.step import training_step
 
 if TYPE_CHECKING:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.device_mesh import DeviceMesh
-
-    from memtrain.memory.meter import StepMemory
 
 Config = DistributedConfig
 
@@ -72,9 +76,10 @@ def mixed_precision(model: nn.Module) -> Any:
 def shard_model(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard ``model`` over the processes with FSDP2, as ``distributed.*`` says.
 
-    Units: every decoder layer (resharded after its forward), the input embedding, the output
-    head (kept whole from the end of forward to its backward, which follows at once), then the
-    root for the rest. Tied input/output embeddings stay in the root: one parameter may only
+    Units: every decoder layer (resharded after its forward with ``sharding: full``, kept whole
+    until its backward with ``grad_op``), the input embedding (likewise), the output head (kept
+    whole from the end of forward to its backward, which follows at once), then the root for the
+    rest. Tied input/output embeddings stay in the root: one parameter may only
     belong to one unit. Returns the model unchanged for one process or ``sharding: none``.
 
     Args:
@@ -94,21 +99,23 @@ def shard_model(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh | None = None
     classes = layer_classes(model)
     units = [(n, m) for n, m in model.named_modules() if isinstance(m, classes)]
     inside = {id(sub) for _, unit in units for sub in unit.modules()}
+    reshard = reshard_after_forward(cfg)
     for _, unit in units:
-        fully_shard(unit, reshard_after_forward=True, **kwargs)
+        fully_shard(unit, reshard_after_forward=reshard, **kwargs)
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = inp is not None and out is not None and inp.weight is out.weight
     names = {id(m): n for n, m in model.named_modules()}
-    for module, reshard in ((inp, True), (out, False)):
+    for module, again in ((inp, reshard), (out, False)):
         if module is not None and not tied and id(module) not in inside:
-            fully_shard(module, reshard_after_forward=reshard, **kwargs)
+            fully_shard(module, reshard_after_forward=again, **kwargs)
             units.append((names[id(module)], module))
     fully_shard(model, **kwargs)
     local, total = _local_and_total_bytes(model)
     offload = ", shards offloaded to the CPU" if cfg.memory.offload.parameters else ""
     patches.add_records(model, [patches.PatchRecord(
         "fsdp", [n for n, _ in units] + ["(root)"],
-        f"FSDP2 over {mesh.size()} processes, {len(units) + 1} units: {local / 2**20:.1f} of "
+        f"FSDP2 over {mesh.size()} processes (sharding {cfg.distributed.sharding}), {len(units) + 1} "
+        f"units: {local / 2**20:.1f} of "
         f"{total / 2**20:.1f} MiB of weights per process{offload}")])
     return model
 
@@ -150,7 +157,7 @@ def fsdp_plugin(model: nn.Module, cfg: RunConfig) -> FullyShardedDataParallelPlu
 
     return FullyShardedDataParallelPlugin(
         fsdp_version=2,
-        reshard_after_forward=True,
+        reshard_after_forward=reshard_after_forward(cfg),
         # the model is wrapped already; accelerate would look for layer classes by name, which
         # FSDP2 renamed (FSDPLlamaDecoderLayer), and fail
         auto_wrap_policy="no_wrap",
@@ -180,47 +187,3 @@ def fake_process_group(processes: int, device_type: str = "cpu") -> Iterator[Dev
         yield init_device_mesh(device_type, (processes,))  # outside FakeTensorMode: it reads ranks
     finally:
         dist.destroy_process_group()
-
-
-def estimate_process_step(build_model: Callable[[], nn.Module], cfg: RunConfig,
-                          batch: dict[str, tuple[int, ...]], steps: int = 2,
-                          device_type: str = "cpu") -> StepMemory:
-    """Memory of one of ``cfg.distributed.processes`` processes for a training step, without weights.
-
-    The model is built on the meta device, materialised as fake tensors, sharded by
-    :func:`shard_model` in a fake process group and trained for ``steps`` steps under
-    ``FakeTensorMode``; the last step is measured (the first creates the optimizer state). Same
-    code, units and meter as a real run; only the values the tensors would hold are missing.
-
-    Args:
-        build_model: returns the patched model (called under ``torch.device("meta")``; it must not
-            need real weights, so no bitsandbytes quantization).
-        cfg: the recipe (sharding, offload, optimizer, learning rate, gradient clipping).
-        batch: shapes of the integer tensors of one micro-batch, e.g.
-            ``{"input_ids": (4, 512), "labels": (4, 512)}``.
-        steps: training steps to run; the last is measured.
-        device_type: the device the processes compute on.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memtrain.memory.build import build_optimizer, optimizer_arguments_for
-    from memtrain.memory.meter import MemoryMeter
-
-    args = optimizer_arguments_for(cfg)  # before faking: TrainingArguments probe the devices
-    with torch.device("meta"):
-        model = build_model()
-    # allow_non_fake_inputs: to_empty turns the meta parameters into fake ones (building under
-    # FakeTensorMode directly fails when peft moves its adapters with `.to`).
-    with fake_process_group(cfg.distributed.processes, device_type) as mesh, \
-            FakeTensorMode(allow_non_fake_inputs=True):
-        model = model.to_empty(device=device_type)
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()  # to_empty gave tied weights one tensor each
-        model = shard_model(model, cfg, mesh)
-        optimizer = build_optimizer(cfg, model, args)
-        inputs = {k: torch.zeros(shape, dtype=torch.long, device=device_type) for k, shape in batch.items()}
-        for _ in range(steps - 1):
-            training_step(model, inputs, optimizer, 1, cfg.training.max_grad_norm)
-        with MemoryMeter(model, optimizer, inputs) as meter:
-            training_step(model, inputs, optimizer, 1, cfg.training.max_grad_norm)
-    return meter.result()

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from memtrain import costmodel
+from memtrain import costmodel, sharding
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.memory import estimate as est
@@ -72,9 +72,9 @@ class _Search:
         domains = [_options(self.cfg, f, self.depth) for f in self.fields]
         for combo in itertools.product(*domains):
             values = dict(zip(self.fields, combo, strict=True))
-            try:  # e.g. a quantized base trained in full, the step in backward with clipping
-                with_values(self.cfg, values)
-            except ValueError:
+            try:  # e.g. a quantized base trained in full, the step in backward with clipping,
+                sharding.sharded(with_values(self.cfg, values))  # an 8-bit optimizer on shards
+            except (ValueError, MemtrainError):
                 continue
             yield Candidate(values)
 
@@ -105,13 +105,17 @@ class _Search:
         if fastest is None:
             return None
         ties = [c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)]
-        best = min(ties, key=lambda c: (self.techniques(c), c.peak, c.seconds))
+        best = min(ties, key=lambda c: (self.techniques(c), _gathers(c), c.peak, c.seconds))
         for cand in fits:
             if cand is best:
                 continue
             if cand in ties and self.techniques(cand) > self.techniques(best):
                 cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
                                f"model's {TIE:.0%} error, and it uses more memory techniques")
+            elif cand in ties and _gathers(cand) > _gathers(best):
+                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
+                               f"model's {TIE:.0%} error, and it gathers every layer's weights twice per "
+                               "step (`sharding: full`) where `grad_op` gathers them once")
             elif cand in ties and cand.peak > best.peak:
                 cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
                                f"model's {TIE:.0%} error, and it leaves less memory free")
@@ -121,8 +125,8 @@ class _Search:
 
     def techniques(self, cand: Candidate) -> int:
         """How many memory techniques ``cand`` turns on (LoRA vs full fine-tuning is not one)."""
-        return sum(1 for f, v in cand.values.items()
-                   if f != "adapter.method" and any(_rank(f, v, self.depth)))
+        return sum(1 for f, v in cand.values.items() if f != "adapter.method" and (
+            v != "none" if f == "distributed.sharding" else any(_rank(f, v, self.depth))))
 
     def micro_options(self, cand: Candidate) -> list[Candidate]:
         """``cand`` (evaluated, fitting) at up to ``TUNE_MICROS`` of its largest micro-batches that fit.
@@ -277,6 +281,11 @@ class _Search:
             c3, counts3, _ = est._candidates(plan, 3, plan.seq_len, False)
             self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
         return self._traces[key]
+
+
+def _gathers(cand: Candidate) -> int:
+    """All-gathers of every layer's weights per step (the cost model does not see collectives)."""
+    return {"grad_op": 1, "full": 2}.get(cand.values.get("distributed.sharding", ""), 0)
 
 
 def _work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:

@@ -81,7 +81,8 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "memory.offload.optimizer": [False, True] if cfg.distributed.processes == 1 else [False],
         "memory.activation_bits": [None, 3] if approx else [None],
         "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
-        "distributed.sharding": ["none", "full"],
+        # one process: nothing to shard; `grad_op` keeps at least what `full` keeps
+        "distributed.sharding": ["none", "grad_op", "full"] if cfg.distributed.processes > 1 else ["none"],
         "memory.loss": ["standard", "chunked"] if cfg.model.task == "causal-lm" else ["standard"],
         "training.optimizer_in_backward": [False, True],
     }[path]
@@ -99,7 +100,10 @@ def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
     if path == "training.optimizer":
         return (0,) if value == "adamw" else (1,)
     if path == "distributed.sharding":
-        return (0,) if value == "none" else (1,)
+        # `grad_op` keeps at least what `full` keeps. Replicas are comparable with neither: with a
+        # frozen base (LoRA) a process gathers the whole model under `grad_op`, more than one
+        # replica holds, while full fine-tuning holds far more as replicas.
+        return {"none": (0, 1), "grad_op": (1, 0), "full": (2, 0)}[value]
     if path == "memory.loss":
         return (0,) if value == "standard" else (1,)
     return (0,) if value in (None, False) else (1,)

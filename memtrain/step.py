@@ -5,6 +5,7 @@ Estimation (fake tensors), measurement (benchmarks, ``measure_step``), tuning
 so what they predict or measure is one step of the same code:
 
     for each micro-batch: loss = model(**batch).loss / accumulation; loss.backward()
+                          # all but the last without gradient sync (accelerate's no_sync)
     clip_grad_norm_(max_grad_norm)      # when set
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
 
@@ -13,7 +14,8 @@ It imports nothing from memtrain, so every layer can use it without an import cy
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -45,12 +47,13 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
     steps = accumulation or (1 if single else len(batches))
     runs = ([batches] * (1 if held_gradients else steps)) if single else list(batches)
     model.train()
-    for batch in runs:
-        loss = model(**batch).loss
-        if steps > 1:
-            loss = loss / steps
-        loss.backward()
-        del loss
+    for i, batch in enumerate(runs):
+        with _gradient_sync(model, i == len(runs) - 1):
+            loss = model(**batch).loss
+            if steps > 1:
+                loss = loss / steps
+            loss.backward()
+            del loss
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm:
         # torch picks the multi-tensor norm for real tensors on CPU and CUDA, but never for fake
@@ -68,9 +71,30 @@ def hold_gradients(model: nn.Module) -> None:
     """Give every trainable parameter without one a zero gradient: what a micro-batch leaves behind.
 
     Gradients have the parameter's shape, dtype and placement whatever their values, so the next
-    micro-batch accumulates into them exactly as it would after a real one.
+    micro-batch accumulates into them exactly as it would after a real one. (Not for FSDP2: its
+    micro-batches without gradient sync leave full gradients inside FSDP, not in ``.grad``.)
     """
     with torch.no_grad():
         for param in model.parameters():
             if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """The Trainer's accumulation (accelerate's ``no_sync``): micro-batches before the last reduce
+    no gradients across processes. FSDP2 then keeps each parameter's full gradient until the last
+    micro-batch reduce-scatters it; DDP leaves it in ``.grad`` (its buckets are not used)."""
+    if sync:
+        yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield

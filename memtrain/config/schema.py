@@ -220,10 +220,14 @@ class DistributedConfig(Section):
     """Several processes on one machine, sharded with FSDP2 (through accelerate)."""
 
     processes: int = Field(1, ge=1, description="Processes to launch (one per GPU on a GPU machine).")
-    sharding: Literal["full", "none", "auto"] = Field(
+    sharding: Literal["full", "grad_op", "none", "auto"] = Field(
         "full",
         description="With several processes: `full` shards parameters, gradients and optimizer "
-        "state (FSDP2); `none` replicates them (DDP); `auto`: the planner decides.",
+        "state (FSDP2, ZeRO-3: a layer's full weights are gathered for its forward and again for "
+        "its backward); `grad_op` shards them too but keeps each layer's gathered weights from its "
+        "forward to its backward (FSDP2 `reshard_after_forward=False`; ZeRO-2, FSDP1's "
+        "SHARD_GRAD_OP: half the all-gathers, the whole model's weights during backward); `none` "
+        "replicates them (DDP); `auto`: the planner decides.",
     )
 
 

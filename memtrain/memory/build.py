@@ -99,7 +99,7 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
         from memtrain.memory.quantized import quantize_fake
 
         with recipe_stage("model.quantization", f"quantizing to {cfg.model.quantization}"):
-            model = quantize_fake(model, cfg.model)
+            model = quantize_fake(model, cfg.model, quant_storage(cfg))
         if cfg.model.quantization != "int8":
             keep_4bit_trainable_on_cpu(model)
     model.eval()  # as from_pretrained leaves it; the step switches to train mode

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import resolve_batch
@@ -46,8 +45,8 @@ from memtrain.memory.trace import (
 from memtrain.memory.trace_plan import _NEEDS_VALUE as _NEEDS_VALUE
 from memtrain.memory.trace_plan import _cached_config as _cached_config
 from memtrain.memory.trace_plan import _check_positions as _check_positions
-from memtrain.memory.trace_plan import _fsdp, _Plan, _plan
 from memtrain.memory.trace_plan import _get as _get
+from memtrain.memory.trace_plan import _Plan, _plan
 from memtrain.memory.trace_plan import resolve_config as resolve_config
 
 PHASES = ("forward", "backward", "optimizer")
@@ -113,46 +112,8 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
     """
     start = time.perf_counter()
     plan = _plan(recipe, overrides, device)
-    if _fsdp(plan.cfg):
-        return _sharded_estimate(plan, start)
     candidates, counts, method = _candidates(plan, plan.micro_batch, plan.seq_len, exact)
     return _summarize(plan, candidates, counts, method, time.perf_counter() - start)
-
-
-def _sharded_estimate(plan: _Plan, start: float) -> Estimate:
-    """One process of an FSDP2 run: the real sharding code traced in a fake process group
-    (:func:`memtrain.distributed.estimate_process_step`); every layer is traced."""
-    from memtrain import distributed
-    from memtrain.memory.build import build_fake_model
-    from memtrain.model import count_parameters
-
-    cfg = plan.cfg
-
-    def build() -> torch.nn.Module:  # the recipe's dtype, attention, quantization and patches
-        return build_fake_model(cfg, plan.config)
-
-    with torch.device("meta"):
-        total, trainable = count_parameters(build())
-    tokens = (plan.micro_batch, plan.seq_len)
-    labels = (plan.micro_batch,) if cfg.model.task == "sequence-classification" else tokens
-    shapes = {"input_ids": tokens, "labels": labels}
-    step = distributed.estimate_process_step(build, cfg, shapes, device_type=plan.trace_device)
-    plan.notes = [n for n in plan.notes if "sharding is not modelled" not in n]
-    plan.notes.append(f"one of {cfg.distributed.processes} FSDP2 processes, traced in a fake process group "
-                      "(parameters, gradients and optimizer state sharded; gathered layers as `unsharded`)")
-    overheads, sources = _overheads(plan, step.peak_bytes, step.peak_bytes, _resident(step.peak_by_category))
-    settings = {"task": cfg.model.task, "dtype": cfg.model.dtype, "quantization": "none",
-                "adapter": cfg.adapter.method,
-                "optimizer": cfg.training.optimizer, "micro_batch_size": plan.micro_batch,
-                "seq_len": plan.seq_len, "checkpointing": cfg.memory.checkpointing,
-                "processes": cfg.distributed.processes, "layers": plan.depth}
-    return Estimate(
-        model=plan.label, device=plan.device, settings=settings, parameters=total, trainable=trainable,
-        peak_bytes=step.peak_bytes, by_category=step.peak_by_category, by_phase=step.peak_by_phase,
-        category_at_phase_peak=step.category_at_phase_peak, host_peak_bytes=step.host_peak_bytes,
-        overheads=overheads, overhead_sources=sources, total_bytes=step.peak_bytes + sum(overheads.values()),
-        method=f"traced all {plan.depth} layers of one FSDP2 process", notes=list(plan.notes),
-        seconds=round(time.perf_counter() - start, 3))
 
 
 def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
@@ -253,7 +214,8 @@ def _summarize(plan: _Plan, cands: Candidates, counts: Counts, method: str,
         "optimizer": cfg.training.optimizer, "micro_batch_size": plan.micro_batch,
         "gradient_accumulation": resolve_batch(cfg.training, cfg.distributed.processes).accumulation,
         "seq_len": plan.seq_len, "checkpointing": cfg.memory.checkpointing,
-        "layers": plan.depth, "patches": counts[2],
+        "layers": plan.depth, "patches": counts[2], "processes": cfg.distributed.processes,
+        "sharding": cfg.distributed.sharding if cfg.distributed.processes > 1 else "none",
     }
     return Estimate(
         model=plan.label, device=plan.device, settings=settings, parameters=counts[0],

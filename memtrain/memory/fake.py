@@ -20,6 +20,14 @@ and restores everything it touched afterwards:
   fake tensors cannot answer. The map is built once for real (256 floats) and handed in as a
   fake constant. bitsandbytes caches maps in module globals; the cache is restored on exit so that
   no fake tensor leaks into later real work.
+- FSDP2 hands a 4-bit layer its gathered weight as a plain parameter, without the quantization
+  state; bitsandbytes recovers it by wrapping that parameter in ``Params4bit``, which cannot wrap
+  a fake tensor. While tracing, the state is put back on the gathered parameter itself (the
+  same state object, and no new tensor, as the real wrapper does).
+- DTensor (FSDP2's sharded parameters, in the optimizer step and gradient clipping) learns an
+  op's output layout the first time it sees the op by running it on fake tensors, in the active
+  fake mode if there is one. While tracing that would be the estimator's own mode, and those
+  tensors would count as memory of the step, once per new op: it gets a fake mode of its own.
 - bitsandbytes' ``GlobalOptimManager`` is a process-wide singleton that the Trainer fills with
   per-module overrides (embeddings keep 32-bit optimizer state). Its state is saved and restored
   so that a trace does not leave overrides behind for a later real optimizer, or the reverse.
@@ -46,6 +54,7 @@ def fake_tensor_mode() -> Iterator[FakeTensorMode]:
         stack.enter_context(_deepcopyable_fakes())
         stack.enter_context(_unpacked_positions())
         stack.enter_context(_bnb_on_fakes(mode))
+        stack.enter_context(_dtensor_propagation_apart())
         stack.enter_context(isolated_bnb_overrides())
         stack.enter_context(mode)
         yield mode
@@ -109,11 +118,20 @@ def _unpacked_positions() -> Iterator[None]:
 def _bnb_on_fakes(mode: FakeTensorMode) -> Iterator[None]:
     try:
         import bitsandbytes.functional as F
+        import bitsandbytes.nn.modules as bnb_modules
     except ImportError:  # optional backend: nothing to fix
         yield
         return
     original = F.create_dynamic_map
     cache = dict(F.name2qmap)
+    recover = bnb_modules.fix_4bit_weight_quant_state_from_module
+
+    def fix_4bit_weight_quant_state_from_module(module: torch.nn.Module) -> None:
+        weight = module.weight
+        if isinstance(weight, FakeTensor) and getattr(weight, "quant_state", None) is None:
+            weight.quant_state = module.quant_state  # gathered by FSDP2: see the module docstring
+        else:
+            recover(module)
 
     def create_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
         with unset_fake_temporarily():
@@ -121,13 +139,27 @@ def _bnb_on_fakes(mode: FakeTensorMode) -> Iterator[None]:
         return mode.from_tensor(real)
 
     F.create_dynamic_map = create_dynamic_map
+    bnb_modules.fix_4bit_weight_quant_state_from_module = fix_4bit_weight_quant_state_from_module
     F.name2qmap.clear()
     try:
         yield
     finally:
+        bnb_modules.fix_4bit_weight_quant_state_from_module = recover
         F.create_dynamic_map = original
         F.name2qmap.clear()
         F.name2qmap.update(cache)
+
+
+@contextmanager
+def _dtensor_propagation_apart() -> Iterator[None]:
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
 
 
 @contextmanager

@@ -24,11 +24,12 @@ misses them; :func:`quantization_state_tensors` lists them for the meter.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memtrain.config import ModelConfig
 
@@ -62,12 +63,14 @@ def _quant_state_tensors(state: Any) -> list[torch.Tensor]:
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 
-def quantize_fake(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+def quantize_fake(model: nn.Module, cfg: ModelConfig, quant_storage: torch.dtype | None = None) -> nn.Module:
     """Quantize a fake model's linear layers the way loading with ``model.quantization`` does.
 
     Args:
         model: a transformers model whose parameters are fake tensors (built in ``cfg.dtype``).
         cfg: the ``model`` section; ``quantization`` must be nf4, fp4 or int8.
+        quant_storage: the dtype packed 4-bit weights are stored in (default uint8; a sharded
+            run stores them in the compute dtype, :func:`memtrain.sharding.quant_storage`).
 
     Returns:
         The same model, with bitsandbytes layers holding fake quantized weights, marked as
@@ -78,7 +81,7 @@ def quantize_fake(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 
     from memtrain.model import quantization_config
 
-    quant = quantization_config(cfg)
+    quant = quantization_config(cfg, quant_storage)
     if quant is None:
         raise ValueError(f"model.quantization={cfg.quantization!r} is not a bitsandbytes setting")
     quantizer = AutoHfQuantizer.from_config(quant, pre_quantized=False)
@@ -122,6 +125,10 @@ def _fake_params4bit(module: nn.Module, weight: torch.Tensor, device: torch.devi
         quant_storage=meta.quant_storage,
     )
     param = nn.Parameter(packed, requires_grad=False)
+    if isinstance(param, FakeTensor):
+        # peft's fp32 upcast (`prepare_model_for_kbit_training`) skips 4-bit weights by their class
+        # name; stored in bf16 (sharded runs) a fake one would be upcast, as a real one is not
+        param.__class__ = _fake_params4bit_class()
     for key in ("blocksize", "compress_statistics", "quant_type", "quant_storage"):
         setattr(param, key, getattr(meta, key))
     param.quant_state = state
@@ -129,6 +136,12 @@ def _fake_params4bit(module: nn.Module, weight: torch.Tensor, device: torch.devi
     param.module = module
     module.quant_state = state
     return param
+
+
+@functools.cache
+def _fake_params4bit_class() -> type:
+    """A fake tensor that answers to bitsandbytes' class name ``Params4bit``."""
+    return type("Params4bit", (FakeTensor,), {"__module__": __name__})
 
 
 def _fake_int8params(weight: torch.Tensor, device: torch.device) -> nn.Parameter:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,13 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
-from torch.utils.flop_counter import flop_registry
 from transformers import PretrainedConfig
 
-from memtrain import patches
+from memtrain import patches, sharding
 from memtrain.config import RunConfig
-from memtrain.memory import meter as meter_mod
 from memtrain.memory.build import (
     build_fake_model,
     build_optimizer,
@@ -55,12 +51,12 @@ from memtrain.memory.build import (
     training_step,
 )
 from memtrain.memory.fake import fake_tensor_mode
+from memtrain.memory.trace_events import CATEGORY_NAMES as CATEGORY_NAMES
+from memtrain.memory.trace_events import CUDA_BLOCK as CUDA_BLOCK
+from memtrain.memory.trace_events import _TracingMeter
 from memtrain.model import count_parameters
 
-CATEGORY_NAMES = meter_mod.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
-_INDEX = {ref: CATEGORY_NAMES.index(name) for ref, name in meter_mod.CATEGORIES.items()}
 HOST, ROUNDED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1  # extra value columns
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 
 
 @dataclass
@@ -109,97 +105,6 @@ class Candidates:
     values: np.ndarray  # float64 (candidates, categories + host + rounded)
 
 
-class _EventTracker(meter_mod._Tracker):
-    """The meter's tracker, recording raw bytes per op instead of keeping running peaks."""
-
-    def __init__(self, device: torch.device, host: torch.device, layers: list[nn.Module]) -> None:
-        super().__init__(device, host, timeline=False)
-        self._layers = layers
-        self._fqns: list[str | None] = [None] * len(layers)
-        self._raw = {device: [0] * len(CATEGORY_NAMES), host: [0] * len(CATEGORY_NAMES)}
-        self._rounded = 0
-        self.phases: list[str] = []
-        self.rows: list[tuple[int, ...]] = []
-        self.ops = {"step": 0, "optimizer": 0}
-        self.written = 0
-        self.flops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
-        if func is torch.ops.prim.device.default:
-            return func(*args, **(kwargs or {}))
-        phase = self.phase()
-        self.ops["optimizer" if phase == "optimizer" else "step"] += 1
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
-            self.flops += count(*args, **(kwargs or {}), out_val=out)
-        return out
-
-    def _update_snap(self, u_type: _UpdateType, winfo: object, old_mem_consumed: int | None = None,
-                     old_reftype: _MemRefType | None = None) -> None:
-        self._account(u_type, winfo, old_reftype)
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-
-    def _account(self, u_type: _UpdateType, winfo: object, old_reftype: _MemRefType | None) -> None:
-        # MemTracker rounds CUDA sizes into its own totals; these are raw bytes, rounded kept apart.
-        counts = self._raw.get(winfo.device)  # type: ignore[attr-defined]
-        if counts is None:
-            return
-        raw = winfo.size * winfo.element_size  # type: ignore[attr-defined]
-        old = getattr(winfo, "_memtrain_raw", raw)
-        slot = _INDEX[winfo.reftype]  # type: ignore[attr-defined]
-        delta_rounded = 0
-        if u_type == _UpdateType.ADD:
-            counts[slot] += raw
-            delta_rounded = _round(raw)
-            if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
-                self.written += raw
-        elif u_type == _UpdateType.DEL:
-            counts[slot] -= old
-            delta_rounded = -_round(old)
-        elif u_type == _UpdateType.REF and old_reftype is not None:
-            counts[_INDEX[old_reftype]] -= old
-            counts[slot] += old
-        elif u_type == _UpdateType.SIZE:
-            counts[slot] += raw - old
-            delta_rounded = _round(raw) - _round(old)
-        winfo._memtrain_raw = raw  # type: ignore[attr-defined]
-        if winfo.device == self.compute_device:  # type: ignore[attr-defined]
-            self._rounded += delta_rounded
-
-    def _update_peak_stats(self, peak_state: object) -> None:
-        phase = self.phase()
-        if not self.phases or self.phases[-1] != phase:
-            self.phases.append(phase)
-        row = (len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],
-               sum(self._raw[self.host_device]), self._rounded)
-        if not self.rows or row != self.rows[-1]:  # ops that allocate nothing (views) add no row
-            self.rows.append(row)
-
-    def _current_layer(self) -> int:
-        parents = self._mod_tracker.parents
-        for i, module in enumerate(self._layers):
-            fqn = self._fqns[i] = self._fqns[i] or self._mod_tracker.get_known_fqn(module)
-            if fqn is not None and fqn in parents:
-                return i
-        return -1
-
-
-def _round(n: int) -> int:
-    return math.ceil(n / CUDA_BLOCK) * CUDA_BLOCK
-
-
-class _TracingMeter(meter_mod.MemoryMeter):
-    """A MemoryMeter (so offload code's ``mark_host`` reaches it) with the recording tracker."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
-                 layers: list[nn.Module]) -> None:
-        super().__init__(model, optimizer, inputs=batch)
-        self.tracker = _EventTracker(self.device, self._tracker.host_device, layers)
-        self._tracker = self.tracker
-
-
 def with_depth(config: PretrainedConfig, depth: int) -> PretrainedConfig:
     """A copy of ``config`` with ``depth`` decoder layers (per-layer lists cut to match)."""
     config = copy.deepcopy(config)
@@ -223,7 +128,12 @@ def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
                device: torch.device | str = "cpu", foreach: bool = False) -> Trace:
-    """Trace one steady-state training step of the recipe on fake tensors.
+    """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
+
+    With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
+    :func:`memtrain.distributed.shard_model` as training, in a fake process group where this
+    process is rank 0 of ``distributed.processes`` (collectives do nothing); with ``none`` and
+    several processes the step holds DDP's gradient buckets (:func:`_ddp_buckets`).
 
     Args:
         cfg: the recipe (no `auto` fields).
@@ -236,8 +146,13 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
-    with fake_tensor_mode(), _default_device(device), _quiet():
+    with _process_group(cfg, device) as mesh, fake_tensor_mode(), _default_device(device), _quiet():
         model = build_fake_model(cfg, config)
+        total, trainable = count_parameters(model)  # before sharding: 4-bit weights lose their marks
+        if mesh is not None:
+            from memtrain.distributed import shard_model
+
+            model = shard_model(model, cfg, mesh)
         optimizer = build_optimizer(cfg, model)
         if foreach:
             for group in optimizer.param_groups:
@@ -246,19 +161,53 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         batch = example_batch(cfg, config, batch_size, seq_len, device)
         step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])
         _create_optimizer_state(model, optimizer)
-        if accumulation > 1:  # the first micro-batch's gradients, in place before the meter starts
+        # With accumulation, the first micro-batch's gradients are put in place before the meter
+        # starts and only the second runs; under FSDP2 the first leaves full gradients inside
+        # FSDP (no gradient sync), so both micro-batches run.
+        held = accumulation > 1 and mesh is None
+        if held:
             hold_gradients(model)
         layers = decoder_layers(model, config.num_hidden_layers)
-        meter = _TracingMeter(model, optimizer, batch, layers)
+        meter = _TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
         with recipe_stage("model", "a training step on fake tensors"), meter:
-            training_step(*step, held_gradients=True)  # the second micro-batch, not the first too
-        total, trainable = count_parameters(model)
+            training_step(*step, held_gradients=held)
         done = [r.detail or r.name for r in patches.records(model)]
     tracker = meter.tracker
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
                 tracker.ops["optimizer"])
     rows = np.array(tracker.rows, dtype=np.int64)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work)
+
+
+@contextlib.contextmanager
+def _process_group(cfg: RunConfig, device: torch.device | str) -> Iterator[Any]:
+    """A fake process group and its mesh when the recipe shards the model, else None."""
+    if not sharding.sharded(cfg):
+        yield None
+        return
+    from memtrain.distributed import fake_process_group
+
+    with fake_process_group(cfg.distributed.processes, torch.device(device).type) as mesh:
+        yield mesh
+
+
+def _ddp_buckets(cfg: RunConfig, model: nn.Module) -> list[torch.Tensor]:
+    """DDP's gradient buckets, for replicas (``sharding: none``) in several processes.
+
+    ``DistributedDataParallel`` copies every gradient into flat buckets (one per 25 MiB, per dtype)
+    that it all-reduces; with ``gradient_as_bucket_view=False`` (accelerate's default, which the
+    Trainer keeps) they are a second copy of the trained gradients, allocated when the model is
+    wrapped and held for the whole run. Measured: one 2-process run holds exactly the trained
+    gradients' bytes more than one process (docs/bench/fsdp.md).
+    """
+    if not sharding.ddp_replicas(cfg):
+        return []
+    sizes: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    device = next(model.parameters()).device
+    return [torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()]
 
 
 def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -293,13 +242,20 @@ def _split(trace: Trace, occ: int) -> tuple[np.ndarray, dict[int, np.ndarray], n
     first, last = inside[0], inside[-1]
     blocks: dict[int, list[int]] = {}
     current = -1
-    for k in range(first, last + 1):  # ops between two layers belong to the layer before them
-        if layer[k] >= 0 and layer[k] != current:
+    waiting: list[int] = []
+    # Ops between two layers belong to the layer after them: FSDP2 gathers a layer's weights in a
+    # hook that runs before the module tracker enters the layer (unsharded steps have none).
+    for k in range(first, last + 1):
+        if layer[k] < 0:
+            waiting.append(k)
+            continue
+        if layer[k] != current:
             current = int(layer[k])
             if current in blocks:
                 return None  # a layer ran twice in one phase: no simple structure
             blocks[current] = []
-        blocks[current].append(k)
+        blocks[current] += [*waiting, k]
+        waiting = []
     return values[:first], {i: values[idx] for i, idx in blocks.items()}, values[last + 1:]
 
 

@@ -37,12 +37,6 @@ class _Plan:
     notes: list[str]
 
 
-def _fsdp(cfg: RunConfig) -> bool:
-    """Sharded with FSDP2 and buildable on the meta device (bitsandbytes needs real weights)."""
-    d = cfg.distributed
-    return d.processes > 1 and d.sharding == "full" and cfg.model.quantization == "none"
-
-
 _NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
                 "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
                 "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear",
@@ -53,7 +47,8 @@ def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], devic
     cfg = recipe if isinstance(recipe, RunConfig) else load_recipe(recipe, overrides)
     if isinstance(recipe, RunConfig) and overrides:
         raise ValueError("pass overrides with a recipe file or dict, not with a RunConfig")
-    for path in _NEEDS_VALUE:
+    needs = (*_NEEDS_VALUE, "distributed.sharding") if cfg.distributed.processes > 1 else _NEEDS_VALUE
+    for path in needs:
         if _get(cfg, path) == "auto":
             raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
                                 f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
@@ -72,16 +67,30 @@ def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], devic
     if target == "cuda" and trace_device == "cpu":
         notes.append("CUDA run traced on CPU fake tensors, with CUDA's multi-tensor optimizer kernels; "
                      "int8 layers follow their CPU path")
-    if cfg.distributed.processes > 1 and not _fsdp(cfg):
-        notes.append(f"distributed.processes = {cfg.distributed.processes}: this sharding is not modelled, "
-                     "figures are for one unsharded process (an upper bound)")
+    notes += _process_notes(cfg)
     if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
         notes.append("optimizer offload copies nothing on a CPU trace: its state is counted on the "
                      "device (an upper bound for the GPU)")
+    if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.parameters:
+        notes.append("parameter offload copies nothing on a CPU trace: the shards, their gradients and "
+                     "optimizer state are counted on the device (an upper bound for the GPU)")
     if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
         notes.append("paged optimizer state counted as device memory (all pages resident)")
     depth = int(config.num_hidden_layers)
     return _Plan(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes)
+
+
+def _process_notes(cfg: RunConfig) -> list[str]:
+    """What the figures of one of several processes include."""
+    n, how = cfg.distributed.processes, cfg.distributed.sharding
+    if n == 1:
+        return []
+    if how == "none":
+        return [f"one of {n} DDP replicas: the whole model, plus DDP's gradient buckets (a second "
+                "copy of the trained gradients, counted as `gradients`)"]
+    kept = "kept from each layer's forward to its backward" if how == "grad_op" else "resharded after forward"
+    return [f"one of {n} FSDP2 processes (sharding {how}), traced in a fake process group: parameters, "
+            f"gradients and optimizer state sharded; gathered layers ({kept}) as `unsharded`"]
 
 
 def _get(cfg: RunConfig, path: str) -> Any:
