@@ -5,6 +5,7 @@ Estimation (fake tensors), measurement (benchmarks, ``measure_step``), tuning
 so what they predict or measure is one step of the same code:
 
     for each micro-batch: loss = model(**batch).loss / accumulation; loss.backward()
+        # FSDP2: gradients are reduce-scattered after the last micro-batch only (accelerate's no_sync)
     clip_grad_norm_(max_grad_norm)      # when set
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
 
@@ -37,7 +38,9 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
         held_gradients: run only one micro-batch of a single batch: the earlier ones are stood in
             for by gradients the caller already put in place (:func:`hold_gradients`). From the
             second micro-batch on every micro-batch holds the same memory, so the step's peak is
-            the same and its forward and backward cost one micro-batch.
+            the same and its forward and backward cost one micro-batch. Not for FSDP2 models,
+            whose earlier micro-batches leave full gradients that a caller cannot put in place:
+            run two micro-batches instead.
         skip_non_finite: zero the gradients if any is not finite before the update (a probe at
             learning rate 0 must leave the weights unchanged: 0 x NaN is NaN).
     """
@@ -45,12 +48,21 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
     steps = accumulation or (1 if single else len(batches))
     runs = ([batches] * (1 if held_gradients else steps)) if single else list(batches)
     model.train()
-    for batch in runs:
-        loss = model(**batch).loss
-        if steps > 1:
-            loss = loss / steps
-        loss.backward()
-        del loss
+    # An FSDP2 model keeps the full gradients of the earlier micro-batches until the last one
+    # reduce-scatters them, as the Trainer runs it: their memory is part of the step.
+    sync = getattr(model, "set_requires_gradient_sync", None)
+    try:
+        for i, batch in enumerate(runs):
+            if sync is not None and len(runs) > 1:
+                sync(i == len(runs) - 1)
+            loss = model(**batch).loss
+            if steps > 1:
+                loss = loss / steps
+            loss.backward()
+            del loss
+    finally:
+        if sync is not None:
+            sync(True)  # also when a micro-batch failed: the next step must reduce again
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm:
         # torch picks the multi-tensor norm for real tensors on CPU and CUDA, but never for fake
