@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# What gloo says in the processes left waiting in a collective when another process exits.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
 
 def main(argv: list[str]) -> int:
     """Train the recipe at ``argv[0]`` and write the result into the folder ``argv[1]``."""
@@ -43,6 +46,13 @@ def main(argv: list[str]) -> int:
     except MemtrainError as err:
         _report(str(err))
         return err.exit_code
+    except RuntimeError as err:
+        if not any(text in str(err) for text in PEER_GONE):
+            raise
+        # Another process failed and closed its connections while this one waited on it: that
+        # process's error is the one to show (the launcher picks it: this one leaves no error file).
+        print(f"training process {rank}: stopped, another process failed", file=sys.stderr)
+        return 1
     result.model = None  # sharded over the processes; the saved files hold it whole
     if rank != 0 and result.memory is not None:
         result.memory.timeline = []  # only rank 0's goes into reports
