@@ -142,7 +142,7 @@ def _launch_config(m: Machines) -> Any:
 
 def _not_met(m: Machines, err: BaseException) -> MemtrainError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    where = "host it" if m.hosts_rendezvous else "reach it"
+    where = "host the rendezvous" if m.hosts_rendezvous else "reach the rendezvous"
     return MemtrainError(
         f"`distributed.master_addr`/`master_port`: machine {m.node_rank} of {m.nodes} could not {where} "
         f"at {m.endpoint}, or not every machine joined ({type(err).__name__}: {first}). Fix: start "
