@@ -146,9 +146,8 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
     # from the smallest prediction and take each decision together, so they try the same
     # micro-batches in the same order: the one they keep is the largest that fits in every process.
     micro = smallest([batch.micro], device)[0]
-    pairs = {p for p in choices if p[0] <= micro}
-    if micro == batch.micro:
-        pairs.add((batch.micro, batch.accumulation))
+    top = batch.accumulation if micro == batch.micro else dict(choices).get(micro, per_process // micro)
+    pairs = [p for p in choices if p[0] < micro] + [(micro, top)]
     probe = Probe(batch, limit_bytes=limit)
     with _probe_optimizer(trainer, cfg, model) as optimizer:
         for micro, accum in sorted(pairs, reverse=True):
