@@ -51,7 +51,7 @@ from memtrain.config.batch import MICRO_CAP as MICRO_CAP
 from memtrain.config.batch import Batch
 from memtrain.config.batch import valid_batches as valid_batches
 from memtrain.errors import MemtrainError
-from memtrain.memory.budget import SimulatedBudget, resolve_budget, usable_bytes
+from memtrain.memory.budget import budget_guard, resolve_budget, usable_bytes
 from memtrain.recovery import free_memory, reset_module_tracking
 from memtrain.step import hold_gradients, training_step
 from memtrain.together import drop_gradients, flagged_ranks, largest, smallest, world
@@ -231,8 +231,9 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     held = micro_batches > 1 and not hasattr(model, "set_requires_gradient_sync")
     if held:
         hold_gradients(model)
-    budget = (SimulatedBudget(limit, model, optimizer, defer=several) if limit is not None
-              else contextlib.nullcontext())
+    simulated = cfg.memory.simulate_budget is not None
+    budget = (budget_guard(limit, model, optimizer, device=_device(model), simulated=simulated,
+                           defer=several) if limit is not None else contextlib.nullcontext())
     try:
         with budget:
             inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))
@@ -246,14 +247,15 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
             raise _in_one_process(err, micro) from None
         failed = True
     else:
-        failed = isinstance(budget, SimulatedBudget) and budget.take_overrun() is not None
+        take = getattr(budget, "take_overrun", None)  # a deferring budget's note
+        failed = take is not None and take() is not None
     drop_gradients(model)  # outside the except block: the failed step's tensors are gone
     free_memory()
     reset_module_tracking()
     if failed:
         log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, seq_len)
         return False, None
-    return True, budget.peak_bytes if isinstance(budget, SimulatedBudget) else None
+    return True, getattr(budget, "peak_bytes", None)
 
 
 def _in_one_process(err: BaseException, micro: int) -> MemtrainError:

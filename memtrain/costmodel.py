@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from memtrain.device import cuda_available
 from memtrain.memory import calibrate
 from memtrain.memory.trace import Work
 
@@ -75,7 +76,7 @@ def rates(device: str) -> Rates:
     threads = torch.get_num_threads() if device == "cpu" else None  # CPU rates depend on them
     if saved and saved.get("version") == calibrate.RATES_VERSION and saved.get("threads") == threads:
         return Rates(f"measured by `memtrain calibrate` ({path})", saved)
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not cuda_available():
         return Rates("nominal A100-class rates (no GPU here to measure; run `memtrain calibrate` "
                      "on the training machine)", NOMINAL_CUDA_RATES)
     measured = calibrate.measure_rates(device, quick=True)

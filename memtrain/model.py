@@ -169,10 +169,11 @@ def keep_4bit_trainable_on_cpu(model: torch.nn.Module) -> int:
 
 
 def _device_map() -> dict[str, Any]:
-    """Quantized weights are created on their final device: the current GPU, else the CPU."""
-    if torch.cuda.is_available():
-        return {"": torch.cuda.current_device()}
-    return {"": "cpu"}
+    """Quantized weights are created on their final device (:func:`memtrain.device.compute_device`)."""
+    from memtrain.device import compute_device
+
+    device = compute_device()
+    return {"": device.index if device.type == "cuda" else "cpu"}
 
 
 def _from_pretrained(factory: Any, field: str, location: str, cfg: ModelConfig,

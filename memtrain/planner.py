@@ -197,9 +197,9 @@ def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None) -
 
 
 def _cuda() -> bool:
-    import torch
+    from memtrain.device import cuda_available
 
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 def describe(p: Plan) -> dict[str, Any]:

@@ -97,6 +97,7 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         self.over_budget: list[int] = []  # global steps whose measured peak exceeded the usable budget
         self._simulated: SimulatedBudget | None = None
         self._warned = self._evaluate_paused = self._attached = False
+        self._outside = 0
 
     def attach(self, trainer: Trainer) -> MemoryBudgetCallback:
         """Add the callback to ``trainer`` (ahead of its reporting integrations) and install
@@ -125,6 +126,10 @@ class MemoryBudgetCallback(MemoryMeterCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
         super().on_train_begin(args, state, control, **kwargs)
+        if args.device.type == "cuda":  # the context and library workspaces, outside the allocator
+            from memtrain.device import outside_allocator_bytes
+
+            self._outside = outside_allocator_bytes(args.device)
         if (self.recover or self.limit is not None) and not self._attached and not self._warned:
             self._warned = True
             log.warning("MemoryBudgetCallback: out-of-memory recovery (and pausing a simulated budget "
@@ -164,12 +169,17 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         if self.predicted is not None:  # memory/predicted_peak_mib: logged by MemoryMeterCallback
             error = (self.predicted - measured.peak_bytes) / measured.peak_bytes
             extra["memory/predicted_error_pct"] = 100.0 * error
+        peak = measured.peak_bytes
+        if measured.cuda_max_reserved is not None and self.limit is None:
+            # on CUDA what runs out is the allocator's reserved memory plus the context, not tensors
+            peak = measured.cuda_max_reserved + self._outside
+            extra["memory/device_peak_mib"] = peak / MiB
         if self.usable is not None:
             extra["memory/budget_usable_mib"] = self.usable / MiB
-            if measured.peak_bytes > self.usable:
+            if peak > self.usable:
                 self.over_budget.append(state.global_step)
                 log.warning("Step %d: measured peak %s exceeds the usable budget %s (budget %s minus the "
-                            "margin).", state.global_step, format_bytes(measured.peak_bytes),
+                            "margin).", state.global_step, format_bytes(peak),
                             format_bytes(self.usable), format_bytes(self.budget or 0))
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

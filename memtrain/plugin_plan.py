@@ -125,16 +125,17 @@ def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
     base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base_model.config
     task = task_of(base_model)
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(next(model.parameters()).dtype, "fp32")
+    precision = _precision(base_model)
     if args.optim not in OPTIM_NAMES:
         raise MemtrainError(f"prepare_for_budget: `args.optim={optim_name(args)!r}` is not one memtrain "
                             f"estimates. Fix: one of {', '.join(sorted(OPTIM_NAMES))}.")
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in (
-        "architectures", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id")}
+        "architectures", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id",
+        "quantization_config")}
     per_device = args.per_device_train_batch_size * args.gradient_accumulation_steps
     classify = task == "sequence-classification"
     recipe = {
-        "model": {"from_config": values, "tokenizer": "unused", "task": task, "dtype": dtype,
+        "model": {"from_config": values, "tokenizer": "unused", "task": task, **precision,
                   **({"num_labels": config.num_labels} if classify else {})},
         "data": {"source": "unused", "max_length": max_length,
                  **({"format": "classification"} if classify else {})},
@@ -150,6 +151,34 @@ def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
     except MemtrainError as err:
         raise MemtrainError(f"prepare_for_budget cannot describe this model and these TrainingArguments "
                             f"to memtrain's estimator:\n{err}") from err
+
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _precision(model: nn.Module) -> dict[str, Any]:
+    """The ``model`` recipe keys for how the weights are stored: ``dtype`` and the quantization.
+
+    A bitsandbytes model (``config.quantization_config``) is described by its quantization and
+    compute dtype: after ``prepare_model_for_kbit_training`` its few unquantized weights are fp32,
+    which says nothing about the rest. Otherwise the dtype holding most of the parameters (the
+    first parameter may be an fp32 embedding or norm kept apart on purpose).
+    """
+    quant = getattr(model.config, "quantization_config", None)
+    quant = quant.to_dict() if hasattr(quant, "to_dict") else (quant or {})
+    if quant.get("load_in_4bit") or quant.get("load_in_8bit"):
+        compute = quant.get("bnb_4bit_compute_dtype") or "bfloat16"
+        compute = DTYPE_NAMES.get(getattr(torch, str(compute).replace("torch.", ""), None), "bf16")
+        if quant.get("load_in_8bit"):
+            return {"dtype": compute, "quantization": "int8"}
+        return {"dtype": compute, "quantization": quant.get("bnb_4bit_quant_type", "nf4"),
+                "compute_dtype": compute, "double_quant": bool(quant.get("bnb_4bit_use_double_quant"))}
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    dtype = max(counts, key=counts.__getitem__) if counts else torch.float32
+    return {"dtype": DTYPE_NAMES.get(dtype, "fp32")}
 
 
 def _adapter(model: nn.Module) -> dict[str, Any]:

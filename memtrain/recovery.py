@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.device import cuda_available
 from memtrain.errors import MemtrainError
 from memtrain.together import drop_gradients, flagged_ranks, world
 from memtrain.units import format_bytes
@@ -333,7 +334,7 @@ def count_items(trainer: Any, inputs: dict[str, Any]) -> int:
 def free_memory() -> None:
     """Collect garbage and return cached device blocks (after the failed attempt's tensors are gone)."""
     gc.collect()
-    if torch.cuda.is_available():
+    if cuda_available():
         torch.cuda.empty_cache()
 
 

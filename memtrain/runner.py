@@ -25,6 +25,7 @@ from memtrain.callbacks import MemoryMeterCallback
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
+from memtrain.device import cuda_available
 from memtrain.errors import MemtrainError
 from memtrain.memory.budget import SimulatedBudgetCallback
 from memtrain.memory.build import build_model
@@ -84,7 +85,7 @@ def train(cfg: RunConfig, console: Console | None = None,
         return _launch(cfg, out, callbacks, choices)
     launch.bind_device()
     # on the CPU, tensors above 32 MiB would otherwise page-fault on every step
-    kept_pages = not torch.cuda.is_available() and hostmem.keep_freed_pages()
+    kept_pages = not cuda_available() and hostmem.keep_freed_pages()
     resume_from = rundir.check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     tokenizer = load_tokenizer(cfg.model)

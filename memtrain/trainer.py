@@ -25,6 +25,7 @@ from memtrain import checkpoints
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.data import PreparedData
+from memtrain.device import cuda_available
 from memtrain.errors import MemtrainError
 from memtrain.eval_recovery import EvalBatchRecovery
 from memtrain.recovery import MicroBatchRecovery
@@ -46,7 +47,7 @@ OPTIMIZERS: dict[str, tuple[str, str | None]] = {
 def training_arguments(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: bool) -> TrainingArguments:
     """TrainingArguments for a resolved recipe (no `auto` left)."""
     t = cfg.training
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     if cfg.model.dtype == "fp16" and not cuda:
         raise MemtrainError("`model.dtype`: fp16 training needs a CUDA GPU. Fix: use `bf16` or `fp32` "
                             "on this machine.")

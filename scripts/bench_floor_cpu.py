@@ -9,7 +9,7 @@ Each technique is turned on by a recipe override; the run's real model, optimize
 worst-case batch are built the way `memtrain train` builds them, one warm-up step creates the
 optimizer state, and the next step is measured:
 
-- **measured peak**: live tensor bytes counted by ``tests/memprobe.py`` (a dispatch-mode storage
+- **measured peak**: live tensor bytes counted by ``scripts/memprobe.py`` (a dispatch-mode storage
   counter that shares no code with ``memtrain.memory``): the bytes of every tensor the model,
   optimizer and batch hold before the step (unique storages of parameters, buffers, optimizer
   state and bitsandbytes quantization constants) plus the peak of the storages the step creates;
@@ -27,11 +27,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 MIB = 2**20
 RECIPE = ROOT / "recipes" / "tiny-llama-shakespeare.yaml"
@@ -60,47 +59,9 @@ SECTIONS: list[tuple[str, list[str], list[tuple[str, list[str]]]]] = [
 ]
 
 
-def _storages(tensors: list[Any]) -> int:
-    import torch
-
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _quant_tensors(obj: Any, depth: int = 0) -> list[Any]:
-    """Tensors inside a bitsandbytes quant_state (absmax, code, nested state2)."""
-    import torch
-
-    if obj is None or depth > 3:
-        return []
-    out = []
-    for value in vars(obj).values() if hasattr(obj, "__dict__") else []:
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif hasattr(value, "__dict__") and type(value).__module__.startswith("bitsandbytes"):
-            out += _quant_tensors(value, depth + 1)
-    return out
-
-
-def resident(model: Any, optimizer: Any, batch: dict) -> int:
-    """Bytes held before a step: parameters, buffers, quantization constants, optimizer state, batch."""
-    import torch
-
-    tensors: list[Any] = [*model.parameters(), *model.buffers(), *batch.values()]
-    for param in model.parameters():
-        tensors += _quant_tensors(getattr(param, "quant_state", None))
-    for state in optimizer.state.values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return _storages(tensors)
-
-
 def measure(overrides: list[str]) -> dict[str, float]:
     import torch
-    from memprobe import LiveBytes
+    from memprobe import LiveBytes, resident
 
     from memtrain.config import load_recipe
     from memtrain.memory.build import _warm_recipe_step
@@ -139,7 +100,7 @@ def main() -> None:
              f"`python scripts/bench_floor_cpu.py --threads {args.threads}` on {platform.node()} "
              f"({platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}), "
              f"{time.strftime('%Y-%m-%d')}. Measured: exact live tensor bytes on CPU from "
-             "`tests/memprobe.py` (independent of memtrain's meter). Predicted: `memtrain.estimate` "
+             "`scripts/memprobe.py` (independent of memtrain's meter). Predicted: `memtrain.estimate` "
              f"(`--device cpu`). Recipe `{RECIPE.relative_to(ROOT)}` with `{' '.join(BASE)}`. "
              "Step seconds are the median of 3 steps on 1 thread: the cost of each technique on "
              "this CPU, noisy when the machine is shared.", ""]

@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.config import OffloadConfig
 from memtrain.optim_offload import OffloadOptimizer
 from memtrain.patches import checkpointing, offload
-from tests.memprobe import LiveBytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memprobe import LiveBytes
 
 MiB = 2**20
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "memory_modes.md"

@@ -143,3 +143,21 @@ def test_probe_leaves_no_hooked_optimizer_behind(tmp_path: Path, tiny_text_file:
     live = [o for o in gc.get_objects()
             if isinstance(o, OffloadOptimizer) and ours & set(getattr(o, "param_d2h_map", {}))]
     assert live == ([optimizer] if memory else [])  # host copies and state: one optimizer's
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_probe_is_confirmed_by_the_allocator(tmp_path: Path, tiny_text_file: Path) -> None:
+    """With a real budget on CUDA the probe runs under the allocator's cap (reserved memory + the
+    context), and the peak it reports is the allocator's, not the tensor bytes."""
+    from memtrain.device import compute_device, outside_allocator_bytes
+
+    training = {"micro_batch_size": "auto", "gradient_accumulation": None, "effective_batch_size": 16,
+                "max_steps": 2}
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, adapter={"method": "full"}, training=training,
+                                    memory={"budget": "2GiB", "margin": 0.0}))
+    trainer = trainer_for(cfg, Batch(4, 4))
+    trainer.model.to(compute_device())
+    probe = autofit.confirm(trainer, cfg, Batch(4, 4))
+    assert probe.tried == [(4, True)] and probe.peak_bytes is not None
+    assert outside_allocator_bytes(compute_device()) < probe.peak_bytes <= 2 * 2**30
+    assert torch.cuda.memory_reserved() < 2**30  # the cap is lifted and the cache given back

@@ -15,8 +15,8 @@ from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.patches import NoMatchError, apply_patches, records
 from memtrain.patches import checkpointing as ckpt
+from scripts.memprobe import LiveBytes
 from tests.conftest import TINY_CONFIGS, causal_recipe
-from tests.memprobe import LiveBytes
 
 CPU = torch.device("cpu")
 BATCH, SEQ = 2, 32

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 from conftest import tiny_model
-from memprobe import LiveBytes
 
 from memtrain.errors import MemtrainError
 from memtrain.patches import chunked_loss, records
+from scripts.memprobe import LiveBytes
 
 RTOL = 1e-5
 

@@ -14,8 +14,8 @@ from memtrain.errors import MemtrainError
 from memtrain.optim_offload import OffloadOptimizer, build, host_bytes_needed
 from memtrain.patches import apply_patches, offload, records
 from memtrain.patches import checkpointing as ckpt
+from scripts.memprobe import LiveBytes
 from tests.conftest import TINY_CONFIGS, causal_recipe
-from tests.memprobe import LiveBytes
 from tests.test_checkpointing import BATCH, SEQ, assert_same_grads, build_model, inputs
 
 HIDDEN = TINY_CONFIGS["llama"]["hidden_size"]

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import causal_recipe, tiny_model
-from memprobe import LiveBytes
 
 from memtrain import optim_backward
 from memtrain.config import RecipeError, load_recipe
 from memtrain.runner import train
+from scripts.memprobe import LiveBytes
 
 FULL = {"adapter": {"method": "full"},
         "training": {"max_grad_norm": None, "learning_rate": 1e-3, "weight_decay": 0.01}}

@@ -111,3 +111,59 @@ def test_user_checkpointing_is_planned_once_and_rerunning_is_idempotent(tmp_path
     trainer.train()
     # each micro-batch runs the layer twice: its forward and one recompute (not 3: doubled or nested)
     assert calls[0] == 2 * new_args.gradient_accumulation_steps
+
+
+def test_the_recipe_describes_the_weights_as_stored_not_the_first_parameter(
+        tmp_path: Path, tiny_text_file: Path) -> None:
+    from conftest import causal_recipe
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from memtrain.config import load_recipe
+    from memtrain.model import load_model
+
+    args = arguments(tmp_path, 4, 1, 1)
+    model = tiny_model().to(torch.bfloat16)
+    model.get_input_embeddings().float()  # an fp32 embedding first, bf16 everywhere else
+    assert next(model.parameters()).dtype == torch.float32
+    assert recipe_for(model, args, 32).model.dtype == "bf16"
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file,
+                                    model={"dtype": "bf16", "quantization": "nf4", "double_quant": False}))
+    qlora = prepare_model_for_kbit_training(load_model(cfg.model))  # its unquantized weights now fp32
+    qlora = get_peft_model(qlora, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    described = recipe_for(qlora, args, 32).model
+    assert (described.quantization, described.dtype, described.compute_dtype) == ("nf4", "bf16", "bf16")
+    assert described.double_quant is False
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "llama", "bert"])
+def test_a_plain_trainer_script_per_architecture_plans_logs_and_recovers(arch: str, tmp_path: Path) -> None:
+    """The two lines of docs/plugin.md in a plain Trainer script, and an out-of-memory error."""
+    from transformers import AutoModelForSequenceClassification
+
+    import memtrain
+
+    values = copy.deepcopy(TINY_CONFIGS[arch])
+    config = AutoConfig.for_model(values.pop("model_type"), **values, num_labels=2)
+    task = "classification" if arch == "bert" else "causal-lm"
+    auto = AutoModelForSequenceClassification if arch == "bert" else AutoModelForCausalLM
+    torch.manual_seed(0)
+    model, args = memtrain.prepare_for_budget(auto.from_config(config), arguments(tmp_path, 4, 1, 2),
+                                              "1GiB", max_length=32, quiet=True)
+    raised: list[int] = []
+
+    def out_of_memory_over_two_rows(module: torch.nn.Module, positional: tuple, kwargs: dict) -> None:
+        rows = kwargs["input_ids"].shape[0]
+        if rows > 2:
+            raised.append(rows)
+            raise torch.OutOfMemoryError(f"injected: {rows} rows do not fit")
+
+    model.register_forward_pre_hook(out_of_memory_over_two_rows, with_kwargs=True)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(task, [16] * 8),
+                      data_collator=collate)
+    callback = memtrain.attach(trainer)  # the plan prepare_for_budget left on the model
+    trainer.train()
+    assert trainer.state.global_step == 2 and raised == [4]  # split once, pieces of 2 from then on
+    assert callback.recovery is not None and callback.recovery.parts == 2
+    assert callback.predicted == model.memtrain_plan.predicted_peak
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert logged and all("memory/peak_mib" in e and "memory/predicted_peak_mib" in e for e in logged)

@@ -24,14 +24,14 @@ import psutil
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain.device import AllocatorBudget, compute_device
 from memtrain.memory.meter import _HOST_ON_CPU, _TOTAL_KEY, _Tracker
 from memtrain.units import format_bytes, parse_size
 
 
 def device_free_bytes(device: torch.device | str | None = None) -> int:
     """Free memory of the compute device: CUDA's free bytes, or available RAM on CPU."""
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device) if device is not None else compute_device()
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
@@ -99,9 +99,7 @@ class SimulatedBudget:
     def __init__(self, limit: int | str, *track: Any, device: torch.device | str | None = None,
                  defer: bool = False) -> None:
         self.limit = parse_size(limit)
-        device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
+        device = torch.device(device) if device is not None else compute_device()
         if device.type == "cpu":  # CPU tensors carry no index; a launched process's args.device does
             device = torch.device("cpu")
         self._tracker = _BudgetTracker(device, self.limit, defer)
@@ -129,6 +127,22 @@ class SimulatedBudget:
         None; the next call starts afresh."""
         message, self._tracker.overrun = self._tracker.overrun, None
         return message
+
+
+def budget_guard(limit: int, *track: Any, device: torch.device | None = None,
+                 simulated: bool = False, defer: bool = False) -> SimulatedBudget | AllocatorBudget:
+    """What enforces ``limit`` for a step: the allocator itself on CUDA (reserved memory and the
+    context, :class:`memtrain.device.AllocatorBudget`), live tensor bytes on a CPU or when the
+    budget is a simulated one (``memory.simulate_budget``: tensor bytes on every device).
+
+    Both raise ``torch.OutOfMemoryError`` when the step goes over and report ``peak_bytes``.
+    ``defer`` (several processes, see the module docstring): live tensor bytes on every device,
+    noted rather than raised; the allocator's cap cannot wait for the end of the step.
+    """
+    device = device or compute_device()
+    if device.type == "cuda" and not simulated and not defer:
+        return AllocatorBudget(limit, device)
+    return SimulatedBudget(limit, *track, device=device, defer=defer)
 
 
 class SimulatedBudgetCallback(TrainerCallback):

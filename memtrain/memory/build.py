@@ -172,11 +172,13 @@ def _warm_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: int
                                                                    torch.optim.Optimizer, dict]]:
     """The recipe's real model, optimizer and example batch after one warm-up step (so optimizer
     state exists); yields ``(step, model, optimizer, batch)`` where ``step()`` runs the next one."""
+    from memtrain.device import place
     from memtrain.memory.fake import isolated_bnb_overrides
 
     settings = step_settings(cfg)
     with isolated_bnb_overrides():
-        model = build_model(cfg, config.num_labels, config.pad_token_id)
+        # on the device training uses, whatever the dtype or quantization (as the Trainer places it)
+        model = place(build_model(cfg, config.num_labels, config.pad_token_id))
         optimizer = build_optimizer(cfg, model)
         batch = example_batch(cfg, config, micro_batch or settings["micro_batch_size"],
                               seq_len or cfg.data.max_length, next(model.parameters()).device)
@@ -215,6 +217,7 @@ def time_recipe_step(cfg: RunConfig, steps: int = 2) -> float:
     Builds the real model and optimizer on this machine's device, with a worst-case batch
     (``data.max_length`` tokens per example); what the planner's tuning measures.
     """
+    from memtrain.device import synchronize
     from memtrain.memory.trace_plan import resolve_config
 
     config, _ = resolve_config(cfg.model)
@@ -223,10 +226,10 @@ def time_recipe_step(cfg: RunConfig, steps: int = 2) -> float:
         device = next(model.parameters()).device
         times = []
         for _ in range(steps):
+            synchronize(device)
             start = time.perf_counter()
             step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
     return min(times)
 

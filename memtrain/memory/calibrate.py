@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from memtrain.device import cuda_available
+
 ENV_VAR = "MEMTRAIN_CALIBRATION"
 DEFAULT_CUDA_CONTEXT = 2**30
 DEFAULT_FRAGMENTATION = 0.10
@@ -100,7 +102,7 @@ def calibrate(path: Path | None = None, quick: bool = False) -> dict[str, Any]:
         quick: smaller, shorter measurements (tests; rough numbers).
     """
     path = path or profile_path()
-    before = _device_used_bytes() if torch.cuda.is_available() and not torch.cuda.is_initialized() else None
+    before = _device_used_bytes() if cuda_available() and not torch.cuda.is_initialized() else None
     profile: dict[str, Any] = {
         "version": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -111,9 +113,10 @@ def calibrate(path: Path | None = None, quick: bool = False) -> dict[str, Any]:
         "overheads": None,
         "notes": [],
     }
-    if torch.cuda.is_available():
+    if cuda_available():
         profile["overheads"] = measure_gpu_overheads(before, quick)
         profile["rates"]["cuda"] = measure_rates("cuda", quick)
+        release_cached_memory()  # the process goes on (plan --tune, a run): give the cache back
     else:
         profile["notes"].append("no CUDA device: GPU memory overheads cannot be measured on this machine; "
                                 "estimates for CUDA runs keep the documented defaults")
@@ -236,6 +239,20 @@ def measure_gpu_overheads(used_before: int | None, quick: bool = False) -> dict[
     del x
     result["fragmentation"] = _fragmentation(device, quick)
     return result
+
+
+def release_cached_memory() -> int:
+    """Collect what calibration left and return the allocator's cached blocks to the driver;
+    the bytes still reserved afterwards (0 when calibration freed everything)."""
+    import gc
+
+    gc.collect()
+    if not cuda_available():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return int(torch.cuda.memory_reserved())
 
 
 def _device_used_bytes() -> int | None:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from memtrain.config import ModelConfig, RunConfig, load_recipe
 from memtrain.config.batch import resolve_batch
+from memtrain.device import cuda_available, device_type
 from memtrain.errors import MemtrainError
 from memtrain.memory import catalog
 
@@ -58,14 +58,14 @@ def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], devic
             raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
                                 f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
                                 "run `memtrain plan`.")
-    target = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = device or device_type()
     if target not in ("cuda", "cpu"):
         raise MemtrainError(f"`--device` must be `cuda` or `cpu`, got {target!r}.")
     config, label = resolve_config(cfg.model)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     seq_len = cfg.data.max_length
     _check_positions(config, seq_len)
-    trace_device = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
+    trace_device = "cuda" if target == "cuda" and cuda_available() else "cpu"
     notes = [f"every example is data.max_length = {seq_len} tokens (the worst case; data is not read)"]
     if cfg.model.task == "sequence-classification" and cfg.model.num_labels is None:
         notes.append("classification head sized for 2 labels (model.num_labels unset, data not read)")

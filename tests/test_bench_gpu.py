@@ -1,0 +1,222 @@
+"""scripts/bench_gpu.py on a CPU: its grid, its pruning, its page and its refusal to run (issue 15).
+
+The measurements need a CUDA GPU; everything that decides what to run and how to report it does
+not, and is tested here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memtrain.config import load_recipe
+from scripts import bench_gpu as bench
+
+GiB = 2**30
+
+
+def test_every_row_is_a_valid_recipe() -> None:
+    for row in bench.GRID:
+        cfg = load_recipe(row.recipe())
+        assert cfg.training.micro_batch_size == row.micro
+        assert cfg.data.max_length == row.seq
+        assert cfg.model.quantization == ("nf4" if row.method == "qlora" else "none")
+        assert cfg.adapter.method == ("full" if row.method == "full" else "lora")
+        assert cfg.memory.checkpointing == row.checkpointing
+        assert cfg.training.optimizer == row.optimizer
+    assert load_recipe(bench.PLAN_RECIPE).training.micro_batch_size == "auto"
+
+
+def test_the_grid_spans_every_axis_of_the_issue() -> None:
+    axes = {"model": set(bench.MODELS), "method": {"full", "lora", "qlora"},
+            "checkpointing": {"none", "full"}, "optimizer": {"adamw", "adamw_8bit"}, "micro": {1, 4, 16},
+            "seq": {512, 2048}}
+    for axis, values in axes.items():
+        assert {getattr(r, axis) for r in bench.GRID} == values, axis
+    assert {(r.model, r.method) for r in bench.GRID} == {(m, k) for m in bench.MODELS
+                                                         for k in ("full", "lora", "qlora")}
+    assert len(set(bench.GRID)) == len(bench.GRID)
+    # 8-bit AdamW only where its state matters (full fine-tuning)
+    assert all(r.method == "full" for r in bench.GRID if r.optimizer == "adamw_8bit")
+
+
+def test_time_pruning_keeps_rows_in_order_within_the_budget() -> None:
+    costs = [bench.row_seconds(r) for r in bench.GRID]
+    assert all(c > bench.START_S for c in costs)
+    kept, dropped = bench.select(bench.GRID, sum(costs))
+    assert kept == bench.GRID and dropped == []
+    kept, dropped = bench.select(bench.GRID, sum(costs[:5]) + 1)
+    assert kept[:5] == bench.GRID[:5]
+    assert sum(bench.row_seconds(r) for r in kept) <= sum(costs[:5]) + 1
+    assert sorted(kept + dropped, key=bench.GRID.index) == bench.GRID
+    assert bench.select(bench.GRID, 0) == ([], bench.GRID)
+
+
+def test_the_default_budget_leaves_room_for_the_grid() -> None:
+    """Under 9 minutes on one H100: the a-priori cost of the grid and the planner's candidates,
+    with a minute for calibration and 100 s for the predictions and the plan, fits the default
+    budget, so the time pruning is there for slower machines, not to cut the grid on an H100."""
+    args = bench.parse_args([])
+    assert args.budget_s <= 9 * 60 - 30
+    plan = [bench.Row(bench.ONE_B, "full", "none", "adamw", 2, 2048, 8) for _ in range(bench.PLAN_TOP)]
+    grid = sum(bench.row_seconds(r) for r in bench.GRID)
+    assert 60 + 100 + grid + sum(bench.row_seconds(r) for r in plan) <= args.budget_s
+
+
+def test_size_pruning() -> None:
+    assert bench.fits_device(10 * GiB, 80 * GiB)
+    assert not bench.fits_device(81 * GiB, 80 * GiB)
+    assert bench.fits_device(None, 80 * GiB)  # no prediction: run it and see
+
+
+def test_planner_candidates_become_valid_rows() -> None:
+    candidates = [{"values": {"memory.checkpointing": 8, "training.optimizer": "adamw_8bit",
+                              "memory.loss": "chunked"}, "micro": 4, "accumulation": 4},
+                  {"values": {"memory.checkpointing": "selective"}, "micro": 2, "accumulation": 8}]
+    rows = bench.plan_rows(candidates)
+    first, second = (load_recipe(r.recipe()) for r in rows)
+    assert first.memory.checkpointing == 8 and first.memory.loss == "chunked"
+    assert first.training.optimizer == "adamw_8bit" and first.training.gradient_accumulation == 4
+    assert second.memory.checkpointing == "selective" and second.training.micro_batch_size == 2
+    assert "x8 accumulated" in rows[1].label()
+
+
+def test_child_command_and_result_parsing() -> None:
+    cmd = bench.row_command("measure", {"a": 1})
+    assert cmd[:2] == [sys.executable, str(bench.SCRIPT)] and cmd[2] == "--measure"
+    assert json.loads(cmd[3]) == {"a": 1}
+    out = f"noise\n{bench.RESULT}{json.dumps({'x': 1})}\nmore noise\n{bench.RESULT}{json.dumps([2])}\n"
+    assert bench.parse_result(out) == [2]
+    assert bench.parse_result("a traceback") is None
+    assert bench.parse_args(["--measure", "{}"]).measure == "{}"
+
+
+def _record(row: bench.Row, tensors: float, total: float, allocated: float, reserved: float,
+            nvml: float | None, **extra: object) -> dict:
+    """A result as the parent keeps it, with sizes in GiB."""
+    predicted = {"tensors": int(tensors * GiB), "total": int(total * GiB),
+                 "overheads": {"cuda_context": GiB // 2}}
+    measured = {"device": "NVIDIA H100 80GB HBM3", "allocated": int(allocated * GiB),
+                "reserved": int(reserved * GiB), "nvml_before": GiB // 2, "step_s": 0.25,
+                "nvml_after": None if nvml is None else int((nvml + 0.5) * GiB)}
+    return {"model": row.model, "run": row.label(), "predicted": predicted, "measured": measured,
+            "skipped": None, **extra}
+
+
+def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
+    rows = bench.GRID[:5]
+    grid = [
+        _record(rows[0], 10, 12, 10.2, 11.4, 12.1),  # +2% / -0.9% / +0.8%: all pass
+        _record(rows[1], 10, 12, 10.5, 12.5, None),  # +5% FAIL; reserved +8.7% FAIL; NVML unknown
+        {"model": rows[2].model, "run": rows[2].label(), "predicted": {"tensors": 1, "total": 2},
+         "measured": None, "skipped": "time budget: 3 s left, about 20 s needed"},
+        {**_record(rows[3], 1, 1, 3, 4, 5), "predicted": {"error": "MemtrainError: boom"}},
+        {"model": rows[4].model, "run": rows[4].label(), "predicted": {"tensors": 1, "total": 2},
+         "measured": {"allocated": 9, "reserved": 9, "error": "out of memory at 79.10 GiB allocated: x"},
+         "skipped": None},
+    ]
+    planned = [{"predicted": {"label": "checkpointing=none, micro=2", "chosen": True,
+                              "predicted_total": 30 * GiB, "predicted_s": 1.0},
+                "measured": {"reserved": 28 * GiB, "nvml_before": 0, "nvml_after": 29 * GiB, "step_s": 1.25},
+                "skipped": None}]
+    meta = {"command": "python scripts/bench_gpu.py", "device": "NVIDIA H100 80GB HBM3", "driver": "550",
+            "date": "2026-11-23", "torch": "2.13", "cuda": "12.8", "transformers": "5", "peft": "0.21",
+            "bitsandbytes": "0.50", "python": "3.11", "wall_s": 400.0, "budget_s": 510.0,
+            "calibrate_s": 40.0, "profile": {"overheads": {"cuda_context_bytes": GiB // 2,
+                                                          "fragmentation": 0.05}}}
+    text = bench.page(meta, grid, planned, dropped=bench.GRID[-1:])
+    assert "NVIDIA H100 80GB HBM3" in text and "fragmentation 5.0%" in text
+    lines = {tuple(line[2:].split(" | ")[:2]): line for line in text.splitlines() if line.startswith("| ")}
+    lines = {run: lines[(run.model, run.label())] for run in rows}
+    first, second = lines[rows[0]], lines[rows[1]]
+    assert "+2.0% pass" in first and "-0.9% pass" in first and "+0.8% pass" in first
+    assert "+5.0% FAIL" in second and "+8.7% FAIL" in second
+    assert "not measured: time budget" in lines[rows[2]]
+    assert "| 3.00 | no prediction: MemtrainError: boom | — | 4.00 | — |" in lines[rows[3]]
+    assert "not measured: out of memory at 79.10 GiB" in lines[rows[4]]  # no pass/fail on a crash
+    assert "allocated within 3% of the predicted tensors: 1/2" in text.lower()
+    assert "1.25x" in text and "(chosen)" in text
+    assert bench.GRID[-1].label() in text  # the rows the time pruning left out are named
+    assert bench.page(meta, grid, {"error": "timed out after 400 s"}, []).count("did not run: timed out") == 1
+
+
+@pytest.mark.slow
+def test_on_a_machine_without_cuda_it_stops_with_a_message(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the benchmark would run")
+    out = tmp_path / "gpu.md"
+    env = {**os.environ, "PYTHONPATH": str(bench.ROOT)}
+    done = subprocess.run([sys.executable, str(bench.SCRIPT), "--out", str(out)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == bench.NO_CUDA_EXIT
+    assert "CUDA GPU" in done.stderr and "Nothing was measured or written" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's flow (build, optimizer, batch, warm-up, timed steps, statistics) on the CPU:
+    what breaks here would break on the GPU too (memtrain's build API, the recipe, the result)."""
+    import torch
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "nvml_memory", lambda field: 100)
+    for name, value in {"synchronize": None, "reset_peak_memory_stats": None, "get_device_name": "stub",
+                        "max_memory_allocated": 1, "max_memory_reserved": 2}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, **k: v)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 3}))
+    recipe = bench.Row(bench.TINY, "lora", "full", "adamw", 2, 16, 2).recipe()
+    recipe["model"]["from_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    recipe["model"]["dtype"] = "fp32"
+    got = bench.measure_child(recipe)
+    assert got["built"] == "built on the GPU"  # the device context path, not the fallback
+    assert "error" not in got and len(got["steps_s"]) == bench.STEPS
+    assert (got["allocated"], got["reserved"], got["device_bytes"], got["device"]) == (1, 2, 3, "stub")
+    assert bench.nvml_run_bytes(got) == 0
+
+
+def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The orchestration with its children faked: every grid row predicted and measured once, in
+    order, the planner's candidates measured after them, the page and the raw JSON written."""
+    calls: list[str] = []
+
+    def child(mode: str, payload: object, env: dict, timeout: float) -> object:
+        assert env["MEMTRAIN_CALIBRATION"] == str(tmp_path / "gpu_calibration.json") and timeout > 0
+        if mode == "predict":
+            return [{"tensors": GiB, "total": 2 * GiB, "overheads": {"cuda_context": GiB // 2}}
+                    for _ in payload]
+        if mode == "plan":
+            return [{"values": {"memory.checkpointing": "full"}, "micro": 4, "accumulation": 4,
+                     "predicted_total": 3 * GiB, "predicted_s": 1.0, "chosen": True, "label": "ckpt=full"}]
+        calls.append(json.dumps(payload, sort_keys=True))
+        return {"device": "Fake GPU", "allocated": GiB, "reserved": int(1.5 * GiB), "step_s": 0.5,
+                "nvml_before": 0, "nvml_after": 2 * GiB, "device_bytes": 80 * GiB}
+
+    def calibrate(profile: Path, env: dict, timeout: float) -> float:
+        profile.write_text(json.dumps({"overheads": {"cuda_context_bytes": GiB // 2,
+                                                     "fragmentation": 0.1}}))
+        return 1.0
+
+    monkeypatch.setattr(bench, "run_child", child)
+    monkeypatch.setattr(bench, "calibrate", calibrate)
+    monkeypatch.setattr(bench, "nvml_memory", lambda field: 80 * GiB)
+    out = tmp_path / "gpu.md"
+    assert bench.run(bench.parse_args(["--out", str(out), "--budget-s", "100000"])) == 0
+    expected = [json.dumps(r.recipe(), sort_keys=True) for r in [*bench.GRID, *bench.plan_rows(
+        [{"values": {"memory.checkpointing": "full"}, "micro": 4, "accumulation": 4}])]]
+    assert calls == expected
+    text = out.read_text()
+    assert "Fake GPU" in text and f"{len(bench.GRID)}/{len(bench.GRID)}" in text
+    assert "| 1 | ckpt=full (chosen) | 3.00 | 1.50 | 2.00 | 1.000 | 0.500 | 0.50x |" in text
+    raw = json.loads(out.with_suffix(".json").read_text())
+    assert len(raw["grid"]) == len(bench.GRID) and raw["dropped"] == []
