@@ -8,6 +8,14 @@ real or simulated budget. If it runs out of memory, the probe steps down to the 
 micro-batch (a divisor of the per-process effective batch) and tries again; the Trainer's batch
 arguments are then set to what fitted.
 
+With several processes every process probes its own shard of the model under its own budget, and
+they decide each step together (:mod:`memtrain.together`): they start from the smallest predicted
+micro-batch, and after each probe step one all-reduce says whether it fitted in *every* process,
+so all keep the same micro-batch: the largest that fits in each, i.e. the minimum over the
+processes of what each alone would keep. The budget defers its out-of-memory error to the end of
+the probe step (:mod:`memtrain.memory.budget`), since a process that stopped half-way would leave
+the others in a collective; a real allocation failure in one process stops the run with its error.
+
 Why a probe at all when the estimate is exact on CPU: on a GPU the caching allocator, the CUDA
 context and kernels' workspaces are modelled, not traced, and data can differ from the recipe's
 model of it. A probe costs one step; a step that fails at step 1000 costs much more (that case is
@@ -46,6 +54,7 @@ from memtrain.errors import MemtrainError
 from memtrain.memory.budget import budget_guard, resolve_budget, usable_bytes
 from memtrain.recovery import free_memory, reset_module_tracking
 from memtrain.step import hold_gradients, training_step
+from memtrain.together import drop_gradients, flagged_ranks, largest, smallest, world
 from memtrain.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
@@ -60,6 +69,7 @@ class Probe:
     peak_bytes: int | None = None  # live tensor bytes of the step that fitted (when tracked)
     limit_bytes: int | None = None
     seconds: float = 0.0
+    over_budget: dict[int, list[int]] = field(default_factory=dict)  # several processes: who did not fit
 
     @property
     def failed(self) -> int:
@@ -130,22 +140,33 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
     per_process = batch.micro * batch.accumulation
     if choices is None:
         choices = [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
-    pairs = [p for p in choices if p[0] < batch.micro] + [(batch.micro, batch.accumulation)]
-    probe = Probe(batch, limit_bytes=limit)
     model = trainer.model
+    device = _device(model)
+    # With several processes (machines may have planned apart: `memory.budget: auto`) all start
+    # from the smallest prediction and take each decision together, so they try the same
+    # micro-batches in the same order: the one they keep is the largest that fits in every process.
+    micro = smallest([batch.micro], device)[0]
+    top = batch.accumulation if micro == batch.micro else dict(choices).get(micro, per_process // micro)
+    pairs = [p for p in choices if p[0] < micro] + [(micro, top)]
+    probe = Probe(batch, limit_bytes=limit)
     with _probe_optimizer(trainer, cfg, model) as optimizer:
         for micro, accum in sorted(pairs, reverse=True):
             fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), seq_len, limit)
-            probe.tried.append((micro, fits))
-            if fits:
+            over = flagged_ranks(not fits, device)
+            peak = largest([peak or 0], device)[0] or None  # the highest process's
+            probe.tried.append((micro, not over))
+            if over and world()[1] > 1:
+                probe.over_budget[micro] = over
+            if not over:
                 probe.batch, probe.peak_bytes = Batch(micro, accum, batch.processes), peak
                 break
     probe.seconds = time.perf_counter() - start
     if not probe.tried[-1][1]:
         raise MemtrainError(
             f"`training.micro_batch_size: auto`: not even micro-batch {probe.tried[-1][0]} of "
-            f"{seq_len} tokens fits {_limit_text(limit)} (probe step on the real model). Fix: raise "
-            "`memory.budget`, shorten `data.max_length`, or save memory (`memtrain plan`).")
+            f"{seq_len} tokens fits {_limit_text(limit)} (probe step on the real model"
+            f"{_where(probe, probe.tried[-1][0])}). Fix: raise `memory.budget`, shorten "
+            "`data.max_length`, or save memory (`memtrain plan`).")
     set_batch(trainer, probe.batch)
     log.info(describe(probe, seq_len))
     return probe
@@ -197,32 +218,59 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
 
 def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, micro: int,
               micro_batches: int, seq_len: int, limit: int | None) -> tuple[bool, int | None]:
-    """Run the probe step: whether it fitted, and its peak (None when untracked)."""
+    """Run the probe step: whether it fitted in this process, and its peak (None when untracked).
+
+    With several processes the budget defers (:mod:`memtrain.memory.budget`): the step runs to
+    its end in every process, whose collectives must all happen, and the caller compares notes.
+    """
     from memtrain.memory.build import example_batch
 
-    if micro_batches > 1:  # the earlier micro-batches' gradients: one forward+backward shows the peak
+    several = world()[1] > 1
+    # The earlier micro-batches' gradients: held ones, and one forward+backward shows the peak;
+    # FSDP2 keeps them full and unsharded until the last micro-batch, so run two micro-batches.
+    held = micro_batches > 1 and not hasattr(model, "set_requires_gradient_sync")
+    if held:
         hold_gradients(model)
     simulated = cfg.memory.simulate_budget is not None
-    budget = (budget_guard(limit, model, optimizer, device=_device(model), simulated=simulated)
-              if limit is not None else contextlib.nullcontext())
+    budget = (budget_guard(limit, model, optimizer, device=_device(model), simulated=simulated,
+                           defer=several) if limit is not None else contextlib.nullcontext())
     try:
         with budget:
             inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])  # as collators send it
-            training_step(model, inputs, optimizer, micro_batches, cfg.training.max_grad_norm,
-                          held_gradients=True, skip_non_finite=True)
+            training_step(model, inputs if held or micro_batches == 1 else [inputs] * 2, optimizer,
+                          micro_batches, cfg.training.max_grad_norm, held_gradients=held,
+                          skip_non_finite=True)
             del inputs
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as err:
+        if several:  # a real allocation failure half-way: the others wait in a collective
+            raise _in_one_process(err, micro) from None
         failed = True
     else:
-        failed = False
-    model.zero_grad(set_to_none=True)  # outside the except block: the failed step's tensors are gone
+        take = getattr(budget, "take_overrun", None)  # a deferring budget's note
+        failed = take is not None and take() is not None
+    drop_gradients(model)  # outside the except block: the failed step's tensors are gone
     free_memory()
     reset_module_tracking()
     if failed:
         log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, seq_len)
         return False, None
     return True, getattr(budget, "peak_bytes", None)
+
+
+def _in_one_process(err: BaseException, micro: int) -> MemtrainError:
+    rank, size = world()
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return MemtrainError(
+        f"`training.micro_batch_size: auto`: the probe step of micro-batch {micro} ran out of device "
+        f"memory in process {rank} of {size} ({first}); the processes cannot go on together from a step "
+        "one of them left half-way. Fix: set `memory.budget` below the device's memory (the probe then "
+        "stops at the budget in every process), or give `training.micro_batch_size` a number.")
+
+
+def _where(probe: Probe, micro: int) -> str:
+    over = probe.over_budget.get(micro)
+    return f" in process(es) {over}" if over else ""
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -236,7 +284,7 @@ def _limit_text(limit: int | None) -> str:
 def describe(probe: Probe, seq_len: int) -> str:
     """One line: the batch a probe confirmed, what it tried, its peak and time."""
     b = probe.batch
-    steps = ", ".join(f"{m} {'fits' if ok else 'out of memory'}" for m, ok in probe.tried)
+    steps = ", ".join(f"{m} {'fits' if ok else 'out of memory'}{_where(probe, m)}" for m, ok in probe.tried)
     peak = f", peak {format_bytes(probe.peak_bytes)}" if probe.peak_bytes is not None else ""
     return (f"auto-fit: micro-batch {b.micro} × {b.accumulation} accumulated (effective {b.effective}) "
             f"confirmed by a probe step of {seq_len} tokens per example under "

@@ -329,10 +329,6 @@ def write_checkpoint(trainer: Any, save: Callable[[], None]) -> None:
 
 def _largest_over_processes(value: int, device: torch.device) -> int:
     """``value``'s maximum over all processes (one tiny all-reduce per optimizer step)."""
-    import torch.distributed as dist
+    from memtrain.together import largest
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return value
-    flag = torch.tensor([value], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+    return largest([value], device)[0]

@@ -64,8 +64,9 @@ def _setup_logging(verbose: bool) -> None:
 def train(recipe: Recipe, overrides: Overrides = None,
           verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
           nproc: Annotated[int | None, typer.Option(
-              "--nproc", min=1, help="Processes to train with (sets `distributed.processes`): one per "
-              "GPU, sharded with FSDP2; on CPU they share the cores.")] = None) -> None:
+              "--nproc", min=1, help="Processes to train with (sets `distributed.processes`; with several "
+              "`distributed.nodes`, over all machines): one per GPU, sharded with FSDP2; on CPU they "
+              "share the cores.")] = None) -> None:
     """Fine-tune as a recipe says: data, model, adapter, memory techniques, training, saving."""
     from memtrain.config import load_recipe
     from memtrain.runner import train as run_training

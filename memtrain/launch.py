@@ -1,7 +1,8 @@
 """Starting the processes of a multi-process run, and what happens when one fails or is stopped.
 
 The launcher is torch's elastic agent (what ``torchrun`` runs), started inside the ``memtrain``
-process instead of as a ``torchrun`` subprocess, so that memtrain sees which process failed and
+process instead of as a ``torchrun`` subprocess (on several machines, one per machine, meeting
+through torch's c10d rendezvous: :mod:`memtrain.nodes`), so that memtrain sees which process failed and
 with which message, gives its exit status back, and restores its own signal handlers. Each
 process runs ``python -m memtrain._worker`` on the resolved recipe.
 
@@ -15,6 +16,7 @@ process runs ``python -m memtrain._worker`` on the resolved recipe.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import signal
@@ -29,9 +31,11 @@ import torch
 
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.errors import MemtrainError
+from memtrain.nodes import Machines, machines
 
 WORKER_MODULE = "memtrain._worker"
 RESULT_FILE = "rank{rank}.pkl"
+CHOICES_FILE = "autofit_choices.json"  # the micro-batches a probe may choose among
 # On SIGINT/SIGTERM the agent passes the signal on, and the processes finish their step and
 # save a checkpoint together; they are killed if that takes longer than this.
 SHUTDOWN_TIMEOUT_S = 300
@@ -70,43 +74,80 @@ def bind_device() -> None:
         torch.cuda.set_device(int(local_rank))
 
 
-def launch(cfg: RunConfig) -> list[Any]:
-    """Run the recipe in ``cfg.distributed.processes`` processes and wait for them.
+def launch(cfg: RunConfig, choices: list[tuple[int, int]] | None = None) -> list[Any]:
+    """Run the recipe in this machine's share of ``cfg.distributed.processes`` and wait for them.
 
     Each process runs ``python -m memtrain._worker`` on the resolved recipe and inherits the
     environment, the working directory and the terminal. On CPU they talk over gloo; on CUDA
-    each takes one GPU and they talk over NCCL.
+    each takes one GPU and they talk over NCCL. With several ``distributed.nodes`` this machine
+    runs ``processes / nodes`` of them and meets the others at the rendezvous
+    (:mod:`memtrain.nodes`).
+
+    Args:
+        cfg: the planned recipe (no ``auto`` left).
+        choices: the (micro-batch, accumulation) pairs the auto-fit probe may choose among, when
+            the recipe as written said ``micro_batch_size: auto`` (:func:`memtrain.autofit.confirm`).
 
     Returns:
-        What each process's ``memtrain.runner.train`` returned, by rank.
+        What each process of this machine returned from ``memtrain.runner.train``, by rank.
 
     Raises:
         LaunchError: a process failed; the message is its error, ``exit_code`` its exit status.
+        MemtrainError: the machines did not meet (address, port, a machine that never started).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
 
+    m = machines(cfg.distributed)
+    _check_devices(m.per_node)
     n = cfg.distributed.processes
-    _check_devices(n)
     with tempfile.TemporaryDirectory(prefix="memtrain-launch-") as tmp:
         recipe = Path(tmp, "recipe.yaml")
         recipe.write_text(dump_recipe(cfg), encoding="utf-8")
-        config = LaunchConfig(  # what `torchrun --standalone --nproc-per-node n` configures
-            min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()),
-            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        if choices is not None:
+            Path(tmp, CHOICES_FILE).write_text(json.dumps(choices), encoding="utf-8")
         env_threads = {} if "OMP_NUM_THREADS" in os.environ else {
             # torchrun would pin every process to one thread; share the cores instead.
-            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // m.per_node))}
         with _environ(env_threads), _kept_signal_handlers():
             try:
-                elastic_launch(config, sys.executable)("-m", WORKER_MODULE, str(recipe), tmp)
+                elastic_launch(_launch_config(m), sys.executable)("-m", WORKER_MODULE, str(recipe), tmp)
             except ChildFailedError as err:
                 raise _launch_error(err, n) from None
             except SignalException as err:  # the agent passed the signal on and waited for them
                 raise _interrupted(cfg, err.sigval) from None
-        return [pickle.loads(Path(tmp, RESULT_FILE.format(rank=r)).read_bytes()) for r in range(n)]
+            except RendezvousError as err:
+                raise _not_met(m, err) from None
+        files = sorted(Path(tmp).glob(RESULT_FILE.format(rank="*")), key=lambda p: int(p.stem[4:]))
+        return [pickle.loads(p.read_bytes()) for p in files]
+
+
+def _launch_config(m: Machines) -> Any:
+    """What ``torchrun`` configures: ``--standalone --nproc-per-node N`` on one machine, else
+    ``--nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint ADDR:PORT``."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    several = m.nodes > 1
+    return LaunchConfig(
+        min_nodes=m.nodes, max_nodes=m.nodes, nproc_per_node=m.per_node,
+        # every machine must name the same run; one machine's run is its own
+        run_id=f"memtrain-{m.endpoint}" if several else str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint=m.endpoint,
+        # machine 0 hosts the rendezvous store (without it, torch guesses from host names)
+        rdzv_configs={"is_host": m.hosts_rendezvous} if several else {},
+        max_restarts=0, monitor_interval=0.1, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+
+
+def _not_met(m: Machines, err: BaseException) -> MemtrainError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    where = "host the rendezvous" if m.hosts_rendezvous else "reach the rendezvous"
+    return MemtrainError(
+        f"`distributed.master_addr`/`master_port`: machine {m.node_rank} of {m.nodes} could not {where} "
+        f"at {m.endpoint}, or not every machine joined ({type(err).__name__}: {first}). Fix: start "
+        "memtrain on every machine with the same recipe, `distributed.nodes` machines in all, "
+        "`master_addr` the address of machine 0 as the others reach it, and a free `master_port`.")
 
 
 def _launch_error(err: Any, n: int) -> LaunchError:
@@ -137,11 +178,13 @@ def _interrupted(cfg: RunConfig, signum: int) -> MemtrainError:
 
 
 def _check_devices(n: int) -> None:
+    """``n`` processes on this machine need ``n`` GPUs when it has any."""
     if torch.cuda.is_available() and torch.cuda.device_count() < n:
         raise MemtrainError(
-            f"`distributed.processes`: {n} processes need {n} GPUs (one each), this machine has "
+            f"`distributed.processes`: {n} processes on this machine need {n} GPUs (one each), it has "
             f"{torch.cuda.device_count()}. Fix: set `distributed.processes` to at most "
-            f"{torch.cuda.device_count()}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU.")
+            f"{torch.cuda.device_count()} per machine (× `distributed.nodes`), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to run on CPU.")
 
 
 @contextlib.contextmanager

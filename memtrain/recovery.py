@@ -28,8 +28,18 @@ With dropout, a replayed micro-batch draws new masks: the same distribution, not
 
 Evaluation batches are split the same way by :class:`memtrain.eval_recovery.EvalBatchRecovery`.
 
-Limits: only one process (with several, the processes would have to agree to redo the step
-together); an out-of-memory error in ``optimizer.step`` is not a micro-batch problem and is not
+Several processes redo the step together. After every micro-batch each process says whether it
+went over its budget (one all-reduce, :func:`memtrain.together.flagged_ranks`); if any did, all of
+them free, split and replay the same micro-batches, so their collectives keep matching and the
+effective batch is unchanged. What a process can report is what memtrain's budget guard noted
+without stopping the step: :class:`~memtrain.memory.budget.SimulatedBudget` defers with several
+processes (``memory.simulate_budget``). An allocator's own out-of-memory error in one process in
+the middle of a step cannot be redone together: the others are already waiting in a collective
+(an FSDP all-gather or reduce-scatter, DDP's all-reduce) that process left behind, so the run stops
+with that error (:class:`OutOfMemoryInOneProcess`; on CPU the others fail as soon as its
+connections close, on CUDA at NCCL's timeout).
+
+Limits: an out-of-memory error in ``optimizer.step`` is not a micro-batch problem and is not
 handled here.
 """
 
@@ -46,6 +56,7 @@ from torch import nn
 
 from memtrain.device import cuda_available
 from memtrain.errors import MemtrainError
+from memtrain.together import drop_gradients, flagged_ranks, world
 from memtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -55,6 +66,10 @@ StepFn = Callable[[nn.Module, dict[str, Any], Any], torch.Tensor]
 
 class MicroBatchTooLarge(torch.OutOfMemoryError, MemtrainError):
     """Out of memory with one example per forward: no split can help. Says what is needed."""
+
+
+class OutOfMemoryInOneProcess(torch.OutOfMemoryError, MemtrainError):
+    """An allocation failed in one of several processes in the middle of a step (not recoverable)."""
 
 
 class MicroBatchRecovery:
@@ -74,6 +89,7 @@ class MicroBatchRecovery:
         self.parts = 1  # pieces each micro-batch from the data loader is split into
         self.events: list[dict[str, Any]] = []  # one per recovery, for reports and tests
         self._loss_is_mean: bool | None = None  # found on the first split
+        self._over: list[int] = []  # several processes: the ranks that went over budget last time
         self._step: int | None = None
         self._state: Any = None
         self._done: list[dict[str, Any]] = []  # inputs of this optimizer step's finished micro-batches
@@ -99,16 +115,45 @@ class MicroBatchRecovery:
                     for earlier in self._done:  # their losses were already counted by the Trainer
                         self._run_pieces(model, earlier, num_items_in_batch)
                 loss = self._run_pieces(model, inputs, num_items_in_batch)
-                break
             except (torch.OutOfMemoryError, RuntimeError) as err:
                 if isinstance(err, MicroBatchTooLarge) or not is_out_of_memory(err):
                     raise
                 message = str(err)
+                if world()[1] > 1:
+                    raise self._in_one_process(message) from None
+            else:
+                message = self._overrun_anywhere(inputs)
+                if message is None:
+                    break
             # Outside the except block the traceback, and the activations its frames hold, are gone.
             self._shrink(model, inputs, message)
             replay = True
         self._done.append(inputs)
         return loss
+
+    def _overrun_anywhere(self, inputs: dict[str, Any]) -> str | None:
+        """With several processes and a deferring budget: what went over budget in any process
+        during this micro-batch (a collective: every process, after every micro-batch)."""
+        sources = [cb for cb in self.trainer.callback_handler.callbacks if hasattr(cb, "take_overrun")]
+        if not sources or world()[1] == 1:
+            return None
+        notes = [note for note in (cb.take_overrun() for cb in sources) if note]
+        device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), "cpu")
+        ranks = self._over = flagged_ranks(bool(notes), device)
+        if not ranks:
+            return None
+        mine = notes[0] if notes else "another process went over its budget"
+        return f"process(es) {ranks} of {world()[1]} went over the budget: {mine}"
+
+    def _in_one_process(self, message: str) -> OutOfMemoryInOneProcess:
+        rank, size = world()
+        step = self.trainer.state.global_step + 1
+        return OutOfMemoryInOneProcess(
+            f"Out of memory in process {rank} of {size} in the middle of optimizer step {step}: "
+            f"{message.splitlines()[0] if message else ''} The processes cannot redo the step together: "
+            "the others wait in a collective this one left behind. Fix: `training.micro_batch_size: "
+            "auto` with `memory.budget` (every process probes, they agree on the micro-batch), or a "
+            "smaller `training.micro_batch_size`, or the memory savings of `memtrain plan`.")
 
     def micro_batch(self, rows: int) -> int:
         """The largest piece a micro-batch of ``rows`` examples is split into now."""
@@ -163,17 +208,13 @@ class MicroBatchRecovery:
 
     def _shrink(self, model: nn.Module, inputs: dict[str, Any], message: str) -> None:
         """Free memory, double the split, and say so; raise when one example does not fit."""
-        model.zero_grad(set_to_none=True)  # a failed backward may have added into some of them
+        drop_gradients(model)  # a failed backward may have added into some of them
         free_memory()
         reset_module_tracking()
         rows = batch_rows(inputs)
         before = self.micro_batch(rows)
         if before <= 1:
             raise MicroBatchTooLarge(self._too_large(inputs, message))
-        if _world_size(self.trainer) > 1:
-            raise torch.OutOfMemoryError(
-                f"{message}\nmemtrain's out-of-memory recovery works in one process only (the processes "
-                "would have to redo the step together). Fix: a smaller `training.micro_batch_size`.")
         self.parts *= 2
         if self.parts > rows:
             self.parts = rows
@@ -184,8 +225,10 @@ class MicroBatchRecovery:
                     "same step with micro-batch %d and %d accumulated (effective batch unchanged; "
                     "optimizer and scheduler state untouched). First line of the error: %s", step, before,
                     after, accumulation, message.splitlines()[0] if message else "")
-        event = {"step": step, "micro_batch_before": before, "micro_batch": after,
-                 "accumulation": accumulation}
+        event: dict[str, Any] = {"step": step, "micro_batch_before": before, "micro_batch": after,
+                                 "accumulation": accumulation}
+        if self._over:  # several processes: which of them went over the budget
+            event["processes_over_budget"] = list(self._over)
         self.events.append(event)
         self.trainer.log({"memory/recovered_micro_batch": float(after),
                           "memory/recovered_accumulation": float(accumulation)})
@@ -323,7 +366,4 @@ def device_peak_bytes(inputs: dict[str, Any]) -> int | None:
         return None
     return int(torch.cuda.max_memory_allocated(device))
 
-
-def _world_size(trainer: Any) -> int:
-    return int(getattr(trainer.args, "world_size", 1) or 1)
 

@@ -56,8 +56,13 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, console: Console | None = None,
-          callbacks: list[TrainerCallback] | None = None) -> TrainResult:
+          callbacks: list[TrainerCallback] | None = None, *,
+          autofit_choices: list[tuple[int, int]] | None = None) -> TrainResult:
     """Fine-tune as the recipe says and save the result in ``cfg.output.dir``.
+
+    ``autofit_choices`` is set by memtrain's launcher in each process it starts: the (micro-batch,
+    accumulation) pairs the recipe allowed before the launcher planned ``micro_batch_size: auto``,
+    among which the processes confirm the planned one with a probe step.
 
     Raises:
         MemtrainError: a user-fixable problem (data, output folder, settings), before heavy work.
@@ -67,7 +72,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     # micro_batch_size: auto is predicted by the planner and confirmed by a probe step once the
     # Trainer exists, among the batches the recipe as written allows
     choices = autofit.valid_batches(cfg.training, cfg.distributed.processes) if (
-        cfg.training.micro_batch_size == "auto") else None
+        cfg.training.micro_batch_size == "auto") else autofit_choices
     if choices and cfg.memory.budget is None and cfg.memory.simulate_budget is None:
         raise MemtrainError(
             "`training.micro_batch_size`: `auto` picks the largest micro-batch that fits "
@@ -77,7 +82,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     if planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ):
         cfg = _plan(cfg, console)  # once, before any process starts: every process gets the decision
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
-        return _launch(cfg, out, callbacks)
+        return _launch(cfg, out, callbacks, choices)
     launch.bind_device()
     # on the CPU, tensors above 32 MiB would otherwise page-fault on every step
     kept_pages = not cuda_available() and hostmem.keep_freed_pages()
@@ -206,17 +211,19 @@ def _predict(cfg: RunConfig) -> Estimate | None:
         return None
 
 
-def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None) -> TrainResult:
+def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None,
+            choices: list[tuple[int, int]] | None) -> TrainResult:
     """Several processes: check the output folder here (before N processes start), run them,
-    return rank 0's result with every process's measured memory."""
+    return the result of this machine's first process (rank 0's on machine 0), with every
+    process's measured memory."""
     if callbacks:
         raise MemtrainError(f"`distributed.processes={cfg.distributed.processes}`: Trainer callbacks "
                             "cannot be handed to other processes. Fix: run with one process, or launch "
                             "your own script with torchrun and call `memtrain.runner.train` in it.")
     rundir.check_output_dir(cfg, out)
-    results = launch.launch(cfg)
+    results = launch.launch(cfg, choices)
     first = results[0]
-    first.process_memory = [r.memory for r in results]
+    first.process_memory = first.process_memory or [r.memory for r in results]
     return first
 
 

@@ -39,7 +39,9 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
         held_gradients: run only one micro-batch of a single batch: the earlier ones are stood in
             for by gradients the caller already put in place (:func:`hold_gradients`). From the
             second micro-batch on every micro-batch holds the same memory, so the step's peak is
-            the same and its forward and backward cost one micro-batch.
+            the same and its forward and backward cost one micro-batch. Not for FSDP2 models,
+            whose earlier micro-batches leave full gradients that a caller cannot put in place:
+            run two micro-batches instead.
         skip_non_finite: zero the gradients if any is not finite before the update (a probe at
             learning rate 0 must leave the weights unchanged: 0 x NaN is NaN).
     """

@@ -127,9 +127,9 @@ class MemtrainTrainer(Trainer):
     - with ``optimizer_in_backward``, every parameter steps in backward as soon as its gradient is
       complete (:mod:`memtrain.optim_backward`);
     - a micro-batch that runs out of memory is split in two and its optimizer step redone
-      (:mod:`memtrain.recovery`), unless ``recover_oom`` is False or the step is in backward; an
-      evaluation batch that runs out of memory is split and predicted in pieces
-      (:mod:`memtrain.eval_recovery`).
+      (:mod:`memtrain.recovery`; with several processes by all of them together), unless
+      ``recover_oom`` is False or the step is in backward; an evaluation batch that runs out of
+      memory is split and predicted in pieces (:mod:`memtrain.eval_recovery`).
     """
 
     def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,

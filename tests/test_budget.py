@@ -36,6 +36,23 @@ def test_simulated_budget_raises_torch_oom_exactly_at_the_limit() -> None:
     assert measure_step(model, batch(), opt).peak_bytes == peak
 
 
+def test_a_deferring_budget_notes_the_first_crossing_and_lets_the_step_finish() -> None:
+    """With several processes the error waits for the end of the micro-batch (module docstring);
+    a launched CPU process's ``cpu:0`` device is the ``cpu`` its tensors are on."""
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    measure_step(model, batch(), opt)
+    peak = measure_step(model, batch(), opt).peak_bytes
+    with SimulatedBudget(peak - 1, model, opt, device="cpu:0", defer=True) as deferred:
+        model(**batch()).loss.backward()  # no error at the op
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert deferred.peak_bytes == peak
+    note = deferred.take_overrun()
+    assert note is not None and "simulated budget" in note
+    assert deferred.take_overrun() is None  # taken: the next micro-batch starts afresh
+
+
 def test_simulated_budget_callback_is_paused_for_evaluation_and_resumes() -> None:
     from types import SimpleNamespace
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from memtrain import distributed, launch, patches
-from memtrain.config import load_recipe
+from memtrain.config import dump_recipe, load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.memory.estimate import estimate
 from memtrain.model import load_model
@@ -41,10 +41,10 @@ def tiny_llama(**overrides: Any) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
 
 
-def run_config(tmp: Path, data: Path, method: str = "full", processes: int = 2, **sections: Any) -> Any:
+def run_config(tmp: Path, corpus: Path, method: str = "full", processes: int = 2, **sections: Any) -> Any:
     """A recipe whose global batch (8 packed blocks of 32 tokens) is the same for 1 and 2 processes."""
     recipe = causal_recipe(
-        tmp, data, adapter={"method": method, "r": 4, "alpha": 8, "dropout": 0.0},
+        tmp, corpus, adapter={"method": method, "r": 4, "alpha": 8, "dropout": 0.0},
         data={"packing": True},
         training={"micro_batch_size": 8 // processes, "max_steps": 3,
                   "learning_rate": 1e-3 if method == "full" else 1e-2},
@@ -209,10 +209,10 @@ def test_cli_nproc_sets_the_number_of_processes(tmp_path: Path, text_file: Path,
 # ---------------------------------------------------------------- real runs with 2 processes
 
 
-def train_runs(tmp: Path, data: Path, method: str, **sections: Any) -> dict[int, Any]:
+def train_runs(tmp: Path, corpus: Path, method: str, **sections: Any) -> dict[int, Any]:
     from memtrain.runner import train
 
-    return {n: train(run_config(tmp, data, method, n, **sections)) for n in (1, 2)}
+    return {n: train(run_config(tmp, corpus, method, n, **sections)) for n in (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -301,19 +301,140 @@ def test_saved_adapter_reloads_and_matches_one_process(lora_runs: dict[int, Any]
     torch.testing.assert_close(logits(reloaded[2]), logits(reloaded[1]), rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def qlora_runs(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> dict[int, Any]:
+    # An evaluation after every step: on a CPU with AVX512-BF16, bitsandbytes would repack the
+    # 4-bit weights in the first no-grad eval forward (memtrain.model.keep_4bit_trainable_on_cpu
+    # turns that off); under FSDP2 the repack would also meet the next all-gather's bytes.
+    sections = {"model": {"quantization": "nf4"}, "data": {"eval_split": 0.25}, "training": {"eval_steps": 1}}
+    return train_runs(tmp_path_factory.mktemp("qlora"), text_file, "lora", **sections)
+
+
 @pytest.mark.slow
-def test_qlora_trains_in_two_processes(tmp_path: Path, text_file: Path) -> None:
+def test_qlora_trains_in_two_processes_like_one(qlora_runs: dict[int, Any]) -> None:
     from peft import PeftModel
+
+    two, one = losses(qlora_runs[2]), losses(qlora_runs[1])
+    assert len(two) == 3 and two[-1] < two[0]
+    # Same examples and weights (the 4-bit bytes are the same, stored as fp32 when sharded: the
+    # compute dtype), fp32 compute; only the order of float reductions differs.
+    assert two == pytest.approx(one, rel=1e-5)
+    evals = [[h["eval_loss"] for h in qlora_runs[n].log_history if "eval_loss" in h] for n in (2, 1)]
+    assert len(evals[0]) == 4 and evals[0] == pytest.approx(evals[1], rel=1e-5)  # each step, the end
+    result = qlora_runs[2]
+    assert result.patches[0].startswith("QLoRA") and "FSDP2 over 2 processes" in result.patches[-1]
+    # the adapter trained on sharded 4-bit weights (float storage) loads onto a default 4-bit base
+    cfg = load_recipe(yaml.safe_load((result.output_dir / "recipe.yaml").read_text()))
+    model = PeftModel.from_pretrained(load_model(cfg.model, seed=cfg.training.seed), str(result.output_dir))
+    assert torch.isfinite(logits(model)).all()
+
+
+@pytest.mark.slow
+def test_each_process_holds_half_the_4bit_weights(qlora_runs: dict[int, Any]) -> None:
+    from memtrain.memory.quantized import quantization_state_tensors
+
+    cfg = load_recipe(yaml.safe_load((qlora_runs[1].output_dir / "recipe.yaml").read_text()))
+    model = load_model(cfg.model, seed=cfg.training.seed)
+    packed = sum(p.numel() * p.element_size() for p in model.parameters() if type(p).__name__ == "Params4bit")
+    # absmax and code books: small, outside the parameters, kept whole in every process
+    constants = sum(t.numel() * t.element_size() for t in quantization_state_tensors(model))
+    single = qlora_runs[1].memory.max_by_category["parameters"]  # all weights, constants included
+    assert packed > 0 and constants > 0
+    for measured in qlora_runs[2].process_memory:
+        # Exact: every weight, 4-bit ones included, is half; the constants are whole. Were the
+        # 4-bit weights whole in each process, this would be `packed / 2` bytes more.
+        assert measured.max_by_category["parameters"] == (single - constants) // 2 + constants
+
+
+# ------------------------------------------------------------- several machines, one process each
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    """This environment for processes started here, with memtrain (this checkout) importable."""
+    import os
+
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_machines_shard_over_both_and_train_like_one_process(
+        tmp_path: Path, text_file: Path, full_runs: dict[int, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two memtrain launches on this machine play two machines (127.0.0.1, one process each)."""
+    import subprocess
+    import sys
 
     from memtrain.runner import train
 
-    cfg = run_config(tmp_path, text_file, "lora", model={"quantization": "nf4"})
+    cluster = {"processes": 2, "nodes": 2, "node_rank": 0, "master_addr": "127.0.0.1",
+               "master_port": _free_port()}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(dump_recipe(run_config(tmp_path, text_file, distributed=cluster)), encoding="utf-8")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # four Python processes share this machine's cores
+    command = [sys.executable, "-m", "memtrain", "train", str(path), "distributed.node_rank=1"]
+    other = subprocess.Popen(command, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        result = train(load_recipe(path))
+    finally:
+        output, _ = other.communicate(timeout=300)
+    assert other.returncode == 0, output
+    # Both processes hold half of every weight, gradient and optimizer state: one FSDP2 world of 2.
+    assert "FSDP2 over 2 processes" in result.patches[-1]
+    single = full_runs[1].memory
+    assert len(result.process_memory) == 2  # gathered from both machines
+    for measured in result.process_memory:
+        for category in ("parameters", "gradients"):
+            assert measured.max_by_category[category] * 2 == single.max_by_category[category], category
+    # Same 8 examples per step (4 on each machine) and initial weights as one process with 8;
+    # only the order of float reductions differs (fp32: a few ulps, far below 1e-5).
+    assert losses(result) == pytest.approx(losses(full_runs[1]), rel=1e-5)
+
+
+# ------------------------------------------------ auto-fit and recovery with one process short of memory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_process_short_of_memory_sets_the_micro_batch_and_splits_the_step_of_all(
+        tmp_path: Path, text_file: Path, full_runs: dict[int, Any], monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """Process 1 alone gets smaller budgets (tests/rank_budget_worker.py): 72 MiB for the
+    auto-fit probe, where micro-batch 4 needs 76 MiB and 2 needs 68 MiB (exact live bytes on
+    CPU), and 64 MiB in training, where micro-batch 2 reaches 67 MiB once the optimizer state
+    exists (step 2) and micro-batch 1 stays near 60 MiB. Process 0 has the recipe's 1 GiB."""
+    from memtrain.runner import train
+
+    monkeypatch.setattr(launch, "WORKER_MODULE", "rank_budget_worker")
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", _environment()["PYTHONPATH"] + f":{tests}")
+    monkeypatch.setenv("MEMTRAIN_TEST_RANK_BUDGETS", json.dumps({"1": {"probe": "72MiB", "train": "64MiB"}}))
+    cfg = run_config(tmp_path, text_file, "full", memory={"simulate_budget": "1GiB"}, training={
+        "effective_batch_size": 8, "micro_batch_size": "auto", "gradient_accumulation": None})
     result = train(cfg)
-    assert losses(result)[-1] < losses(result)[0]
-    assert result.patches[0].startswith("QLoRA") and "FSDP2" in result.patches[-1]
-    # the adapter trained on sharded 4-bit weights (float storage) loads onto a default 4-bit base
-    model = PeftModel.from_pretrained(load_model(cfg.model, seed=cfg.training.seed), str(result.output_dir))
-    assert torch.isfinite(logits(model)).all()
+    captured = capfd.readouterr()
+    shown = " ".join((captured.out + captured.err).split())  # the processes' terminal, unwrapped
+    # the probe: 4 fits process 0 only, so both keep 2 (the smallest that fits any of them)
+    assert "4 out of memory in process(es) [1], 2 fits" in shown
+    assert (result.batch.micro, result.batch.accumulation, result.batch.effective) == (2, 2, 8)
+    # training: process 1 went over in step 2; both split to 1 example x 4 and redid the step
+    recovered = [h for h in result.log_history if "memory/recovered_micro_batch" in h]
+    assert [(h["step"], h["memory/recovered_micro_batch"], h["memory/recovered_accumulation"])
+            for h in recovered] == [(1, 1.0, 4.0)]
+    assert "process(es) [1] of 2 went over the budget" in shown
+    # the effective batch never changed: the loss curve is the one of 1 process with 8 examples
+    assert losses(result) == pytest.approx(losses(full_runs[1]), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -17,7 +17,14 @@ from conftest import causal_recipe
 from plain_trainer import GradCapture, arguments, collate, max_grad_difference, tiny_model, token_dataset
 
 from memtrain.config import load_recipe
-from memtrain.recovery import MicroBatchRecovery, MicroBatchTooLarge, count_items, split_batch
+from memtrain.recovery import (
+    MicroBatchRecovery,
+    MicroBatchTooLarge,
+    OutOfMemoryInOneProcess,
+    batch_rows,
+    count_items,
+    split_batch,
+)
 from memtrain.trainer import MemtrainTrainer
 
 # 16 examples, micro-batch 4, accumulation 2: optimizer step 1 = rows 0-7. Row 5 is long, so the
@@ -208,3 +215,73 @@ def test_a_long_batch_over_a_simulated_budget_is_recovered_in_a_recipe_run(tmp_p
     final = {n: p for n, p in reference.model.named_parameters()}
     for name, p in result.model.named_parameters():
         torch.testing.assert_close(p, final[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------ several processes (the protocol)
+
+
+class _Trainer:
+    """What MicroBatchRecovery reads of a Trainer, for one of 2 processes simulated here."""
+
+    def __init__(self, callbacks: list[Any]) -> None:
+        from types import SimpleNamespace
+
+        self.state = SimpleNamespace(global_step=0)
+        self.args = SimpleNamespace(gradient_accumulation_steps=1)
+        self.callback_handler = SimpleNamespace(callbacks=callbacks)
+        self.logged: list[dict] = []
+
+    def log(self, logs: dict) -> None:
+        self.logged.append(logs)
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:  # swapped for weighted pieces
+        raise AssertionError("not called by the step functions here")
+
+
+class _Budget:
+    """A deferring budget that noted nothing in this process."""
+
+    def take_overrun(self) -> str | None:
+        return None
+
+
+def test_process_0_redoes_the_step_split_when_process_1_went_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    import memtrain.recovery as recovery
+
+    monkeypatch.setattr(recovery, "world", lambda: (0, 2))
+    votes, flags = iter([[1], []]), []  # after the first attempt process 1 reports; then nobody
+
+    def vote(flag: bool, device: Any = "cpu") -> list[int]:
+        flags.append(flag)
+        return next(votes)
+
+    monkeypatch.setattr(recovery, "flagged_ranks", vote)
+    rows: list[int] = []
+
+    def step(model: Any, inputs: dict, num_items: Any) -> torch.Tensor:
+        rows.append(batch_rows(inputs))
+        return torch.tensor(1.0)
+
+    rec = MicroBatchRecovery(_Trainer([_Budget()]), step)
+    rec.training_step(torch.nn.Linear(1, 1), {"input_ids": torch.zeros(4, 3, dtype=torch.long)})
+    assert rows == [4, 2, 2]  # whole, then both halves: the same collectives as process 1
+    assert flags == [False, False]  # this process had nothing to report, after either attempt
+    assert rec.events == [{"step": 1, "micro_batch_before": 4, "micro_batch": 2, "accumulation": 2,
+                           "processes_over_budget": [1]}]
+
+
+def test_a_real_allocation_failure_in_one_of_several_processes_is_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import memtrain.recovery as recovery
+
+    monkeypatch.setattr(recovery, "world", lambda: (1, 2))
+
+    def step(model: Any, inputs: dict, num_items: Any) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 PiB")
+
+    rec = MicroBatchRecovery(_Trainer([_Budget()]), step)
+    expected = (r"process 1 of 2 in the middle of optimizer step 1: DefaultCPUAllocator.*cannot redo the "
+                r"step together.*Fix: `training.micro_batch_size")
+    with pytest.raises(OutOfMemoryInOneProcess, match=expected):
+        rec.training_step(torch.nn.Linear(1, 1), {"input_ids": torch.zeros(4, 3, dtype=torch.long)})
+    assert rec.events == []

@@ -16,7 +16,7 @@ MICRO_CAP = 1024  # largest micro-batch considered when the effective batch does
 
 @dataclass(frozen=True)
 class Batch:
-    """The batch sizes a run uses."""
+    """The batch sizes a run uses; ``processes`` is the world size (all machines' processes)."""
 
     micro: int
     accumulation: int

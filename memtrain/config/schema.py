@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from memtrain.config.base import _MISSING, Auto, DType, FractionOr, Problem, Section, _report
+from memtrain.config.checks import batch_problems, in_backward_problems, node_problems
 from memtrain.config.data_section import (
     ALPACA_TEMPLATE,
     ALPACA_TEMPLATE_NO_INPUT,
@@ -217,9 +218,14 @@ class TrainingConfig(Section):
 
 
 class DistributedConfig(Section):
-    """Several processes on one machine, sharded with FSDP2 (through accelerate)."""
+    """Several processes, on one machine or several, sharded with FSDP2 (through accelerate)."""
 
-    processes: int = Field(1, ge=1, description="Processes to launch (one per GPU on a GPU machine).")
+    processes: int = Field(
+        1, ge=1,
+        description="Training processes in all (the world size; one per GPU on a GPU machine). With "
+        "several `nodes` this counts the processes of every machine, as accelerate's "
+        "`num_processes` does: each machine runs `processes / nodes` of them.",
+    )
     sharding: Literal["full", "grad_op", "none", "auto"] = Field(
         "full",
         description="With several processes: `full` shards parameters, gradients and optimizer "
@@ -229,6 +235,32 @@ class DistributedConfig(Section):
         "SHARD_GRAD_OP: half the all-gathers, the whole model's weights during backward); `none` "
         "replicates them (DDP); `auto`: the planner decides.",
     )
+    nodes: int = Field(
+        1, ge=1,
+        description="Machines the run spans. Start memtrain once on each (e.g. with `srun`) with the "
+        "same recipe; they meet at `master_addr:master_port` (torch's c10d rendezvous).",
+    )
+    node_rank: int | Literal["env"] | None = Field(
+        None,
+        description="This machine's number, 0 to `nodes` - 1; machine 0 hosts the rendezvous at "
+        "`master_addr`. `env`: the launcher's `NODE_RANK`, else SLURM's `SLURM_NODEID`. Needed with "
+        "several nodes.",
+    )
+    master_addr: str | None = Field(
+        None,
+        description="Host name or IP address of machine 0, reachable from every machine. `env`: the "
+        "launcher's `MASTER_ADDR`. Needed with several nodes.",
+    )
+    master_port: int | Literal["env"] = Field(
+        29500,
+        description="A free TCP port on machine 0 for the rendezvous. `env`: the launcher's `MASTER_PORT`.",
+    )
+
+    @model_validator(mode="after")
+    def _machines(self, info: ValidationInfo) -> DistributedConfig:
+        for problem in node_problems(self):
+            _report(info, problem)
+        return self
 
 
 # -------------------------------------------------------------------------------------- output
@@ -314,81 +346,10 @@ def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
             "set `memory.loss: standard`.",
         ))
     if training is not None and distributed is not None:
-        out.extend(_batch_problems(training, distributed.processes))
+        out.extend(batch_problems(training, distributed.processes))
     if training is not None:
-        out.extend(_in_backward_problems(sections))
+        out.extend(in_backward_problems(sections))
     return out
-
-
-def _in_backward_problems(sections: Mapping[str, Any]) -> list[Problem]:
-    """The optimizer step inside backward updates each parameter as soon as its gradient is
-    complete: there is no moment when all gradients exist to be accumulated, clipped or scaled."""
-    t, model, memory = sections["training"], sections.get("model"), sections.get("memory")
-    distributed = sections.get("distributed")
-    if t.optimizer_in_backward is not True:
-        return []
-    fix = "set `training.optimizer_in_backward: false`"
-    out = []
-    if t.max_grad_norm is not None:
-        out.append(Problem(
-            "training.optimizer_in_backward", True, "cannot clip by the global norm "
-            f"(`training.max_grad_norm: {t.max_grad_norm}`): each parameter steps before the others "
-            "have gradients", f"set `training.max_grad_norm: null`, or {fix}."))
-    accum = t.gradient_accumulation
-    procs = distributed.processes if distributed is not None else 1
-    implied = (t.effective_batch_size // (t.micro_batch_size * procs)
-               if isinstance(t.micro_batch_size, int) and t.effective_batch_size else None)
-    if (isinstance(accum, int) and accum > 1) or (implied or 1) > 1:
-        shown = accum if isinstance(accum, int) else implied
-        out.append(Problem(
-            "training.optimizer_in_backward", True, "cannot accumulate gradients "
-            f"(`training.gradient_accumulation` = {shown}): the step happens in every backward",
-            "make micro_batch_size × processes equal the effective batch size "
-            f"(`training.gradient_accumulation: 1`), or {fix}."))
-    if model is not None and model.dtype == "fp16":
-        out.append(Problem("training.optimizer_in_backward", True, "does not work with fp16 loss "
-                           "scaling (`model.dtype: fp16`)", f"use bf16 or fp32, or {fix}."))
-    if memory is not None and memory.offload.optimizer is True:
-        out.append(Problem("training.optimizer_in_backward", True, "and `memory.offload.optimizer` "
-                           "both move the optimizer step", f"choose one: {fix}, or turn the offload off."))
-    if procs > 1:
-        out.append(Problem("training.optimizer_in_backward", True, f"is single-process "
-                           f"(`distributed.processes: {procs}`)", f"{fix}."))
-    return out
-
-
-def _batch_problems(t: TrainingConfig, procs: int) -> list[Problem]:
-    """effective = micro × accumulation × processes must hold exactly when all are given."""
-    eff, micro, accum = t.effective_batch_size, t.micro_batch_size, t.gradient_accumulation
-    fixed_micro = micro if isinstance(micro, int) else None
-    fixed_accum = accum if isinstance(accum, int) else None
-    if eff is None:
-        return []
-    if eff % procs:
-        return [Problem(
-            "training.effective_batch_size", eff, f"is not a multiple of processes = {procs}",
-            "choose an effective batch size divisible by `distributed.processes`.",
-        )]
-    if fixed_micro and fixed_accum and fixed_micro * fixed_accum * procs != eff:
-        return [Problem(
-            "training.effective_batch_size", eff,
-            f"does not equal micro_batch_size × gradient_accumulation × processes = "
-            f"{fixed_micro} × {fixed_accum} × {procs} = {fixed_micro * fixed_accum * procs}",
-            "drop one of the three so memtrain derives it, or make them agree.",
-        )]
-    if fixed_micro and eff % (fixed_micro * procs):
-        return [Problem(
-            "training.effective_batch_size", eff,
-            f"is not a multiple of micro_batch_size × processes = {fixed_micro * procs}",
-            "choose an effective batch size divisible by it, or another micro_batch_size.",
-        )]
-    if fixed_accum and eff % (fixed_accum * procs):
-        return [Problem(
-            "training.effective_batch_size", eff,
-            f"is not a multiple of gradient_accumulation × processes = {fixed_accum * procs}",
-            "choose an effective batch size divisible by it, or another gradient_accumulation.",
-        )]
-    return []
 
 
 SECTIONS: tuple[str, ...] = tuple(RunConfig.model_fields)
