@@ -1,107 +1,213 @@
-"""Per-process memory with FSDP2: 1 process vs. 2, measured and estimated.
+"""Per-process memory with several processes: predicted (``memtrain.estimate``) vs measured.
 
-    python scripts/bench_fsdp.py            # writes docs/bench/fsdp.md
+    python scripts/bench_fsdp.py            # writes docs/bench/fsdp.md (about 9 minutes on 2 cores)
+    python scripts/bench_fsdp.py --quick    # 2 processes only, fp32 and QLoRA: a smoke run
 
-Trains the shipped ``tiny-llama-shakespeare`` recipe (tied embeddings) and a variant with
-separate input/output embeddings, in full and with LoRA, for a few steps with 1 and with 2
-processes (CPU, gloo), the same micro-batch per process. Reports the measured step with the
-highest peak of rank 0 (exact live-tensor bytes on CPU) and the per-process estimate of
-:func:`memtrain.distributed.estimate_process_step` (fake process group, no weights).
+For full fine-tuning, LoRA and QLoRA, in fp32 and bf16 (QLoRA: bf16 only, its 4-bit weights
+compute in bf16), at 1, 2 and 4 processes and every ``distributed.sharding`` (``none``: DDP
+replicas; ``grad_op``; ``full``; ``full`` with ``memory.offload.parameters``), a tiny Llama from a
+config (hidden 128, 2 layers, untied 30,522-token embeddings) trains for 2 steps with real
+processes (CPU, gloo; `memtrain.runner.train`, as a `memtrain train` worker runs it).
+
+- **measured**: every process counts its live tensor bytes with ``scripts/_fsdp_probe.py``, a
+  dispatch-mode storage counter that shares no code with ``memtrain.memory`` (it follows storage
+  resizes, which FSDP2 uses to free gathered weights, and counts from before the model is built,
+  so weights, optimizer state and DDP's buckets are in it); the peak of the second step (the first
+  creates the optimizer state), the largest over the processes;
+- **predicted**: ``memtrain.estimate`` of the same recipe: one process traced on fake tensors, in
+  a fake process group when sharded (``total_bytes``: on a CPU nothing is added to the tensors).
+
+Every row is one example of ``data.max_length`` tokens per micro-batch row (no padding, no packing:
+the estimate's worst case is then the run itself).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-import accelerate
-import torch
-import transformers
-from transformers import AutoModelForCausalLM
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from memtrain import distributed, patches
-from memtrain.config import load_recipe
-from memtrain.model import build_config
-from memtrain.runner import train
+OUT = ROOT / "docs" / "bench" / "fsdp.md"
+RECIPE = ROOT / "recipes" / "tiny-llama-shakespeare.yaml"
+MICRO, SEQ, STEPS = 2, 64, 2
+MODEL = ["model.from_config.hidden_size=128", "model.from_config.num_hidden_layers=2",
+         "model.from_config.tie_word_embeddings=false"]
+METHODS: list[tuple[str, str, list[str]]] = [  # (adapter, dtype, overrides)
+    ("full", "fp32", []), ("full", "bf16", ["model.dtype=bf16"]),
+    ("lora", "fp32", ["adapter.method=lora"]), ("lora", "bf16", ["adapter.method=lora", "model.dtype=bf16"]),
+    ("qlora", "bf16", ["adapter.method=lora", "model.quantization=nf4", "model.dtype=bf16"]),
+]
+SHARDINGS: dict[str, list[str]] = {
+    "none": ["distributed.sharding=none"], "grad_op": ["distributed.sharding=grad_op"],
+    "full": ["distributed.sharding=full"],
+    "full+offload": ["distributed.sharding=full", "memory.offload.parameters=true"],
+}
+READING = """\
+Reading it:
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny-llama-shakespeare.yaml"
-OUT = Path(__file__).resolve().parent.parent / "docs" / "bench" / "fsdp.md"
-MICRO, SEQ, STEPS = 8, 128, 3
-COLUMNS = ("parameters", "gradients", "optimizer_state", "unsharded")
+- `none` (DDP) is one replica plus DDP's gradient buckets: with `gradient_as_bucket_view=False`
+  (accelerate's default, kept by the Trainer) DDP copies every trained gradient into flat buckets
+  it all-reduces, allocated when the model is wrapped and held for the run. Full fine-tuning pays
+  one more copy of the gradients (fp32: 172.16 MiB per process against 140.96 MiB for one
+  process); LoRA a copy of the adapters' gradients only. The same at 2 and 4 processes.
+- `full` divides parameters, gradients and optimizer state by the processes and adds the full
+  weights (and, in backward, full gradients) of the unit being computed; here the units are the
+  2 layers and the two 30,522 × 128 embeddings, so an embedding's gathered copy is a large part of
+  what is left.
+- `grad_op` keeps each unit's gathered weights from its forward to its backward, so at the end of
+  the forward a process holds the whole model's weights. With LoRA and QLoRA almost all weights
+  are frozen, sharding saves little gradient and optimizer state, and `grad_op` holds more than a
+  replica; the planner therefore never assumes `grad_op` is smaller than `none`.
+- `full+offload` (`memory.offload.parameters`, FSDP2's CPU offload) measures the same as `full`:
+  on a CPU the host is the same memory, and the shards are not copied.
+- With gradient accumulation (1 × 2), the first micro-batch does not reduce-scatter (accelerate's
+  `no_sync`): each FSDP2 process holds the whole model's gradients, unsharded, until the last
+  micro-batch; the estimate traces both micro-batches.
+- Where the processes of a run differ (4 processes, full fine-tuning): the 30,522 embedding rows
+  do not divide by 4, and FSDP2 gives the last process 2 rows fewer of each embedding (its peak is
+  4 KiB lower in fp32). The estimate traces rank 0, whose shards are the largest.
+- Not in either column: what gloo allocates outside PyTorch tensors.
+"""
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "kings", "sing"]
 
 
-def config(tmp: str, adapter: str, tied: bool, processes: int) -> object:
+def corpus(folder: Path) -> Path:
+    """Rows longer than ``SEQ`` tokens: every training row is full, none padded."""
+    path = folder / "long.jsonl"
+    rows = [{"text": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 * SEQ))} for i in range(64)]
+    path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    return path
+
+
+Row = tuple[str, str, int, str, int]  # adapter, dtype, processes, sharding, gradient accumulation
+
+
+def rows(quick: bool) -> list[Row]:
+    """Every row: each method at 1 process, then at 2 and 4 with each sharding; then full fp32
+    with gradient accumulation (the same examples per process, as 2 micro-batches of 1)."""
+    methods = [m for m in METHODS if not quick or m[:2] in (("full", "fp32"), ("qlora", "bf16"))]
+    out: list[Row] = []
+    for adapter, dtype, _ in methods:
+        for processes in ((2,) if quick else (1, 2, 4)):
+            names = ["none"] if processes == 1 else [
+                s for s in SHARDINGS if s != "full+offload" or processes == 2]
+            out += [(adapter, dtype, processes, s, 1) for s in names]
+    return out + [("full", "fp32", 2, s, 2) for s in ("none", "grad_op", "full")]
+
+
+def recipe(folder: Path, data: Path, row: Row) -> Any:
+    from memtrain.config import load_recipe
+
+    adapter, dtype, processes, sharding, accumulation = row
+    method = next(o for a, d, o in METHODS if (a, d) == (adapter, dtype))
     return load_recipe(RECIPE, [
-        f"adapter.method={adapter}", f"model.from_config.tie_word_embeddings={str(tied).lower()}",
-        f"distributed.processes={processes}", f"training.micro_batch_size={MICRO}",
-        f"training.max_steps={STEPS}", "training.logging_steps=1", "data.max_examples=2000",
-        "data.eval_split=0", "output.save_model=false", "output.report=false",
-        f"output.dir={tmp}/{adapter}-{tied}-{processes}"])
+        *MODEL, *method, *SHARDINGS[sharding], f"distributed.processes={processes}",
+        f"data.source={data}", "data.packing=false", f"data.max_length={SEQ}", "data.max_examples=64",
+        "data.eval_split=0", f"training.micro_batch_size={MICRO // accumulation}",
+        f"training.gradient_accumulation={accumulation}",
+        f"training.max_steps={STEPS}", "training.logging_steps=100", "output.save_model=false",
+        "output.report=false", "output.overwrite=true",
+        f"output.dir={folder}/{adapter}-{dtype}-{processes}-{sharding}-{accumulation}"])
 
 
-def estimate(cfg: object) -> int:
-    def build() -> torch.nn.Module:
-        return patches.apply_patches(AutoModelForCausalLM.from_config(build_config(cfg.model)), cfg)
+def measure(folder: Path, data: Path, table: list[Row]) -> dict[Row, list[int]]:
+    """Per row and process: the peak of the steps after the first."""
+    import _fsdp_probe
 
-    shapes = {"input_ids": (MICRO, SEQ), "labels": (MICRO, SEQ)}
-    return distributed.estimate_process_step(build, cfg, shapes).peak_bytes
+    from memtrain.config import dump_recipe
+
+    out = {}
+    for processes in sorted({r[2] for r in table}):
+        group = [r for r in table if r[2] == processes]
+        start = time.perf_counter()
+        peaks = _fsdp_probe.launch(processes, [dump_recipe(recipe(folder, data, r)) for r in group])
+        took = time.perf_counter() - start
+        print(f"{processes} processes: {len(group)} runs in {took:.0f} s", file=sys.stderr)
+        for row, by_rank in zip(group, peaks, strict=True):
+            out[row] = [max(steps[1:]) for steps in by_rank]
+            print(f"{row}: peak by process {out[row]}", file=sys.stderr)
+    return out
 
 
 def mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def main() -> None:
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for adapter in ("full", "lora"):
-            for tied in (True, False):
-                for processes in (1, 2):
-                    cfg = config(tmp, adapter, tied, processes)
-                    result = train(cfg)
-                    measured = result.process_memory[0] if result.process_memory else result.memory
-                    predicted = estimate(cfg) if processes > 1 else None
-                    rows.append((adapter, tied, processes, measured, predicted))
+def render(table: list[Row], measured: dict[Row, list[int]], predicted: dict[Row, int],
+           seconds: float) -> str:
+    import accelerate
+    import bitsandbytes
+    import torch
+    import transformers
+
     lines = [
-        "# FSDP2: per-process memory, 1 vs. 2 processes",
+        "# Several processes: predicted vs measured per-process peak",
         "",
-        f"Command: `python scripts/bench_fsdp.py` (recipe `recipes/{RECIPE.name}`, {STEPS} steps, "
-        f"micro-batch {MICRO} × {SEQ} tokens per process).",
-        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"accelerate {accelerate.__version__}, Python {platform.python_version()}.",
+        "Command: `python scripts/bench_fsdp.py` "
+        f"({seconds / 60:.0f} minutes on this machine; `--quick` for a smoke run).",
+        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, accelerate "
+        f"{accelerate.__version__}, bitsandbytes {bitsandbytes.__version__}, "
+        f"Python {platform.python_version()}.",
         f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores shared by the processes, gloo.",
         "",
-        "MiB of rank 0 at the step with the highest peak; exact live-tensor bytes (CPU). "
-        "`parameters`, `gradients`, `unsharded`: highest during the step; `optimizer_state`: at the peak. "
-        "`unsharded` = full weights/gradients FSDP gathers for the layers being computed.",
+        f"Model: tiny Llama from a config (hidden 128, 2 layers, untied 30,522-token embeddings; "
+        f"`recipes/{RECIPE.name}` with overrides), AdamW, micro-batch {MICRO} × {SEQ} tokens per "
+        "process, every row full (no padding). Measured: live tensor bytes (exact on CPU) counted in "
+        "every process by `scripts/_fsdp_probe.py` (independent of memtrain's meter), peak of the "
+        "second optimizer step, the largest over the processes. Predicted: `memtrain.estimate` "
+        "(fake tensors, one process in a fake process group).",
         "",
-        "| adapter | embeddings | processes | peak | " + " | ".join(COLUMNS) + " | estimate | error |",
-        "|---|---|---:|---:|" + "---:|" * len(COLUMNS) + "---:|---:|",
+        "| adapter | dtype | processes | sharding | micro-batch × accumulation | measured MiB | "
+        "predicted MiB | error |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
     ]
-    for adapter, tied, processes, m, predicted in rows:
-        values = [m.max_by_category[c] if c != "optimizer_state" else m.peak_by_category[c] for c in COLUMNS]
-        est = mib(predicted) if predicted else "–"
-        err = f"{(predicted - m.peak_bytes) / m.peak_bytes:+.2%}" if predicted else "–"
-        lines.append(f"| {adapter} | {'tied' if tied else 'separate'} | {processes} | {mib(m.peak_bytes)} | "
-                     + " | ".join(mib(v) for v in values) + f" | {est} | {err} |")
-    lines += [
-        "",
-        "Reading it: parameters, gradients and optimizer state halve exactly (AdamW's per-tensor "
-        "`step` scalars aside), and the estimate traces the same sharding under a fake process group. "
-        "The peak hardly moves on this model because its peak is the logits of a 30,522-token "
-        "vocabulary, which sharding does not touch, while FSDP adds `unsharded`: the full weights "
-        "(and gradients) of the unit being computed, here the 15 MiB embedding (all-gather buffer "
-        "and copy). With LoRA on a model this small, that copy costs more than sharding saves. "
-        "Sharding pays off when weights, gradients and optimizer state outweigh one layer's full "
-        "weights plus the activations, as in multi-billion-parameter models.",
-    ]
-    table = "\n".join(lines) + "\n"
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(table, encoding="utf-8")
-    sys.stdout.write(table)
+    worst = 0.0
+    for row in table:
+        m, p = max(measured[row]), predicted[row]
+        err = (p - m) / m
+        worst = max(worst, abs(err))
+        adapter, dtype, processes, sharding, accumulation = row
+        lines.append(f"| {adapter} | {dtype} | {processes} | {sharding if processes > 1 else '–'} | "
+                     f"{MICRO // accumulation} × {accumulation} | {mib(m)} | {mib(p)} | {err:+.3%} |")
+    several = [r for r in table if r[2] > 1]
+    same = sum(len(set(measured[r])) == 1 for r in several)
+    lines += ["", f"Largest error: {worst:.3%} over {len(table)} rows (target: 2%). Every process of a "
+              f"run measured the same peak in {same} of the {len(several)} runs with several processes.",
+              "", READING]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="2 processes, fp32 full and QLoRA only")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from memtrain import estimate
+
+    table = rows(args.quick)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-fsdp-") as tmp:
+        folder = Path(tmp)
+        data = corpus(folder)
+        predicted = {r: estimate(recipe(folder, data, r)).total_bytes for r in table}
+        measured = measure(folder, data, table)
+    text = render(table, measured, predicted, time.perf_counter() - start)
+    sys.stdout.write(text)
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":
