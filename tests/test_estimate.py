@@ -310,6 +310,7 @@ def test_70b_estimate_never_allocates_its_weights() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_reduced_benchmark_table_meets_the_error_bounds() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_estimate

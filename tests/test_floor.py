@@ -26,6 +26,7 @@ def corpus(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_lean_kbit_loading_trains_like_peft_upcast(tmp_path: Path, corpus: Path) -> None:
     """20 QLoRA steps (bf16 compute, nf4 base): the loss curve of the lean path stays within 0.5% of
     peft's fp32-upcast path at every logged step; frozen embeddings stay bf16, LoRA weights fp32."""
