@@ -7,14 +7,13 @@ times one candidate on the CPU and another on the GPU.
 On CUDA what runs out is the caching allocator's reserved memory plus the CUDA context, not the
 tensor bytes: :class:`AllocatorBudget` caps the allocator (``set_per_process_memory_fraction``) so
 that a step over the budget raises the real ``torch.OutOfMemoryError`` at the allocation that
-crosses it, and reports the allocator's own peaks. On a CPU there is no allocator to ask: budgets
+crosses it, and reports the allocator's reserved peak. On a CPU there is no allocator to ask: budgets
 there are enforced on live tensor bytes (:class:`memtrain.memory.budget.SimulatedBudget`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,27 +58,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels (timings on CUDA measure nothing without it)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@dataclass
-class AllocatorPeaks:
-    """What the caching allocator held at its highest since the last reset (bytes)."""
-
-    allocated: int
-    reserved: int
-
-
-def reset_peaks(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def allocator_peaks(device: torch.device) -> AllocatorPeaks | None:
-    """The allocator's peaks on CUDA (None on a CPU, which has no caching allocator)."""
-    if device.type != "cuda":
-        return None
-    return AllocatorPeaks(int(torch.cuda.max_memory_allocated(device)),
-                          int(torch.cuda.max_memory_reserved(device)))
 
 
 def outside_allocator_bytes(device: torch.device) -> int:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from memtrain.device import cuda_available
+from memtrain.device import cuda_available, synchronize
 
 ENV_VAR = "MEMTRAIN_CALIBRATION"
 DEFAULT_CUDA_CONTEXT = 2**30
@@ -211,19 +211,14 @@ def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5) ->
     then saw every step as matmul-bound.
     """
     fn()  # warm-up (kernel selection, lazy loading)
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return max(min(times), 1e-9)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_gpu_overheads(used_before: int | None, quick: bool = False) -> dict[str, Any]:
