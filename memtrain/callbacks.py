@@ -14,6 +14,7 @@ integrations.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,17 +33,19 @@ class MemoryMeterCallback(TrainerCallback):
 
     Args:
         every: measure the first two optimizer steps of each ``train()`` call (before and after
-            optimizer state exists; a resumed run is measured too)
-            and then one step in ``every`` (1 = all; the measurement adds a Python call per
-            tensor op).
+            optimizer state exists; a resumed run is measured too), then one step in ``every``
+            (1 = all) and the last step. Default: the Trainer's logging interval, so that each log
+            entry reports the step it is logged at: measuring adds a Python call per tensor op,
+            17-24% of a CPU step (docs/bench/meter_cost.md), too much to pay on every step.
         keep_timeline: keep the per-op timeline of the measured step with the highest peak
             (for the memory report plot).
         predicted_bytes: the estimator's predicted peak, logged as ``memory/predicted_peak_mib``.
     """
 
-    def __init__(self, every: int = 1, keep_timeline: bool = True,
+    def __init__(self, every: int | None = None, keep_timeline: bool = True,
                  predicted_bytes: int | None = None) -> None:
         self.every = every
+        self._every = every or 1  # resolved at train begin
         self.keep_timeline = keep_timeline
         self.predicted_bytes = predicted_bytes  # the estimator's peak, logged beside the measured one
         self.steps: dict[int, StepMemory] = {}  # global step -> measurement
@@ -65,13 +68,14 @@ class MemoryMeterCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
         self._first = state.global_step  # a resumed run measures its own first two steps too
+        self._every = self.every or logging_interval(args, state)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       model: torch.nn.Module | None = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
         step = state.global_step + 1
-        if step - self._first > 2 and step % self.every:
-            return
+        if step - self._first > 2 and step % self._every and step != state.max_steps:
+            return  # (the Trainer logs the last step too)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
         self._meter = MemoryMeter(model, inner if isinstance(inner, torch.optim.Optimizer) else None,
                                   timeline=self.keep_timeline)
@@ -112,6 +116,18 @@ class MemoryMeterCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(entries)  # the Trainer stored its copy before on_log
         self._since_log.clear()
+
+
+def logging_interval(args: TrainingArguments, state: TrainerState) -> int:
+    """The Trainer's logging interval in steps (``logging_steps`` below 1 is a fraction of the run,
+    which the Trainer has turned into steps in ``state`` by the time training begins)."""
+    total = max(1, int(state.max_steps or 1))
+    if args.logging_strategy == "epoch":
+        return max(1, math.ceil(total / max(1.0, float(args.num_train_epochs))))
+    if args.logging_strategy != "steps":  # no logs: the first two steps only
+        return total + 1
+    steps = state.logging_steps or args.logging_steps
+    return max(1, int(steps if steps >= 1 else math.ceil(steps * total)))
 
 
 def memory_logs(result: StepMemory, prefix: str = "memory/") -> dict[str, float]:

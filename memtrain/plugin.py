@@ -69,12 +69,14 @@ class MemoryBudgetCallback(MemoryMeterCallback):
             as soon as live tensor bytes exceed it.
         simulate_budget: enforce this limit instead of ``budget`` (implies ``simulate``).
         recover: install out-of-memory recovery into the Trainer.
-        every: measure the first two steps, then one in ``every``.
+        every: measure the first two steps, then one in ``every`` (default: the Trainer's
+            ``logging_steps``, so that each log entry reports the step it is logged at).
     """
 
     def __init__(self, budget: str | int | BudgetPlan | None = None, *, margin: float = 0.1,
                  predicted: str | int | BudgetPlan | None = None, simulate: bool = False,
-                 simulate_budget: str | int | None = None, recover: bool = True, every: int = 1) -> None:
+                 simulate_budget: str | int | None = None, recover: bool = True,
+                 every: int | None = None) -> None:
         plan = next((p for p in (budget, predicted) if isinstance(p, BudgetPlan)), None)
         if plan is not None:  # prepare_for_budget's decision: its budget, margin and predicted peak
             budget = plan.budget if budget is None or budget is plan else budget

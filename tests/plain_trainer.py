@@ -63,10 +63,11 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 def arguments(tmp_path: Path, micro: int, accumulation: int, steps: int, **extra: Any) -> TrainingArguments:
     """CPU TrainingArguments: no shuffling surprises (fixed seed), no saving, log every step."""
+    extra.setdefault("logging_steps", 1)
     return TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3,
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
+        save_strategy="no", report_to="none", use_cpu=True, seed=0,
         dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
         train_sampling_strategy="sequential", **extra)
 

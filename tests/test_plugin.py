@@ -56,6 +56,23 @@ def test_callback_warns_over_the_usable_budget(tmp_path: Path, caplog: pytest.Lo
         MemoryBudgetCallback(simulate=True)
 
 
+def test_callback_measures_the_logged_steps_by_default(tmp_path: Path) -> None:
+    """The meter costs 17-24% of a step (docs/bench/meter_cost.md): by default the callback
+    measures the first two steps and then the steps the Trainer logs (the last one too), each log
+    its own step."""
+    lengths = [8] * 14
+    default, every = MemoryBudgetCallback(recover=False), MemoryBudgetCallback(recover=False, every=1)
+    logged = {}
+    for name, callback in (("default", default), ("every", every)):
+        trainer = Trainer(model=tiny_model(), args=arguments(tmp_path / name, 2, 1, 7, logging_steps=3),
+                          train_dataset=token_dataset("causal-lm", lengths), data_collator=collate)
+        callback.attach(trainer)
+        trainer.train()
+        logged[name] = [e["step"] for e in trainer.state.log_history if "memory/peak_mib" in e]
+    assert sorted(default.steps) == [1, 2, 3, 6, 7] and sorted(every.steps) == list(range(1, 8))
+    assert logged == {"default": [3, 6, 7], "every": [3, 6, 7]}  # the Trainer logs the last step too
+
+
 @pytest.mark.slow
 def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
     from memtrain.memory.estimate import estimate
