@@ -277,8 +277,8 @@ class _Search:
             one = {"training.micro_batch_size": 1, "training.effective_batch_size": None,
                    "training.gradient_accumulation": min(accumulation, 2)}
             plan = est._plan(with_values(cfg, one), (), self.device)
-            c2, counts2, _ = est._candidates(plan, 2, plan.seq_len, False)
-            c3, counts3, _ = est._candidates(plan, 3, plan.seq_len, False)
+            (c2, counts2, _), (c3, counts3, _) = est._candidates_at(
+                plan, [(2, plan.seq_len), (3, plan.seq_len)], False)
             self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
         return self._traces[key]
 

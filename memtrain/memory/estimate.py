@@ -18,6 +18,7 @@ What to trace (architecture, step shape, device; :func:`resolve_config`) is deci
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -48,6 +49,7 @@ from memtrain.memory.trace_plan import _check_positions as _check_positions
 from memtrain.memory.trace_plan import _get as _get
 from memtrain.memory.trace_plan import _Plan, _plan
 from memtrain.memory.trace_plan import resolve_config as resolve_config
+from memtrain.memory.trace_pool import run_all
 
 PHASES = ("forward", "backward", "optimizer")
 Counts = tuple[int, int, list[str], "Work | None"]  # parameters, trainable, patches, work
@@ -128,8 +130,8 @@ def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), 
     sizes = sorted(set(micro_batch_sizes or _doubling(1, max(8, 4 * plan.micro_batch))))
     lengths = sorted(set(seq_lens or _seq_points(plan)))
     base = min(sizes)
-    c1, counts, method = _candidates(plan, base, plan.seq_len, exact=False)
-    c2, _, _ = _candidates(plan, base + 1, plan.seq_len, exact=False)
+    (c1, counts, method), (c2, _, _) = _candidates_at(plan, [(base, plan.seq_len),
+                                                             (base + 1, plan.seq_len)], exact=False)
     by_batch = []
     for size in sizes:
         cands = in_batch(c1, c2, base, base + 1, size)
@@ -138,8 +140,9 @@ def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), 
         est = _summarize(plan, cands, counts, method, 0.0)
         by_batch.append((size, est.peak_bytes, est.total_bytes))
     by_length = []
-    for length in lengths:
-        est = _summarize(plan, *_candidates(plan, plan.micro_batch, length, exact=False), 0.0)
+    at_lengths = _candidates_at(plan, [(plan.micro_batch, n) for n in lengths], exact=False)
+    for length, found in zip(lengths, at_lengths, strict=True):
+        est = _summarize(plan, *found, 0.0)
         by_length.append((length, est.peak_bytes, est.total_bytes))
     return Sweep(by_batch, by_length)
 
@@ -150,14 +153,35 @@ def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), 
 def _candidates(plan: _Plan, micro_batch: int, seq_len: int, exact: bool
                 ) -> tuple[Candidates, Counts, str]:
     """Candidate peak ops of the full-depth step, parameter counts, and how they were obtained."""
-    if exact or plan.depth <= FULL_TRACE_DEPTH:
-        return _full_depth(plan, micro_batch, seq_len)
-    if isinstance(plan.cfg.memory.checkpointing, int):  # the first n layers differ from the rest
+    return _candidates_at(plan, [(micro_batch, seq_len)], exact)[0]
+
+
+def _candidates_at(plan: _Plan, points: Sequence[tuple[int, int]], exact: bool
+                   ) -> list[tuple[Candidates, Counts, str]]:
+    """:func:`_candidates` at several (micro-batch, sequence length) points, their traces run side
+    by side (:mod:`memtrain.memory.trace_pool`)."""
+    whole = exact or plan.depth <= FULL_TRACE_DEPTH
+    if not whole and isinstance(plan.cfg.memory.checkpointing, int):  # the first n layers differ
         if "checkpointing" not in " ".join(plan.notes):
             plan.notes.append("memory.checkpointing is a number of layers, so every layer was traced")
-        return _full_depth(plan, micro_batch, seq_len)
-    a = _trace(plan, 2, micro_batch, seq_len)
-    b = _trace(plan, 3, micro_batch, seq_len)
+        whole = True
+    depths = [plan.depth] if whole else [2, 3]
+    jobs = [functools.partial(_trace, plan, depth, micro, seq) for micro, seq in points for depth in depths]
+    traces = run_all(jobs)
+    found = []
+    for k, (micro, seq) in enumerate(points):
+        if whole:
+            full = traces[k]
+            found.append((direct(full), (full.parameters, full.trainable, full.patches, full.work),
+                          f"traced all {plan.depth} layers"))
+        else:
+            found.append(_extrapolated(plan, traces[2 * k], traces[2 * k + 1], micro, seq))
+    return found
+
+
+def _extrapolated(plan: _Plan, a: Trace, b: Trace, micro_batch: int, seq_len: int
+                  ) -> tuple[Candidates, Counts, str]:
+    """The full-depth step from traces at depths 2 (``a``) and 3 (``b``)."""
     steps = plan.depth - 2
     work = None if a.work is None or b.work is None else a.work + (b.work + a.work.scaled(-1)).scaled(steps)
     counts = (a.parameters + steps * (b.parameters - a.parameters),
