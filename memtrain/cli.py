@@ -9,7 +9,10 @@ others, with what they share in :mod:`memtrain.cli_common`.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
 import sys
 import warnings
 from typing import Annotated
@@ -124,8 +127,29 @@ for _command in (cli_estimate.estimate, cli_estimate.plan, cli_estimate.calibrat
 
 def main() -> None:
     """Console-script entry point."""
+    atexit.register(_end_without_teardown)  # registered first, so it runs after every other one
     try:
         app()
     except KeyboardInterrupt:
         err_console.print("interrupted")
+        _exit_code[0] = 130
         sys.exit(130)
+    except SystemExit as done:
+        _exit_code[0] = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        raise
+
+
+_exit_code = [0]
+
+
+def _end_without_teardown() -> None:
+    """Leave the process once the command's work and every exit handler are done, skipping the
+    interpreter's teardown: freeing every object of torch, transformers and friends one by one
+    takes about 2 s on a 2-core machine (11.0 s vs 9.3 s for `import memtrain.memory.estimate`
+    alone), a sixth of a 70B estimate, and frees nothing the operating system would not. The
+    handlers of modules imported before :func:`main` (logging's) run here, as they would after."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe (`memtrain ... | head`)
+            stream.flush()
+    os._exit(_exit_code[0])

@@ -163,6 +163,17 @@ def test_a_real_process_exits_2_without_a_traceback(tmp_path: Path, corpus: Path
     assert "Traceback" not in done.stderr + done.stdout and "data.source" in done.stderr
 
 
+def test_the_command_skips_teardown_but_keeps_its_output_and_status() -> None:
+    """`memtrain` leaves with os._exit once its work is done (memtrain.cli._end_without_teardown):
+    what it wrote into pipes (block-buffered) still arrives, with the command's exit status."""
+    listing = subprocess.run([sys.executable, "-m", "memtrain", "recipes"], capture_output=True,
+                             text=True, timeout=120, check=False)
+    assert listing.returncode == 0 and "tiny-llama-shakespeare" in listing.stdout, listing.stderr
+    wrong = subprocess.run([sys.executable, "-m", "memtrain", "validate", "no-such-recipe"],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert wrong.returncode == 2 and "`recipe`: no such file" in wrong.stderr
+
+
 # ----------------------------------------------------------------------- plan, estimate, report
 
 
