@@ -2,8 +2,11 @@
 
 Each command runs ``--repeats`` times in a new process (imports included, as a user runs it); the
 table has the best and the median wall time. Beside them, the floor no code of memtrain's can go
-under: a bare ``python -c "import torch, transformers, peft, bitsandbytes"``, the libraries an
-estimate of a QLoRA recipe must load. Writes docs/bench/startup.md.
+under: a bare ``python -c`` importing the libraries an estimate of a QLoRA recipe loads (torch,
+transformers' model classes and Trainer, peft, bitsandbytes) and leaving as ``memtrain`` does,
+without the interpreter's teardown (``os._exit``), and the same with the teardown. The 70B
+estimate also runs with its two traces one after the other (``MEMTRAIN_TRACE_PROCESSES=1``).
+Writes docs/bench/startup.md.
 
     PYTHONPATH=$PWD python scripts/bench_startup.py            # the table in docs/
     PYTHONPATH=$PWD python scripts/bench_startup.py --repeats 1 --quick
@@ -22,19 +25,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "memtrain"]
-COMMANDS: list[tuple[str, list[str]]] = [
-    ("memtrain --help", [*CLI, "--help"]),
-    ("memtrain validate recipes/quickstart.yaml", [*CLI, "validate", "recipes/quickstart.yaml"]),
-    ("import torch, transformers, peft, bitsandbytes (the floor)",
-     [sys.executable, "-c", "import torch, transformers, peft, bitsandbytes"]),
-    ("memtrain estimate 70B QLoRA (--device cuda)",
-     [*CLI, "estimate", "recipes/llama-3.1-8b-qlora.yaml", "model.name=meta-llama/Llama-3.1-70B",
-      "--device", "cuda"]),
+LIBRARIES = "import torch, transformers.modeling_utils, transformers.trainer, peft, bitsandbytes"
+ESTIMATE_70B = [*CLI, "estimate", "recipes/llama-3.1-8b-qlora.yaml",
+                "model.name=meta-llama/Llama-3.1-70B", "--device", "cuda"]
+# (name, command, extra environment)
+COMMANDS: list[tuple[str, list[str], dict[str, str]]] = [
+    ("memtrain --help", [*CLI, "--help"], {}),
+    ("memtrain validate recipes/quickstart.yaml", [*CLI, "validate", "recipes/quickstart.yaml"], {}),
+    ("the floor: the libraries, no teardown", [sys.executable, "-c", f"{LIBRARIES}, os; os._exit(0)"], {}),
+    ("the libraries, with the interpreter's teardown", [sys.executable, "-c", LIBRARIES], {}),
+    ("memtrain estimate 70B QLoRA (--device cuda)", ESTIMATE_70B, {}),
+    ("the same, traces one after the other", ESTIMATE_70B, {"MEMTRAIN_TRACE_PROCESSES": "1"}),
 ]
 
 
-def wall_times(command: list[str], repeats: int) -> list[float]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+def wall_times(command: list[str], repeats: int, extra: dict[str, str]) -> list[float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **extra}
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -51,8 +57,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the two light commands only, nothing written")
     args = parser.parse_args()
     rows = ["| command | best s | median s |", "|---|---:|---:|"]
-    for name, command in COMMANDS[:2] if args.quick else COMMANDS:
-        times = wall_times(command, args.repeats)
+    for name, command, extra in COMMANDS[:2] if args.quick else COMMANDS:
+        times = wall_times(command, args.repeats, extra)
         rows.append(f"| `{name}` | {min(times):.2f} | {statistics.median(times):.2f} |")
         print(rows[-1], flush=True)
     if args.quick:
@@ -62,8 +68,12 @@ def main() -> None:
         f"`python scripts/bench_startup.py` on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}; each command {args.repeats} times "
         "in a fresh process (wall time, imports included).", "", *rows, "",
-        "The floor row is what loading the libraries an estimate of a QLoRA recipe needs costs on this "
-        "machine before any memtrain code runs; the 70B estimate's own work is the difference.", ""])
+        "The floor row is what loading the libraries an estimate of a QLoRA recipe loads (torch, "
+        "transformers' model classes and Trainer, peft, bitsandbytes) costs on this machine before any "
+        "memtrain code runs, leaving as `memtrain` does (`os._exit` once its work and exit handlers are "
+        "done); the next row pays the interpreter's teardown too. The 70B estimate's own work is the "
+        "difference; its last row traces depths 2 and 3 one after the other instead of side by side "
+        "(memtrain/memory/trace_pool.py).", ""])
     out = ROOT / "docs" / "bench" / "startup.md"
     out.write_text(text, encoding="utf-8")
     print(f"wrote {out}")
