@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -30,6 +31,16 @@ def _dies_in_a_worker() -> str:
     return "ran here"
 
 
+def _hangs_in_a_worker() -> str:
+    if os.getpid() != PARENT:
+        time.sleep(3600)
+    return "ran here"
+
+
+def _parallel_op() -> tuple[int, float]:
+    return os.getpid(), float(torch.nn.functional.gelu(torch.ones(512, 4096)).sum())
+
+
 def _refuses() -> str:
     raise MemtrainError("`model.name`: the job's own error")
 
@@ -52,6 +63,33 @@ def test_a_job_failing_or_dying_in_a_worker_is_run_here(two_processes: None) -> 
     assert trace_pool.run_all(jobs)[2:] == ["ran here"] * 2
     with pytest.raises(MemtrainError, match="the job's own error"):
         trace_pool.run_all([_pid, _refuses])
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_is_killed_and_its_jobs_run_here(two_processes: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_pool, "PATIENCE", (1.0, 2.0))  # 2 s after this process's own share
+    start = time.perf_counter()
+    assert trace_pool.run_all([_pid, _hangs_in_a_worker]) == [PARENT, "ran here"]
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_runs_real_ops_after_this_process_used_its_threads(two_processes: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """GNU OpenMP's thread pool does not survive a fork: a worker's first parallel op hung until
+    workers ran on one thread (found by a fresh-clone CI run, in the approximate-layer probe; now
+    a hang would also end, after PATIENCE, with the job run here: the result would be the same,
+    so the test also checks that it came from the worker)."""
+    monkeypatch.setattr(trace_pool, "PATIENCE", (1.0, 10.0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, expected = _parallel_op()  # this process's OpenMP pool now exists
+        (_, here), (where, there) = trace_pool.run_all([_parallel_op, _parallel_op])
+        assert where != PARENT and here == there == expected
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_one_process_when_forking_is_unsafe_or_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,19 +4,24 @@ An estimate traces its step twice (2 and 3 layers), the planner four times per g
 (micro-batches 2 and 3 at both depths), a sweep once per sequence length. Each trace is pure Python
 dispatch on fake tensors: one core, seconds each (a 70B QLoRA step: ~2.5 s per trace on this
 project's 2-core CPU), and nothing a thread could overlap under the GIL. :func:`run_all` runs the
-first share of the jobs in this process and hands the rest to worker processes forked from it
-(``concurrent.futures.ProcessPoolExecutor`` with the ``fork`` start method): a fork inherits the
-imported libraries, the recipe and the model configuration, so a worker starts tracing at once,
-where a spawned one would first spend the ~8 s the imports take. Only the finished traces (numpy
-arrays) travel back.
+first share of the jobs in this process and hands the other shares to worker processes forked from
+it (``multiprocessing`` with the ``fork`` start method): a fork inherits the imported libraries, the
+recipe and the model configuration, so a worker starts tracing at once, where a spawned one would
+first spend the ~8 s the imports take. Only the finished traces (numpy arrays) travel back, through
+a pipe per worker. Written with ``multiprocessing.Process`` rather than a process pool because a
+pool cannot be told to give up on a worker that hangs: here a worker that has not answered long
+after this process finished its own share (:data:`PATIENCE`) is killed and its jobs run here.
 
 Forking is used only where it is safe and can help: Linux, more than one usable core, not inside
 a daemonic worker, not in a process of a distributed run (its process group cannot be forked, and
 the other processes use the other cores), and CUDA not yet initialised in this process (a forked
 child cannot use CUDA, and fake CUDA tensors may ask it for the current device). Otherwise, and with
 ``MEMTRAIN_TRACE_PROCESSES=1``, the jobs run one after the other here, as before. A job that fails
-in a worker, or a worker that dies, is run again in this process, so the error a user sees is the
-job's own, raised where it would have been without workers. Results do not depend on where a job
+in a worker, or whose worker dies or hangs, is run again in this process, so the error a user sees
+is the job's own, raised where it would have been without workers. Workers run torch on one
+thread: GNU OpenMP's thread pool does not survive a fork, and a child's first parallel op (traces
+run a few real ones: a probe, a quantization map) would wait forever for threads it does not have,
+which is why torch's own DataLoader workers do the same. Results do not depend on where a job
 ran: tests/test_trace_pool.py compares them.
 """
 
@@ -26,13 +31,17 @@ import math
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 import torch
 
 ENV_VAR = "MEMTRAIN_TRACE_PROCESSES"
+# How long to wait for a worker after this process finished its own share: that many times as
+# long as the share took (the shares are alike), and at least a minute.
+PATIENCE = (5.0, 60.0)
 
 T = TypeVar("T")
 
@@ -62,22 +71,56 @@ def run_all(jobs: Sequence[Callable[[], T]]) -> list[T]:
     count = processes(len(jobs))
     if count == 1:
         return [job() for job in jobs]
+    size = math.ceil(len(jobs) / count)
+    shares = [range(k, min(k + size, len(jobs))) for k in range(0, len(jobs), size)]
     global _JOBS
-    mine = math.ceil(len(jobs) / count)  # this process takes the first share, workers the rest
     _JOBS = jobs
+    context = multiprocessing.get_context("fork")
+    workers: list[tuple[range, Any, Connection]] = []
     try:
-        with ProcessPoolExecutor(count - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = {i: pool.submit(_run, i) for i in range(mine, len(jobs))}  # forks here
-            results: list[Any] = [job() for job in jobs[:mine]]
-            for i in range(mine, len(jobs)):
-                try:
-                    results.append(futures[i].result())
-                except Exception:  # the job's own error: raised by running it here
-                    results.append(jobs[i]())
+        for share in shares[1:]:
+            receive, send = context.Pipe(duplex=False)
+            worker = context.Process(target=_work, args=(share, send), daemon=True)
+            worker.start()  # forks here
+            send.close()
+            workers.append((share, worker, receive))
+        start = time.perf_counter()
+        results: dict[int, Any] = {i: jobs[i]() for i in shares[0]}
+        patience = max(PATIENCE[1], PATIENCE[0] * (time.perf_counter() - start))
+        deadline = time.monotonic() + patience
+        for share, _, receive in workers:
+            done = _receive(receive, len(share), deadline)
+            for i in share:  # failed, lost with a dead worker, or late: run here
+                results[i] = done[i] if i in done else jobs[i]()
     finally:
         _JOBS = ()
-    return results
+        for _, worker, receive in workers:
+            if worker.is_alive():
+                worker.kill()
+            worker.join()
+            receive.close()
+    return [results[i] for i in range(len(jobs))]
 
 
-def _run(index: int) -> Any:
-    return _JOBS[index]()
+def _work(share: range, send: Connection) -> None:
+    torch.set_num_threads(1)  # see the module docstring: OpenMP's pool is not the child's
+    for i in share:
+        try:
+            send.send((i, True, _JOBS[i]()))
+        except Exception:  # the job's own error is raised where it is run again
+            send.send((i, False, None))
+
+
+def _receive(receive: Connection, jobs: int, deadline: float) -> dict[int, Any]:
+    """The results a worker sent, until it sent them all, died, or the deadline passed."""
+    done: dict[int, Any] = {}
+    for _ in range(jobs):
+        if not receive.poll(max(0.0, deadline - time.monotonic())):
+            break  # hung: the caller kills it
+        try:
+            i, ok, value = receive.recv()
+        except (EOFError, OSError):
+            break  # died
+        if ok:
+            done[i] = value
+    return done
