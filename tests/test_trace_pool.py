@@ -97,7 +97,8 @@ def test_one_process_when_forking_is_unsafe_or_turned_off(monkeypatch: pytest.Mo
     monkeypatch.setenv(trace_pool.ENV_VAR, "1")
     assert trace_pool.run_all([_pid] * 3) == [PARENT] * 3
     monkeypatch.setenv(trace_pool.ENV_VAR, "4")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a forked child could not use CUDA
+    assert trace_pool.processes(4, cuda=True) == 1  # fake CUDA tensors: a forked child cannot use CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert trace_pool.processes(4) == 1
 
 

@@ -167,7 +167,7 @@ def _candidates_at(plan: _Plan, points: Sequence[tuple[int, int]], exact: bool
         whole = True
     depths = [plan.depth] if whole else [2, 3]
     jobs = [functools.partial(_trace, plan, depth, micro, seq) for micro, seq in points for depth in depths]
-    traces = run_all(jobs)
+    traces = run_all(jobs, cuda=plan.trace_device == "cuda")
     found = []
     for k, (micro, seq) in enumerate(points):
         if whole:

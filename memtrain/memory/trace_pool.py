@@ -14,9 +14,12 @@ after this process finished its own share (:data:`PATIENCE`) is killed and its j
 
 Forking is used only where it is safe and can help: Linux, more than one usable core, not inside
 a daemonic worker, not in a process of a distributed run (its process group cannot be forked, and
-the other processes use the other cores), and CUDA not yet initialised in this process (a forked
-child cannot use CUDA, and fake CUDA tensors may ask it for the current device). Otherwise, and with
-``MEMTRAIN_TRACE_PROCESSES=1``, the jobs run one after the other here, as before. A job that fails
+the other processes use the other cores), and jobs that do not use CUDA, in a process that has not
+initialised it: a child forked after its parent asked CUDA anything (even
+``torch.cuda.is_available()``) cannot use it, and fake CUDA tensors ask it for the current device.
+So on a machine with a GPU, the estimator's traces for a CUDA run (on fake CUDA tensors) run one
+after the other, as before; the side-by-side traces serve CPU machines and CPU-traced runs.
+Otherwise, and with ``MEMTRAIN_TRACE_PROCESSES=1``, the jobs run one after the other here. A job that fails
 in a worker, or whose worker dies or hangs, is run again in this process, so the error a user sees
 is the job's own, raised where it would have been without workers. Workers run torch on one
 thread: GNU OpenMP's thread pool does not survive a fork, and a child's first parallel op (traces
@@ -48,11 +51,11 @@ T = TypeVar("T")
 _JOBS: Sequence[Callable[[], Any]] = ()  # what forked workers run, by index (inherited, never pickled)
 
 
-def processes(jobs: int) -> int:
+def processes(jobs: int, cuda: bool = False) -> int:
     """How many processes (this one included) :func:`run_all` would use for ``jobs`` jobs."""
     if jobs < 2 or sys.platform != "linux" or multiprocessing.current_process().daemon:
         return 1
-    if torch.cuda.is_initialized():
+    if cuda or torch.cuda.is_initialized():
         return 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return 1  # one of several training processes: the cores are theirs, the group is not forkable
@@ -66,9 +69,13 @@ def processes(jobs: int) -> int:
     return max(1, min(jobs, cores))
 
 
-def run_all(jobs: Sequence[Callable[[], T]]) -> list[T]:
-    """``[job() for job in jobs]``, with the jobs spread over forked processes where that helps."""
-    count = processes(len(jobs))
+def run_all(jobs: Sequence[Callable[[], T]], cuda: bool = False) -> list[T]:
+    """``[job() for job in jobs]``, with the jobs spread over forked processes where that helps.
+
+    ``cuda``: the jobs use CUDA (fake CUDA tensors ask it for the current device); they then run
+    here, one after the other.
+    """
+    count = processes(len(jobs), cuda)
     if count == 1:
         return [job() for job in jobs]
     size = math.ceil(len(jobs) / count)
