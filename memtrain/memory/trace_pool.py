@@ -24,12 +24,15 @@ in a worker, or whose worker dies or hangs, is run again in this process, so the
 is the job's own, raised where it would have been without workers. Workers run torch on one
 thread: GNU OpenMP's thread pool does not survive a fork, and a child's first parallel op (traces
 run a few real ones: a probe, a quantization map) would wait forever for threads it does not have,
-which is why torch's own DataLoader workers do the same. Results do not depend on where a job
-ran: tests/test_trace_pool.py compares them.
+which is why torch's own DataLoader workers do the same. The garbage collector is frozen while
+workers run (``gc.freeze``, as the Python documentation advises before a fork): a full collection
+in either process would otherwise write to every object of the shared heap and copy its pages.
+Results do not depend on where a job ran: tests/test_trace_pool.py compares them.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing
 import os
@@ -84,6 +87,7 @@ def run_all(jobs: Sequence[Callable[[], T]], cuda: bool = False) -> list[T]:
     _JOBS = jobs
     context = multiprocessing.get_context("fork")
     workers: list[tuple[range, Any, Connection]] = []
+    gc.freeze()  # see the module docstring: no garbage-collector pass over the shared heap
     try:
         for share in shares[1:]:
             receive, send = context.Pipe(duplex=False)
@@ -101,6 +105,7 @@ def run_all(jobs: Sequence[Callable[[], T]], cuda: bool = False) -> list[T]:
                 results[i] = done[i] if i in done else jobs[i]()
     finally:
         _JOBS = ()
+        gc.unfreeze()
         for _, worker, receive in workers:
             if worker.is_alive():
                 worker.kill()
