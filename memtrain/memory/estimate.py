@@ -171,9 +171,7 @@ def _candidates_at(plan: _Plan, points: Sequence[tuple[int, int]], exact: bool
     found = []
     for k, (micro, seq) in enumerate(points):
         if whole:
-            full = traces[k]
-            found.append((direct(full), (full.parameters, full.trainable, full.patches, full.work),
-                          f"traced all {plan.depth} layers"))
+            found.append(_whole(plan, traces[k]))
         else:
             found.append(_extrapolated(plan, traces[2 * k], traces[2 * k + 1], micro, seq))
     return found
@@ -190,12 +188,11 @@ def _extrapolated(plan: _Plan, a: Trace, b: Trace, micro_batch: int, seq_len: in
     if found is not None:
         return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
     plan.notes.append("layers differ in structure, so every layer was traced")
-    return _full_depth(plan, micro_batch, seq_len)
+    return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
 
 
-def _full_depth(plan: _Plan, micro_batch: int, seq_len: int
-                ) -> tuple[Candidates, Counts, str]:
-    full = _trace(plan, plan.depth, micro_batch, seq_len)
+def _whole(plan: _Plan, full: Trace) -> tuple[Candidates, Counts, str]:
+    """The step from a trace of every layer."""
     return (direct(full), (full.parameters, full.trainable, full.patches, full.work),
             f"traced all {plan.depth} layers")
 
