@@ -100,6 +100,9 @@ def test_one_process_when_forking_is_unsafe_or_turned_off(monkeypatch: pytest.Mo
     assert trace_pool.processes(4, cuda=True) == 1  # fake CUDA tensors: a forked child cannot use CUDA
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert trace_pool.processes(4) == 1
+    monkeypatch.setenv(trace_pool.ENV_VAR, "two")
+    with pytest.raises(MemtrainError, match=r"`MEMTRAIN_TRACE_PROCESSES`: .* got 'two'\. Fix: set it"):
+        trace_pool.run_all([_pid] * 2)
 
 
 def test_an_estimate_is_the_same_traced_side_by_side(monkeypatch: pytest.MonkeyPatch,

@@ -44,6 +44,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from memtrain.errors import MemtrainError
+
 ENV_VAR = "MEMTRAIN_TRACE_PROCESSES"
 # How long to wait for a worker after this process finished its own share: that many times as
 # long as the share took (the shares are alike), and at least a minute.
@@ -56,19 +58,18 @@ _JOBS: Sequence[Callable[[], Any]] = ()  # what forked workers run, by index (in
 
 def processes(jobs: int, cuda: bool = False) -> int:
     """How many processes (this one included) :func:`run_all` would use for ``jobs`` jobs."""
+    wanted = os.environ.get(ENV_VAR, "").strip()
+    if wanted and (not wanted.isdigit() or int(wanted) < 1):
+        raise MemtrainError(f"`{ENV_VAR}`: a number of processes to trace in, got {wanted!r}. "
+                            "Fix: set it to a whole number from 1 (1: one trace after the other) "
+                            "or unset it (all usable cores).")
     if jobs < 2 or sys.platform != "linux" or multiprocessing.current_process().daemon:
         return 1
     if cuda or torch.cuda.is_initialized():
         return 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return 1  # one of several training processes: the cores are theirs, the group is not forkable
-    cores = len(os.sched_getaffinity(0))
-    wanted = os.environ.get(ENV_VAR, "").strip()
-    if wanted:
-        try:
-            cores = max(1, int(wanted))
-        except ValueError:
-            cores = 1
+    cores = int(wanted) if wanted else len(os.sched_getaffinity(0))
     return max(1, min(jobs, cores))
 
 
