@@ -50,7 +50,7 @@ from memtrain.config import RunConfig
 from memtrain.config.batch import MICRO_CAP as MICRO_CAP
 from memtrain.config.batch import Batch
 from memtrain.config.batch import valid_batches as valid_batches
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, first_line
 from memtrain.memory.budget import budget_guard, resolve_budget, usable_bytes
 from memtrain.recovery import free_memory, reset_module_tracking
 from memtrain.step import hold_gradients, training_step
@@ -260,7 +260,7 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
 
 def _in_one_process(err: BaseException, micro: int) -> MemtrainError:
     rank, size = world()
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     return MemtrainError(
         f"`training.micro_batch_size: auto`: the probe step of micro-batch {micro} ran out of device "
         f"memory in process {rank} of {size} ({first}); the processes cannot go on together from a step "

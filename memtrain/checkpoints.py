@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, first_line
 from memtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ def disk_full_as_error(folder: Path, what: str, staged: Path) -> Iterator[None]:
         if not is_disk_full(err):
             raise
         shutil.rmtree(staged, ignore_errors=True)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise DiskFull(
             f"Disk full while saving {what} into {folder} ({first}). The partial files were removed. "
             f"{kept_sentence(folder)} Fix: free some space or point `output.dir` to a larger disk, "

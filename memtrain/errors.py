@@ -7,3 +7,10 @@ class MemtrainError(Exception):
     """A problem with the user's input or environment; the message says what and how to fix it."""
 
     exit_code = 2
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type name when the message is empty), for a
+    :class:`MemtrainError` that names what went wrong underneath."""
+    message = str(err).strip()
+    return message.splitlines()[0] if message else type(err).__name__

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from memtrain.config import RunConfig, dump_recipe
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, first_line
 from memtrain.nodes import Machines, machines
 
 WORKER_MODULE = "memtrain._worker"
@@ -141,7 +141,7 @@ def _launch_config(m: Machines) -> Any:
 
 
 def _not_met(m: Machines, err: BaseException) -> MemtrainError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     where = "host the rendezvous" if m.hosts_rendezvous else "reach the rendezvous"
     return MemtrainError(
         f"`distributed.master_addr`/`master_port`: machine {m.node_rank} of {m.nodes} could not {where} "

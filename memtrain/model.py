@@ -29,7 +29,7 @@ from transformers import (
 
 from memtrain import sources
 from memtrain.config import ModelConfig, Problem, RecipeError
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _from_pretrained(factory: Any, field: str, location: str, cfg: ModelConfig,
     except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as err:
         # OSError: missing files or network; ValueError/KeyError: an unknown `model_type` or a
         # config without one; SafetensorError: truncated or damaged weights
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise MemtrainError(
             f"`{field}`: could not load {location!r}: {first}\n"
             "Fix: check the name, that the folder holds a complete model (config.json with a "

@@ -26,7 +26,7 @@ from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.data import PreparedData, prepare_data
 from memtrain.device import cuda_available
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, first_line
 from memtrain.memory.budget import SimulatedBudgetCallback
 from memtrain.memory.build import build_model
 from memtrain.memory.estimate import Estimate, estimate
@@ -172,7 +172,7 @@ def _whole_run(metrics: dict[str, Any], state: Any, resumed_at: int, runtime_bef
 
 
 def _out_of_memory(err: BaseException, step: int, out: Path) -> MemtrainError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    first = first_line(err)
     return MemtrainError(
         f"Out of memory in optimizer step {step}: {first} {checkpoints.kept_sentence(out)} Fix: a "
         "larger `memory.budget` (or `memory.simulate_budget`), a smaller `training.micro_batch_size`, "
