@@ -82,6 +82,9 @@ def _report(message: str) -> None:
 
 
 if __name__ == "__main__":
+    from memtrain import lazy_setup
+
+    lazy_setup.install()  # before torch's and Hugging Face's libraries are imported
     from torch.distributed.elastic.multiprocessing.errors import record
 
     sys.exit(record(main)(sys.argv[1:]))

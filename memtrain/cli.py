@@ -21,7 +21,7 @@ import typer
 from rich.logging import RichHandler
 from rich.table import Table
 
-from memtrain import cli_estimate, cli_runs
+from memtrain import cli_estimate, cli_runs, lazy_setup
 from memtrain.cli_common import (
     Overrides,
     Recipe,
@@ -128,6 +128,7 @@ for _command in (cli_estimate.estimate, cli_estimate.plan, cli_estimate.calibrat
 def main() -> None:
     """Console-script entry point."""
     atexit.register(_end_without_teardown)  # registered first, so it runs after every other one
+    lazy_setup.install()  # before any command imports torch's and Hugging Face's libraries
     try:
         app()
     except KeyboardInterrupt:

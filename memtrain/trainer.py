@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,13 +24,15 @@ from transformers import (
 from memtrain import checkpoints
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
-from memtrain.data import PreparedData
 from memtrain.device import cuda_available
 from memtrain.errors import MemtrainError
 from memtrain.eval_recovery import EvalBatchRecovery
 from memtrain.recovery import MicroBatchRecovery
 from memtrain.safety import NonFiniteLossGuard
 from memtrain.units import parse_size
+
+if TYPE_CHECKING:  # data preparation (and `datasets`) is not needed to build an optimizer
+    from memtrain.data import PreparedData
 
 # `adamw` is torch's fused AdamW (transformers' own default since torch 2.8): the same update as
 # the multi-tensor (foreach) kernel, without its temporaries, which hold a copy of every trainable

@@ -1,0 +1,115 @@
+"""Library set-up that memtrain's commands defer until it is used: seconds off every heavy command.
+
+Two libraries do expensive work at import time that most commands never use:
+
+- bitsandbytes wraps four of its CPU kernels in ``torch.compile`` when it is imported. Creating the
+  wrappers imports TorchInductor and TorchDynamo's debugging tools (1.3-1.5 s on this project's
+  2-core CPU), although ``torch.compile`` compiles nothing until a wrapper is first called, and an
+  estimate or a CUDA run never calls them. While bitsandbytes is imported, ``torch.compile`` is
+  replaced by :func:`_deferred_compile`, which makes the same ``torch.compile`` call on the first
+  call of the function instead. bitsandbytes' own fallback (it calls the plain function when
+  compiling fails) still catches a failure, which now happens at that first call.
+- ``transformers.trainer`` imports ``datasets`` (and with it pandas and pyarrow, 0.6 s) at module
+  level but uses it only inside its methods. ``datasets`` is loaded by Python's
+  :class:`importlib.util.LazyLoader`: the module exists at once and runs when first used (any
+  attribute: ``datasets.Dataset``, ``from datasets import ...``), which data preparation does
+  and an estimate never does.
+
+:func:`install` is called by the ``memtrain`` command before it imports any of these libraries;
+it changes nothing for a library already imported, and ``import memtrain`` alone installs nothing
+(a user's own script keeps its libraries as they are). The start-up benchmark
+(``scripts/bench_startup.py``) measures the result; ``tests/test_lazy_setup.py`` checks that the
+libraries still work once used.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+COMPILE_DEFERRED = ("bitsandbytes",)  # packages whose import-time torch.compile calls are deferred
+LAZY = ("datasets",)  # packages loaded on first use
+
+
+def install() -> None:
+    """Defer the set-up of :data:`COMPILE_DEFERRED` and :data:`LAZY` packages not yet imported."""
+    wanted = [name for name in (*COMPILE_DEFERRED, *LAZY) if name not in sys.modules]
+    if wanted and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder(wanted))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds the packages with the other finders and wraps their loaders."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
+        self.finding: set[str] = set()
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        # Asked again for every look-up (`importlib.util.find_spec` too) until the module is
+        # imported; `finding` lets the other finders answer the look-up made here.
+        if name not in self.names or name in self.finding:
+            return None
+        self.finding.add(name)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.finding.discard(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        if name in LAZY:
+            spec.loader = importlib.util.LazyLoader(spec.loader)
+        else:
+            spec.loader = _CompileDeferringLoader(spec.loader)
+        return spec
+
+
+class _CompileDeferringLoader(importlib.abc.Loader):
+    """Runs a module with ``torch.compile`` deferred (:func:`_deferred_compile`)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        import torch
+
+        real = torch.compile
+        torch.compile = functools.partial(_deferred_compile, real)  # type: ignore[assignment]
+        try:
+            self.loader.exec_module(module)
+        finally:
+            torch.compile = real
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ... as the real one
+        return getattr(self.loader, name)
+
+
+def _deferred_compile(compile: Callable[..., Any], model: Callable[..., Any] | None = None,
+                      **options: Any) -> Any:
+    """``compile(model, **options)``, made when ``model`` is first called; used as a decorator
+    (``model`` None) it returns the decorator, as ``torch.compile`` does."""
+    if model is None:
+        return functools.partial(_deferred_compile, compile, **options)
+    compiled: list[Callable[..., Any]] = []
+
+    @functools.wraps(model)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not compiled:
+            try:
+                compiled.append(compile(model, **options))
+            except Exception:
+                compiled.append(model)  # as when compiling at import failed: the plain function
+                raise  # this once, to the caller's fallback (bitsandbytes calls `model` itself)
+        return compiled[0](*args, **kwargs)
+
+    return call
