@@ -3,13 +3,13 @@
 Two libraries do expensive work at import time that most commands never use:
 
 - bitsandbytes wraps four of its CPU kernels in ``torch.compile`` when it is imported. Creating the
-  wrappers imports TorchInductor and TorchDynamo's debugging tools (1.3-1.5 s on this project's
+  wrappers imports TorchInductor and TorchDynamo's debugging tools (1.2-1.5 s on this project's
   2-core CPU), although ``torch.compile`` compiles nothing until a wrapper is first called, and an
   estimate or a CUDA run never calls them. While bitsandbytes is imported, ``torch.compile`` is
   replaced by :func:`_deferred_compile`, which makes the same ``torch.compile`` call on the first
   call of the function instead. bitsandbytes' own fallback (it calls the plain function when
   compiling fails) still catches a failure, which now happens at that first call.
-- ``transformers.trainer`` imports ``datasets`` (and with it pandas and pyarrow, 0.6 s) at module
+- ``transformers.trainer`` imports ``datasets`` (and with it pandas and pyarrow, 0.5-0.7 s) at module
   level but uses it only inside its methods. ``datasets`` is loaded by Python's
   :class:`importlib.util.LazyLoader`: the module exists at once and runs when first used (any
   attribute: ``datasets.Dataset``, ``from datasets import ...``), which data preparation does
