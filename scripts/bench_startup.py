@@ -17,12 +17,14 @@ commands. The 70B estimate also runs with its two traces one after the other
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +75,9 @@ def main() -> None:
     text = "\n".join([
         "# CLI start-up and the 70B estimate", "",
         f"`python scripts/bench_startup.py` on {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}; each command {args.repeats} times "
-        "in a fresh process, in rounds (wall time, imports included).", "", *rows, "",
+        f"{os.cpu_count()} CPUs, {datetime.date.today().isoformat()}, Python {platform.python_version()}, "
+        f"{_versions()}; each command {args.repeats} times in a fresh process, in rounds (wall time, "
+        "imports included).", "", *rows, "",
         "The library rows are what loading the libraries an estimate of a QLoRA recipe loads (torch, "
         "transformers' model classes and Trainer, peft, bitsandbytes) costs on this machine before any "
         "of memtrain's work, leaving as `memtrain` does (`os._exit` once its work and exit handlers are "
@@ -86,6 +89,12 @@ def main() -> None:
     out = ROOT / "docs" / "bench" / "startup.md"
     out.write_text(text, encoding="utf-8")
     print(f"wrote {out}")
+
+
+def _versions() -> str:
+    """The libraries the estimate loads, by their installed metadata (without importing them)."""
+    return ", ".join(f"{name} {version(name)}" for name in
+                     ("torch", "transformers", "peft", "bitsandbytes", "torchao"))
 
 
 if __name__ == "__main__":
