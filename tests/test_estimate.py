@@ -22,14 +22,20 @@ ROOT = Path(__file__).resolve().parent.parent
 GEMMA2 = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 30522,
           "sliding_window": 16, "max_position_embeddings": 256}
+# A mixture of experts: transformers runs its experts through torch's grouped matmul, whose meta
+# kernel accepts only bf16 (memtrain.memory.fake lets a float32 trace through).
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 30522, "max_position_embeddings": 256}
+OTHER_ARCHS = {"gemma2": GEMMA2, "mixtral": MIXTRAL}
 
 
 def recipe(tmp_path: Path, data_file: Path, arch: str = "llama", depth: int | None = None,
            **sections: Any) -> dict:
     """A tiny recipe; ``depth`` sets the number of decoder layers."""
-    out = causal_recipe(tmp_path, data_file, "llama" if arch == "gemma2" else arch, **sections)
-    if arch == "gemma2":
-        out["model"]["from_config"] = copy.deepcopy(GEMMA2)
+    out = causal_recipe(tmp_path, data_file, "llama" if arch in OTHER_ARCHS else arch, **sections)
+    if arch in OTHER_ARCHS:
+        out["model"]["from_config"] = copy.deepcopy(OTHER_ARCHS[arch])
     if depth is not None:
         out["model"]["from_config"]["n_layer" if arch == "gpt2" else "num_hidden_layers"] = depth
     return out
@@ -46,6 +52,7 @@ CASES = {
     "llama-qlora-accumulation-4": ("llama", {"model": {"dtype": "bf16", "quantization": "nf4"},
                                              "memory": {"checkpointing": "full"},
                                              "training": {"gradient_accumulation": 4}}),  # 2 traced
+    "mixtral-full-fp32": ("mixtral", {"adapter": {"method": "full"}}),
     "llama-offload-activations": ("llama", {"memory": {
         "checkpointing": "full", "offload": {"activations": True, "min_tensor_bytes": 0}}}),
 }
@@ -82,6 +89,7 @@ EXTRAPOLATION = {
     "mistral-accumulation-3": ("mistral", {"training": {"gradient_accumulation": 3}}),
     "gemma2-lora": ("gemma2", {}),
     "llama-selective-checkpointing": ("llama", {"memory": {"checkpointing": "selective"}}),
+    "mixtral-lora": ("mixtral", {}),
 }
 
 

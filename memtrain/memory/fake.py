@@ -28,6 +28,11 @@ and restores everything it touched afterwards:
   op's output layout the first time it sees the op by running it on fake tensors, in the active
   fake mode if there is one. While tracing that would be the estimator's own mode, and those
   tensors would count as memory of the step, once per new op: it gets a fake mode of its own.
+- torch's meta kernel of ``aten._grouped_mm`` (the grouped matmul that transformers' mixture-of-
+  experts layers run, Mixtral, Qwen-MoE, ...) repeats the CUDA kernel's old bf16-only check, while
+  the CPU kernel (and CUDA's fallback) multiplies any floating dtype: a float32 MoE model trains
+  but could not be traced. While tracing, inputs of one other floating dtype get the output the
+  meta kernel builds for bf16 (same shape, strides and device helper), in their own dtype.
 - bitsandbytes' ``GlobalOptimManager`` is a process-wide singleton that the Trainer fills with
   per-module overrides (embeddings keep 32-bit optimizer state). Its state is saved and restored
   so that a trace does not leave overrides behind for a later real optimizer, or the reverse.
@@ -55,6 +60,7 @@ def fake_tensor_mode() -> Iterator[FakeTensorMode]:
         stack.enter_context(_unpacked_positions())
         stack.enter_context(_bnb_on_fakes(mode))
         stack.enter_context(_dtensor_propagation_apart())
+        stack.enter_context(_grouped_mm_any_float())
         stack.enter_context(isolated_bnb_overrides())
         stack.enter_context(mode)
         yield mode
@@ -160,6 +166,35 @@ def _dtensor_propagation_apart() -> Iterator[None]:
         yield
     finally:
         _sharding_prop.detect_fake_mode = original
+
+
+@contextmanager
+def _grouped_mm_any_float() -> Iterator[None]:
+    from torch._subclasses import fake_impls
+
+    try:
+        from torch._meta_registrations import _create_grouped_mm_output_tensor as output_like
+    except ImportError:  # a torch without the helper: its meta kernel answers alone
+        yield
+        return
+    op = torch.ops.aten._grouped_mm.default
+
+    def grouped_mm(mode: FakeTensorMode, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor,
+                   offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> Any:
+        dtype = mat_a.dtype
+        if (dtype == torch.bfloat16 or dtype != mat_b.dtype or not dtype.is_floating_point
+                or bias is not None or offs is None):
+            return NotImplemented  # the meta kernel's own rules (and errors)
+        with mode:
+            return output_like(mat_a, mat_b, offs, out_dtype or dtype)
+
+    rule = (lambda func: func is op, grouped_mm)
+    fake_impls.op_implementations_checks.insert(0, rule)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(rule)
 
 
 @contextmanager
