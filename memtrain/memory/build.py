@@ -27,6 +27,7 @@ from transformers import PretrainedConfig, TrainingArguments
 from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
+from memtrain.memory.fake import uninitialized_values
 from memtrain.memory.meter import StepMemory
 from memtrain.model import keep_4bit_trainable_on_cpu, load_model, model_class, model_kwargs
 from memtrain.sharding import quant_storage
@@ -93,7 +94,7 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
         config: the architecture (possibly with fewer layers than the real model).
     """
     source = "model.from_config" if cfg.model.from_config is not None else "model.name"
-    with recipe_stage(source, f"building the {config.model_type} architecture"):
+    with recipe_stage(source, f"building the {config.model_type} architecture"), uninitialized_values():
         model = model_class(cfg.model).from_config(config, **model_kwargs(cfg.model))
     if cfg.model.quantization not in ("none", "auto"):
         from memtrain.memory.quantized import quantize_fake

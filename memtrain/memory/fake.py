@@ -33,6 +33,10 @@ and restores everything it touched afterwards:
   the CPU kernel (and CUDA's fallback) multiplies any floating dtype: a float32 MoE model trains
   but could not be traced. While tracing, inputs of one other floating dtype get the output the
   meta kernel builds for bf16 (same shape, strides and device helper), in their own dtype.
+- Sizes that depend on values (``aten.nonzero``: DeBERTa's classification loss keeps the labels
+  ``>= 0`` this way) cannot be known from fake tensors, which refuse them. While tracing they are
+  taken at their largest (every element selected), the worst case, as every other size in an
+  estimate is (each example ``data.max_length`` tokens long); for DeBERTa's labels it is exact.
 - bitsandbytes' ``GlobalOptimManager`` is a process-wide singleton that the Trainer fills with
   per-module overrides (embeddings keep 32-bit optimizer state). Its state is saved and restored
   so that a trace does not leave overrides behind for a later real optimizer, or the reverse.
@@ -61,6 +65,7 @@ def fake_tensor_mode() -> Iterator[FakeTensorMode]:
         stack.enter_context(_bnb_on_fakes(mode))
         stack.enter_context(_dtensor_propagation_apart())
         stack.enter_context(_grouped_mm_any_float())
+        stack.enter_context(_largest_nonzero())
         stack.enter_context(isolated_bnb_overrides())
         stack.enter_context(mode)
         yield mode
@@ -195,6 +200,43 @@ def _grouped_mm_any_float() -> Iterator[None]:
         yield
     finally:
         fake_impls.op_implementations_checks.remove(rule)
+
+
+@contextmanager
+def _largest_nonzero() -> Iterator[None]:
+    from torch._subclasses import fake_impls
+
+    op = torch.ops.aten.nonzero.default
+
+    def nonzero(mode: FakeTensorMode, func: Any, tensor: torch.Tensor) -> Any:
+        with mode:
+            return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
+
+    rule = (lambda func: func is op, nonzero)
+    fake_impls.op_implementations_checks.insert(0, rule)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(rule)
+
+
+@contextmanager
+def uninitialized_values() -> Iterator[None]:
+    """Build a transformers model without initializing its weights' values (for fake weights).
+
+    Values mean nothing on fake tensors, and some initializers ask them questions that fake
+    tensors cannot answer (``trunc_normal_`` resamples until no value lies outside its bounds:
+    ModernBERT). ``initialize_weights`` only sets values; ``init_weights`` still ties the
+    embeddings, as transformers does itself when it builds a model on the meta device.
+    """
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -23,6 +23,8 @@ from memtrain.patches import ADAPTER, PatchRecord, add_records, register
 Config = AdapterConfig
 
 _TASKS = {"causal-lm": TaskType.CAUSAL_LM, "sequence-classification": TaskType.SEQ_CLS}
+# The names under which peft adds a classifier's head to `modules_to_save` (sequence classification).
+_HEAD_NAMES = ("classifier", "score")
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -51,6 +53,7 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         modules_to_save=cfg.modules_to_save,
+        exclude_modules=_trained_in_full(model, cfg.modules_to_save, task) or None,
         task_type=_TASKS[task],
     )
     peft_model = get_peft_model(model, lora)
@@ -64,6 +67,21 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
     detail = f"{kind} r={cfg.r} on {len(adapted)} layers{lean}"
     add_records(peft_model, [PatchRecord("lora", adapted, detail)])
     return peft_model
+
+
+def _trained_in_full(model: nn.Module, modules_to_save: list[str] | None, task: str) -> list[str]:
+    """Linear layers that peft will train in full (``modules_to_save``), which LoRA must leave alone.
+
+    peft takes a module to save by the end of its name (``name.endswith(entry)``), so DistilBERT's
+    ``pre_classifier`` goes with its ``classifier``: both are new layers of the head, trained in
+    full. With ``all-linear`` peft would first give ``pre_classifier`` an adapter, then refuse it
+    as a module to save ("modules_to_save cannot be applied to modules of type Linear").
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    saved = [*(modules_to_save or []), *(_HEAD_NAMES if task == "sequence-classification" else ())]
+    return [name for name, module in model.named_modules()
+            if name and isinstance(module, (nn.Linear, Conv1D)) and any(name.endswith(s) for s in saved)]
 
 
 def prepare_lean(model: nn.Module) -> int:

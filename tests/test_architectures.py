@@ -1,0 +1,76 @@
+"""Encoder classifiers beyond BERT and RoBERTa: what each needs from the estimator's fake mode and
+from the LoRA patch, checked as the estimator is everywhere (the fake step equals the real one)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import causal_recipe
+
+from memtrain.config import AdapterConfig, load_recipe
+from memtrain.memory import build
+from memtrain.memory.estimate import estimate, resolve_config
+from memtrain.memory.fake import fake_tensor_mode
+from memtrain.patches import lora
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 30522, "max_position_embeddings": 256}
+ARCHS: dict[str, dict[str, Any]] = {
+    # its classification loss keeps the labels >= 0 through aten.nonzero (a data-dependent size)
+    "deberta-v2": {"model_type": "deberta-v2", **SMALL},
+    # its initializer (trunc_normal_) resamples until no value is out of bounds (asks the values)
+    "modernbert": {"model_type": "modernbert", **SMALL, "global_attn_every_n_layers": 1, "pad_token_id": 0},
+    # its head is two new linear layers, pre_classifier and classifier
+    "distilbert": {"model_type": "distilbert", "dim": 64, "hidden_dim": 128, "n_layers": 2, "n_heads": 4,
+                   "vocab_size": 30522},
+}
+
+
+@pytest.fixture
+def labelled_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cls.csv"
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "label"])
+        for i in range(32):
+            writer.writerow([f"the {'cat' if i % 2 else 'dog'} number {i} sat on a mat", i % 2])
+    return path
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_estimate_equals_the_measured_step(arch: str, method: str, tmp_path: Path,
+                                           labelled_file: Path) -> None:
+    recipe = causal_recipe(tmp_path, labelled_file, "bert", adapter={"method": method},
+                           model={"task": "sequence-classification"}, data={"format": "classification"})
+    recipe["model"]["from_config"] = dict(ARCHS[arch])
+    cfg = load_recipe(recipe)
+    predicted = estimate(cfg, device="cpu")
+    measured = build.measure_recipe_step(cfg, resolve_config(cfg.model)[0])
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert predicted.by_category == measured.peak_by_category
+
+
+def test_data_dependent_sizes_are_taken_at_their_largest() -> None:
+    with fake_tensor_mode() as mode:
+        mask = mode.from_tensor(torch.tensor([[True, False, True], [False, False, True]]))
+        assert tuple(mask.nonzero().shape) == (6, 2)  # every element, the worst case
+    assert tuple(torch.tensor([True, False]).nonzero().shape) == (1, 1)  # real tensors: untouched
+
+
+def test_lora_trains_a_two_layer_head_in_full_and_adapts_the_rest() -> None:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    values = dict(ARCHS["distilbert"])
+    config = AutoConfig.for_model(values.pop("model_type"), num_labels=2, **values)
+    model = lora.apply(AutoModelForSequenceClassification.from_config(config), AdapterConfig(),
+                       "sequence-classification")
+    trained = {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    assert trained == {f"base_model.model.{layer}.modules_to_save.default.{kind}"
+                       for layer in ("pre_classifier", "classifier") for kind in ("weight", "bias")}
+    adapted = {n.split(".lora_")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert len(adapted) == 2 * 6  # q, k, v, out, ffn lin1, lin2 in each of the 2 layers
