@@ -18,6 +18,7 @@ from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.memory import estimate as est
 from memtrain.memory.trace import Work, in_batch
+from memtrain.patches import NoMatchError
 from memtrain.plan_space import (
     IN_BACKWARD,
     Candidate,
@@ -96,6 +97,8 @@ class _Search:
                 self.pruned.append(cand)
                 continue
             self.evaluate(cand)
+            if cand in self.pruned:  # nothing to evaluate: not applicable here, or no valid batch
+                continue
             if cand.seconds == math.inf:
                 too_big.append(cand)
                 continue
@@ -203,7 +206,12 @@ class _Search:
             return
         held = 2 if any(a > 1 for _, a in batches) else 1
         fitted = None
-        traced = self._traced(cfg, held)
+        try:
+            traced = self._traced(cfg, held)
+        except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)
+            cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
+            self.pruned.append(cand)
+            return
         for micro, accumulation in reversed(batches):
             summary = self._summary(traced, micro)
             if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \

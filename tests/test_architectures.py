@@ -16,6 +16,7 @@ from memtrain.memory import build
 from memtrain.memory.estimate import estimate, resolve_config
 from memtrain.memory.fake import fake_tensor_mode
 from memtrain.patches import lora
+from memtrain.planner import plan
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 30522, "max_position_embeddings": 256}
@@ -24,6 +25,8 @@ ARCHS: dict[str, dict[str, Any]] = {
     "deberta-v2": {"model_type": "deberta-v2", **SMALL},
     # its initializer (trunc_normal_) resamples until no value is out of bounds (asks the values)
     "modernbert": {"model_type": "modernbert", **SMALL, "global_attn_every_n_layers": 1, "pad_token_id": 0},
+    # one layer's weights shared by every layer: no list of layers to checkpoint
+    "albert": {"model_type": "albert", **SMALL, "embedding_size": 32},
     # its head is two new linear layers, pre_classifier and classifier
     "distilbert": {"model_type": "distilbert", "dim": 64, "hidden_dim": 128, "n_layers": 2, "n_heads": 4,
                    "vocab_size": 30522},
@@ -74,3 +77,19 @@ def test_lora_trains_a_two_layer_head_in_full_and_adapts_the_rest() -> None:
                        for layer in ("pre_classifier", "classifier") for kind in ("weight", "bias")}
     adapted = {n.split(".lora_")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
     assert len(adapted) == 2 * 6  # q, k, v, out, ffn lin1, lin2 in each of the 2 layers
+
+
+def test_the_planner_passes_over_checkpointing_where_there_are_no_layers_to_checkpoint(
+        tmp_path: Path, labelled_file: Path) -> None:
+    recipe = causal_recipe(tmp_path, labelled_file, "bert", adapter={"method": "full"},
+                           model={"task": "sequence-classification"}, data={"format": "classification"},
+                           training={"micro_batch_size": "auto", "effective_batch_size": 8},
+                           memory={"checkpointing": "auto"})
+    recipe["model"]["from_config"] = dict(ARCHS["albert"])
+    decided = plan(load_recipe(recipe), "1GiB", device="cpu")
+    assert decided.settings()["memory.checkpointing"] == "none"
+    skipped = {str(c.values["memory.checkpointing"]): c.reason for c in decided.rejected}
+    assert set(skipped) == {"selective", "1", "full"}
+    reason = ("not applicable to this model: `memory.checkpointing`: found no list of 2 transformer "
+              "layers in AlbertForSequenceClassification")
+    assert all(r.startswith(reason) for r in skipped.values())
