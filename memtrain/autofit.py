@@ -236,8 +236,7 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
                            defer=several) if limit is not None else contextlib.nullcontext())
     try:
         with budget:
-            inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))
-            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])  # as collators send it
+            inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))  # padded, as real ones
             training_step(model, inputs if held or micro_batches == 1 else [inputs] * 2, optimizer,
                           micro_batches, cfg.training.max_grad_norm, held_gradients=held,
                           skip_non_finite=True)

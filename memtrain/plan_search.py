@@ -109,6 +109,7 @@ class _Search:
             return None
         ties = [c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)]
         best = min(ties, key=lambda c: (self.techniques(c), _gathers(c), c.peak, c.seconds))
+        self._settle(best)
         for cand in fits:
             if cand is best:
                 continue
@@ -125,6 +126,19 @@ class _Search:
             else:
                 cand.reason = f"slower: {cand.seconds:.3g} s per step vs {best.seconds:.3g} s"
         return best
+
+    def _settle(self, cand: Candidate) -> None:
+        """The chosen candidate's own peak, where the search bounded it from above.
+
+        When other micro-batches accumulate, every pair is judged on a trace whose micro-batch
+        runs beside the gradients of an earlier one; a choice without accumulation never holds
+        them, so its predicted peak is taken from a trace without them (lower, and what the
+        callback's comparison with the measured steps should see).
+        """
+        if cand.accumulation != 1 or not any(a > 1 for _, a in self.batches_for(cand)):
+            return
+        cfg = with_values(self.cfg, cand.values)
+        cand.peak = self._summary(self._traced(cfg, 1), cand.micro).total_bytes
 
     def techniques(self, cand: Candidate) -> int:
         """How many memory techniques ``cand`` turns on (LoRA vs full fine-tuning is not one)."""

@@ -58,6 +58,41 @@ ROWS: list[tuple[str, float, str, list[str]]] = [
 ]
 
 
+# `memtrain plan RECIPE --budget B --device cuda OVERRIDES`: does the run fit a GPU of that size?
+PLANS: list[tuple[str, str, list[str]]] = [
+    ("Llama-3.1-8B QLoRA, 2 x 2048 tokens", "10GiB",
+     ["data.max_length=2048", "training.micro_batch_size=2", "training.gradient_accumulation=16"]),
+    ("Llama-3.1-70B QLoRA, 1 x 512 tokens", "48GiB",
+     ["model.name=meta-llama/Llama-3.1-70B", "data.max_length=512", "training.micro_batch_size=1",
+      "training.gradient_accumulation=32"]),
+]
+
+
+def plans() -> list[str]:
+    """The PLANS rows: the chosen plan's predicted peak, or the smallest peak when nothing fits."""
+    from memtrain.config import load_recipe
+    from memtrain.memory.budget import usable_bytes
+    from memtrain.planner import NothingFits, plan
+    from memtrain.units import parse_size
+
+    lines = ["## Plans", "",
+             f"`memtrain plan {RECIPE.relative_to(ROOT)} --device cuda --budget BUDGET OVERRIDES`, "
+             "the shipped recipe's other settings as they are (default 10% margin, nominal CUDA "
+             "overheads unless `memtrain calibrate` measured them on this machine).", "",
+             "| run | budget | usable | predicted peak | fits | overrides |", "|---|---|---|---|---|---|"]
+    for label, budget, overrides in PLANS:
+        cfg = load_recipe(RECIPE, overrides)
+        usable = usable_bytes(parse_size(budget), cfg.memory.margin_fraction)
+        try:
+            peak, fits = plan(cfg, budget, device="cuda").chosen.peak, "yes"
+        except NothingFits as err:
+            peak, fits = (err.smallest.min_peak if err.smallest else 0), "no: nothing fits"
+        lines.append(f"| {label} | {budget} | {usable / GIB:.2f} GiB | {peak / GIB:.2f} GiB | {fits} | "
+                     f"`{' '.join(overrides)}` |")
+        print(lines[-1], flush=True)
+    return [*lines, ""]
+
+
 def main() -> None:
     import torch
     import transformers
@@ -86,6 +121,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     lines += ["", f"Within 1.10x of torchtune: **{within}/{len(ROWS)}** rows; at or below: "
               f"**{below}/{len(ROWS)}** (target: all within, at least half at or below).", ""]
+    lines += plans()
     lines += NOTES
     out = ROOT / "docs" / "bench" / "floor.md"
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")

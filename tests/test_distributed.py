@@ -509,4 +509,7 @@ def test_plan_picks_sharding_under_a_budget_and_every_rank_stays_under_it(tmp_pa
     assert len(result.process_memory) == 2
     for measured in result.process_memory:  # every rank, its step with the highest peak
         assert measured.peak_bytes <= parse_size(BUDGET)
-        assert measured.peak_bytes == pytest.approx(predicted, rel=1e-3)
+        # The estimate is the longest batch with padding (masked attention); these rows are all
+        # full, so the steps take the unmasked path, which holds a little less (the 4D mask and
+        # the repeated keys and values of grouped-query attention).
+        assert predicted * 0.995 <= measured.peak_bytes <= predicted

@@ -353,3 +353,36 @@ def test_fsdp_recipe_is_estimated_per_process_with_sharded_state() -> None:
     for category in ("parameters", "optimizer_state"):
         assert two.by_phase and two.category_at_phase_peak["optimizer"][category] == pytest.approx(
             one.category_at_phase_peak["optimizer"][category] / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_padded_batch_of_real_rows_holds_what_the_estimate_says(
+        arch: str, tmp_path: Path, tiny_text_file: Path, tokenizer: Any) -> None:
+    """Rows of several lengths padded by a collator take transformers' masked attention path, which
+    the estimate traces; full rows without padding never hold more, and for Llama's grouped-query
+    attention less (no keys and values repeated for every head, no 4D mask; GPT-2 has neither)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    from memtrain.memory.meter import MemoryMeter
+    from memtrain.step import training_step
+
+    cfg = load_recipe(recipe(tmp_path, tiny_text_file, arch))
+    config = resolve_config(cfg.model)[0]
+    predicted = estimate(cfg, device="cpu").peak_bytes
+    length, settings = cfg.data.max_length, build.step_settings(cfg)
+    collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
+    generator = torch.Generator().manual_seed(0)
+    peaks = {}
+    shapes = {"padded": [length - 5, length, length - 9, length - 1], "full": [length] * 4}
+    for name, lengths in shapes.items():
+        rows = []
+        for n in lengths:
+            ids = torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
+            rows.append({"input_ids": ids, "attention_mask": [1] * n, "labels": ids})
+        batch = dict(collate(rows))
+        with build._warm_recipe_step(cfg, config) as (_, model, optimizer, _), \
+                MemoryMeter(model, optimizer, inputs=batch) as meter:
+            training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
+        peaks[name] = meter.result().peak_bytes
+    assert peaks["padded"] == predicted
+    assert peaks["full"] < predicted if arch == "llama" else peaks["full"] <= predicted

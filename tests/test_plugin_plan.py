@@ -64,6 +64,22 @@ def test_gpt2_and_a_bert_classifier_plan_and_the_callback_takes_the_plan(
         prepare_for_budget(encoder, args, "1GiB", max_length=32)
 
 
+def test_a_choice_without_accumulation_predicts_its_own_peak(tmp_path: Path) -> None:
+    """The search bounds every micro-batch by a trace beside an earlier micro-batch's gradients;
+    the chosen 8 x 1 holds none, and its predicted peak is that of a step without them."""
+    from memtrain.memory.estimate import estimate
+
+    args = arguments(tmp_path, 8, 1, 1)  # effective batch 8: micro-batches 1, 2, 4, 8 are choices
+    model, _ = prepare_for_budget(gpt2(), args, "1GiB", max_length=32, quiet=True)
+    plan = model.memtrain_plan
+    chosen = plan.settings
+    assert (chosen["per_device_train_batch_size"], chosen["gradient_accumulation_steps"]) == (8, 1)
+    alone = planner.with_values(recipe_for(gpt2(), args, max_length=32), {
+        "training.micro_batch_size": 8, "training.gradient_accumulation": 1,
+        "training.effective_batch_size": None})
+    assert plan.predicted_peak == estimate(alone, device="cpu").total_bytes
+
+
 def test_switching_to_8bit_adamw_is_stated_and_nothing_fits_speaks_the_plugins_arguments(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = arguments(tmp_path, 16, 1, 1)

@@ -151,10 +151,17 @@ def build_optimizer(cfg: RunConfig, model: nn.Module,
 
 def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """A worst-case batch: every row ``seq_len`` tokens long, so no padding and no attention mask.
+    """A worst-case batch: every row ``seq_len`` tokens long, laid out as memtrain's collators lay
+    out real batches, so that attention takes the path a real step takes.
 
-    A full-length attention mask is all ones, which transformers drops before attention, so the
-    step is the same without it (and a fake tensor cannot answer the "all ones?" check).
+    Real batches reach transformers' masked attention: a padded batch carries an attention mask
+    with zeros (``DataCollatorWithPadding``, ``DataCollatorForSeq2Seq``), and a packed row restarts
+    its position ids (:mod:`memtrain.packing`), from which transformers builds a block-diagonal
+    mask. A masked step holds more than an unmasked one of the same shape: the 4D mask (and, with
+    SDPA, a float copy of it per layer) and, for grouped-query attention, keys and values repeated
+    for every head (transformers' ``repeat_kv``), both kept for backward. So the longest batch has
+    one padded token (the last of the last row; a one-token row has none to spare), and a packed
+    row holds two examples.
     """
     generator = torch.Generator().manual_seed(0) if torch.device(device).type == "cpu" else None
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator,
@@ -164,7 +171,19 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
                                device=device)
     else:
         labels = ids.clone()
-    return {"input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids, "labels": labels}
+    if cfg.data.packing and seq_len > 1:
+        half = seq_len // 2
+        positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).to(device)
+        batch["position_ids"] = positions.expand(batch_size, -1).clone()
+        labels[:, half] = -100  # no example is trained to predict the next one's first token
+    elif seq_len > 1:
+        mask = torch.ones_like(ids)
+        mask[-1, -1] = 0
+        batch["attention_mask"] = mask
+        if labels.dim() == 2:
+            labels[-1, -1] = -100
+    return batch
 
 
 @contextmanager

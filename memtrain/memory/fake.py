@@ -13,9 +13,11 @@ and restores everything it touched afterwards:
   real-tensor path through storages and comes back attached to a new fake mode, which the
   original mode then refuses to mix with. A fake tensor is deep-copied by cloning it in its mode.
 - transformers asks of the position ids whether several sequences are packed into one row (a
-  data-dependent ``.all()``); on fake tensors it cannot ask, assumes packing and builds a full
-  attention mask, which a real step never does for memtrain's batches (positions always count
-  0, 1, 2, ... in every row). The check answers "not packed" while tracing.
+  data-dependent ``.all()``) when a batch comes without an attention mask; on fake tensors it
+  cannot ask and assumes packing. The estimator's batch (:func:`memtrain.memory.build.example_batch`)
+  brings an attention mask unless the recipe packs its rows, so the question comes up for a packed
+  recipe, where the answer is yes (the block-diagonal mask a real packed row gets), or for rows of
+  one token, where it is no. ``fake_tensor_mode(packed=...)`` answers it.
 - bitsandbytes builds its 8-bit quantization map with ``.tolist()``, a data-dependent call that
   fake tensors cannot answer. The map is built once for real (256 floats) and handed in as a
   fake constant. bitsandbytes caches maps in module globals; the cache is restored on exit so that
@@ -55,13 +57,18 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 
 
 @contextmanager
-def fake_tensor_mode() -> Iterator[FakeTensorMode]:
-    """Enter a ``FakeTensorMode`` with the fixes above; yields the mode (for ``from_tensor``)."""
+def fake_tensor_mode(packed: bool = False) -> Iterator[FakeTensorMode]:
+    """Enter a ``FakeTensorMode`` with the fixes above; yields the mode (for ``from_tensor``).
+
+    Args:
+        packed: the traced batches pack several examples per row (``data.packing``).
+    """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     with ExitStack() as stack:
         stack.enter_context(_swappable_fakes(mode))
         stack.enter_context(_deepcopyable_fakes())
-        stack.enter_context(_unpacked_positions())
+        if not packed:
+            stack.enter_context(_unpacked_positions())
         stack.enter_context(_bnb_on_fakes(mode))
         stack.enter_context(_dtensor_propagation_apart())
         stack.enter_context(_grouped_mm_any_float())

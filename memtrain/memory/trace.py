@@ -146,7 +146,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
-    with _process_group(cfg, device) as mesh, fake_tensor_mode(), _default_device(device), _quiet():
+    fake = fake_tensor_mode(packed=cfg.data.packing)
+    with _process_group(cfg, device) as mesh, fake, _default_device(device), _quiet():
         model = build_fake_model(cfg, config)
         total, trainable = count_parameters(model)  # before sharding: 4-bit weights lose their marks
         if mesh is not None:
