@@ -17,8 +17,12 @@ processes (CPU, gloo; `memtrain.runner.train`, as a `memtrain train` worker runs
 - **predicted**: ``memtrain.estimate`` of the same recipe: one process traced on fake tensors, in
   a fake process group when sharded (``total_bytes``: on a CPU nothing is added to the tensors).
 
-Every row is one example of ``data.max_length`` tokens per micro-batch row (no padding, no packing:
-the estimate's worst case is then the run itself).
+Every micro-batch row is full and holds two examples of ``data.max_length / 2`` tokens (token ids
+given as they are, ``data.packing``): the layout the estimate traces for a packed recipe
+(:func:`memtrain.memory.build.example_batch`), so the estimate's worst case is the run itself. The
+two examples of a row attend only within themselves (transformers' block-diagonal mask, with the
+grouped-query keys and values repeated for every head): the masked attention path, which real
+batches with padding or packing take, and full rows of one example each would not.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ Reading it:
 - `none` (DDP) is one replica plus DDP's gradient buckets: with `gradient_as_bucket_view=False`
   (accelerate's default, kept by the Trainer) DDP copies every trained gradient into flat buckets
   it all-reduces, allocated when the model is wrapped and held for the run. Full fine-tuning pays
-  one more copy of the gradients (fp32: 172.16 MiB per process against 140.96 MiB for one
+  one more copy of the gradients (fp32: {replica} MiB per process against {single} MiB for one
   process); LoRA a copy of the adapters' gradients only. The same at 2 and 4 processes.
 - `full` divides parameters, gradients and optimizer state by the processes and adds the full
   weights (and, in backward, full gradients) of the unit being computed; here the units are the
@@ -78,13 +82,12 @@ Reading it:
   4 KiB lower in fp32). The estimate traces rank 0, whose shards are the largest.
 - Not in either column: what gloo allocates outside PyTorch tensors.
 """
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "kings", "sing"]
 
 
 def corpus(folder: Path) -> Path:
-    """Rows longer than ``SEQ`` tokens: every training row is full, none padded."""
-    path = folder / "long.jsonl"
-    rows = [{"text": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 * SEQ))} for i in range(64)]
+    """Examples of exactly ``SEQ / 2`` token ids: packed, every training row holds two, none padded."""
+    path = folder / "halves.jsonl"
+    rows = [{"input_ids": [1000 + (i * 7 + j) % 5000 for j in range(SEQ // 2)]} for i in range(128)]
     path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     return path
 
@@ -112,7 +115,8 @@ def recipe(folder: Path, data: Path, row: Row) -> Any:
     method = next(o for a, d, o in METHODS if (a, d) == (adapter, dtype))
     return load_recipe(RECIPE, [
         *MODEL, *method, *SHARDINGS[sharding], f"distributed.processes={processes}",
-        f"data.source={data}", "data.packing=false", f"data.max_length={SEQ}", "data.max_examples=64",
+        f"data.source={data}", "data.format=tokenized", "data.packing=true", f"data.max_length={SEQ}",
+        "data.max_examples=128",
         "data.eval_split=0", f"training.micro_batch_size={MICRO // accumulation}",
         f"training.gradient_accumulation={accumulation}",
         f"training.max_steps={STEPS}", "training.logging_steps=100", "output.save_model=false",
@@ -162,7 +166,8 @@ def render(table: list[Row], measured: dict[Row, list[int]], predicted: dict[Row
         "",
         f"Model: tiny Llama from a config (hidden 128, 2 layers, untied 30,522-token embeddings; "
         f"`recipes/{RECIPE.name}` with overrides), AdamW, micro-batch {MICRO} × {SEQ} tokens per "
-        "process, every row full (no padding). Measured: live tensor bytes (exact on CPU) counted in "
+        f"process, every row two packed examples of {SEQ // 2} token ids (full, no padding; transformers' "
+        "block-diagonal attention mask). Measured: live tensor bytes (exact on CPU) counted in "
         "every process by `scripts/_fsdp_probe.py` (independent of memtrain's meter), peak of the "
         "second optimizer step, the largest over the processes. Predicted: `memtrain.estimate` "
         "(fake tensors, one process in a fake process group).",
@@ -183,8 +188,14 @@ def render(table: list[Row], measured: dict[Row, list[int]], predicted: dict[Row
     same = sum(len(set(measured[r])) == 1 for r in several)
     lines += ["", f"Largest error: {worst:.3%} over {len(table)} rows (target: 2%). Every process of a "
               f"run measured the same peak in {same} of the {len(several)} runs with several processes.",
-              "", READING]
+              "", READING.format(**_quoted(measured))]
     return "\n".join(lines) + "\n"
+
+
+def _quoted(measured: dict[Row, list[int]]) -> dict[str, str]:
+    """The measured figures the reading notes quote (a dash where the run was left out)."""
+    rows = {"single": ("full", "fp32", 1, "none", 1), "replica": ("full", "fp32", 2, "none", 1)}
+    return {key: mib(max(measured[row])) if row in measured else "–" for key, row in rows.items()}
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import MINILM, TINY_CONFIGS, causal_recipe, merge
+from transformers import TrainingArguments
 
 from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
@@ -386,3 +387,25 @@ def test_a_padded_batch_of_real_rows_holds_what_the_estimate_says(
         peaks[name] = meter.result().peak_bytes
     assert peaks["padded"] == predicted
     assert peaks["full"] < predicted if arch == "llama" else peaks["full"] <= predicted
+
+
+def test_packed_rows_are_estimated_as_the_trainer_runs_them(tmp_path: Path, tiny_text_file: Path) -> None:
+    """Rows of two packed examples, run as the Trainer runs them (no KV cache: it sets
+    ``config.use_cache = TrainingArguments.use_cache``, False), get transformers' block-diagonal
+    mask from the restarting position ids; the estimate is of that step."""
+    from memtrain.memory.meter import MemoryMeter
+    from memtrain.packing import PackedCollator, pack_examples
+    from memtrain.step import training_step
+
+    cfg = load_recipe(recipe(tmp_path, tiny_text_file, "llama", data={"packing": True}))
+    config = resolve_config(cfg.model)[0]
+    half, settings = cfg.data.max_length // 2, build.step_settings(cfg)
+    generator = torch.Generator().manual_seed(0)
+    examples = [torch.randint(0, config.vocab_size, (half,), generator=generator).tolist() for _ in range(8)]
+    packed = pack_examples([(ids, ids) for ids in examples], cfg.data.max_length, split_long=True)
+    batch = PackedCollator(0)([{k: packed[k][i] for k in packed} for i in range(4)])
+    with build._warm_recipe_step(cfg, config) as (_, model, optimizer, _):
+        model.config.use_cache = TrainingArguments(output_dir=str(tmp_path), report_to="none").use_cache
+        with MemoryMeter(model, optimizer, inputs=batch) as meter:
+            training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
+    assert meter.result().peak_bytes == estimate(cfg, device="cpu").peak_bytes

@@ -61,7 +61,16 @@ def recipe_stage(field: str, what: str) -> Iterator[None]:
 
 
 def apply_patches(model: nn.Module, cfg: RunConfig) -> nn.Module:
-    """:func:`memtrain.patches.apply_patches`, one patch at a time so a failure names its field."""
+    """:func:`memtrain.patches.apply_patches`, one patch at a time so a failure names its field.
+
+    The model is first set up as the Trainer trains it: without a KV cache
+    (``config.use_cache = TrainingArguments.use_cache``, False). With a cache, transformers builds
+    one in every forward and then never reads packed rows' example boundaries from the position
+    ids, so a step outside the Trainer (an estimate, a measurement) would attend across packed
+    examples without a mask, holding less than the training step does.
+    """
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
     for name in patches.available():
         with recipe_stage(PATCH_FIELDS.get(name, f"patch {name}"), f"applying the {name} patch"):
             model = patches.apply_patches(model, cfg, only=[name])
