@@ -85,6 +85,17 @@ def measure(overrides: list[str]) -> dict[str, float]:
     return {"measured": measured / MIB, "predicted": predicted / MIB, "seconds": statistics.median(times)}
 
 
+def _bf16_support() -> str:
+    """Whether this CPU multiplies bf16 natively: the lean k-bit rows compute in bf16."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "bf16 support unknown"
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"native bf16: {', '.join(native)}" if native else "no native bf16 (no avx512_bf16, amx_bf16)"
+
+
 def main() -> None:
     import torch
     import transformers
@@ -98,10 +109,11 @@ def main() -> None:
     hostmem.keep_freed_pages()  # as `memtrain train` on a CPU
     lines = ["# The floor techniques on a CPU: measured saving and cost", "",
              f"`python scripts/bench_floor_cpu.py --threads {args.threads}` on {platform.node()} "
-             f"({platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}), "
-             f"{time.strftime('%Y-%m-%d')}. Measured: exact live tensor bytes on CPU from "
-             "`scripts/memprobe.py` (independent of memtrain's meter). Predicted: `memtrain.estimate` "
-             f"(`--device cpu`). Recipe `{RECIPE.relative_to(ROOT)}` with `{' '.join(BASE)}`. "
+             f"({platform.machine()}, {_bf16_support()}, torch {torch.__version__}, "
+             f"transformers {transformers.__version__}), {time.strftime('%Y-%m-%d')}. "
+             "Measured: exact live tensor bytes on CPU from `scripts/memprobe.py` (independent of "
+             "memtrain's meter). Predicted: `memtrain.estimate` (`--device cpu`). "
+             f"Recipe `{RECIPE.relative_to(ROOT)}` with `{' '.join(BASE)}`. "
              "Step seconds are the median of 3 steps on 1 thread: the cost of each technique on "
              "this CPU, noisy when the machine is shared.", ""]
     for model_label, extra, settings in SECTIONS:
