@@ -3,7 +3,6 @@ from the LoRA patch, checked as the estimator is everywhere (the fake step equal
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +32,11 @@ ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture
-def labelled_file(tmp_path: Path) -> Path:
-    path = tmp_path / "cls.csv"
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["text", "label"])
-        for i in range(32):
-            writer.writerow([f"the {'cat' if i % 2 else 'dog'} number {i} sat on a mat", i % 2])
-    return path
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_estimate_equals_the_measured_step(arch: str, method: str, tmp_path: Path,
-                                           labelled_file: Path) -> None:
-    recipe = causal_recipe(tmp_path, labelled_file, "bert", adapter={"method": method},
+                                           tiny_classification_file: Path) -> None:
+    recipe = causal_recipe(tmp_path, tiny_classification_file, "bert", adapter={"method": method},
                            model={"task": "sequence-classification"}, data={"format": "classification"})
     recipe["model"]["from_config"] = dict(ARCHS[arch])
     cfg = load_recipe(recipe)
@@ -80,8 +68,8 @@ def test_lora_trains_a_two_layer_head_in_full_and_adapts_the_rest() -> None:
 
 
 def test_the_planner_passes_over_checkpointing_where_there_are_no_layers_to_checkpoint(
-        tmp_path: Path, labelled_file: Path) -> None:
-    recipe = causal_recipe(tmp_path, labelled_file, "bert", adapter={"method": "full"},
+        tmp_path: Path, tiny_classification_file: Path) -> None:
+    recipe = causal_recipe(tmp_path, tiny_classification_file, "bert", adapter={"method": "full"},
                            model={"task": "sequence-classification"}, data={"format": "classification"},
                            training={"micro_batch_size": "auto", "effective_batch_size": 8},
                            memory={"checkpointing": "auto"})

@@ -46,6 +46,7 @@ and restores everything it touched afterwards:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable, Iterator
@@ -181,15 +182,24 @@ def _dtensor_propagation_apart() -> Iterator[None]:
 
 
 @contextmanager
-def _grouped_mm_any_float() -> Iterator[None]:
+def _fake_rule(op: Any, impl: Callable[..., Any]) -> Iterator[None]:
+    """Answer ``op`` with ``impl(mode, func, *args, **kwargs)`` in fake modes, ahead of its meta kernel
+    (``NotImplemented`` leaves it to the meta kernel); removed on exit."""
     from torch._subclasses import fake_impls
 
+    rule = (lambda func: func is op, impl)
+    fake_impls.op_implementations_checks.insert(0, rule)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(rule)
+
+
+def _grouped_mm_any_float() -> Any:
     try:
         from torch._meta_registrations import _create_grouped_mm_output_tensor as output_like
     except ImportError:  # a torch without the helper: its meta kernel answers alone
-        yield
-        return
-    op = torch.ops.aten._grouped_mm.default
+        return contextlib.nullcontext()
 
     def grouped_mm(mode: FakeTensorMode, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor,
                    offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -201,30 +211,15 @@ def _grouped_mm_any_float() -> Iterator[None]:
         with mode:
             return output_like(mat_a, mat_b, offs, out_dtype or dtype)
 
-    rule = (lambda func: func is op, grouped_mm)
-    fake_impls.op_implementations_checks.insert(0, rule)
-    try:
-        yield
-    finally:
-        fake_impls.op_implementations_checks.remove(rule)
+    return _fake_rule(torch.ops.aten._grouped_mm.default, grouped_mm)
 
 
-@contextmanager
-def _largest_nonzero() -> Iterator[None]:
-    from torch._subclasses import fake_impls
-
-    op = torch.ops.aten.nonzero.default
-
+def _largest_nonzero() -> Any:
     def nonzero(mode: FakeTensorMode, func: Any, tensor: torch.Tensor) -> Any:
         with mode:
             return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
 
-    rule = (lambda func: func is op, nonzero)
-    fake_impls.op_implementations_checks.insert(0, rule)
-    try:
-        yield
-    finally:
-        fake_impls.op_implementations_checks.remove(rule)
+    return _fake_rule(torch.ops.aten.nonzero.default, nonzero)
 
 
 @contextmanager
