@@ -96,8 +96,11 @@ class _Search:
                 cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
                 self.pruned.append(cand)
                 continue
-            self.evaluate(cand)
-            if cand in self.pruned:  # nothing to evaluate: not applicable here, or no valid batch
+            try:
+                self.evaluate(cand)
+            except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)
+                cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
+                self.pruned.append(cand)
                 continue
             if cand.seconds == math.inf:
                 too_big.append(cand)
@@ -220,12 +223,7 @@ class _Search:
             return
         held = 2 if any(a > 1 for _, a in batches) else 1
         fitted = None
-        try:
-            traced = self._traced(cfg, held)
-        except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)
-            cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
-            self.pruned.append(cand)
-            return
+        traced = self._traced(cfg, held)
         for micro, accumulation in reversed(batches):
             summary = self._summary(traced, micro)
             if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \

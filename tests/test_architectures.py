@@ -14,8 +14,8 @@ from memtrain.config import AdapterConfig, load_recipe
 from memtrain.memory import build
 from memtrain.memory.estimate import estimate, resolve_config
 from memtrain.memory.fake import fake_tensor_mode
-from memtrain.patches import lora
-from memtrain.planner import plan
+from memtrain.patches import NoMatchError, lora
+from memtrain.planner import fit_micro_batch, plan
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 30522, "max_position_embeddings": 256}
@@ -81,3 +81,16 @@ def test_the_planner_passes_over_checkpointing_where_there_are_no_layers_to_chec
     reason = ("not applicable to this model: `memory.checkpointing`: found no list of 2 transformer "
               "layers in AlbertForSequenceClassification")
     assert all(r.startswith(reason) for r in skipped.values())
+
+
+def test_checkpointing_set_by_the_recipe_on_such_a_model_names_the_field(
+        tmp_path: Path, tiny_classification_file: Path) -> None:
+    """Only the search passes over an inapplicable technique; a recipe that fixes it gets the error."""
+    recipe = causal_recipe(tmp_path, tiny_classification_file, "bert", adapter={"method": "full"},
+                           model={"task": "sequence-classification"}, data={"format": "classification"},
+                           training={"micro_batch_size": "auto", "effective_batch_size": 8},
+                           memory={"checkpointing": "full"})
+    recipe["model"]["from_config"] = dict(ARCHS["albert"])
+    with pytest.raises(NoMatchError, match=r"`memory.checkpointing`: found no list of 2 .*Fix: set "
+                                           r"`memory.checkpointing: none`"):
+        fit_micro_batch(load_recipe(recipe), 2**30, device="cpu")
