@@ -364,13 +364,10 @@ def test_a_padded_batch_of_real_rows_holds_what_the_estimate_says(
     attention less (no keys and values repeated for every head, no 4D mask; GPT-2 has neither)."""
     from transformers import DataCollatorForSeq2Seq
 
-    from memtrain.memory.meter import MemoryMeter
-    from memtrain.step import training_step
-
     cfg = load_recipe(recipe(tmp_path, tiny_text_file, arch))
     config = resolve_config(cfg.model)[0]
     predicted = estimate(cfg, device="cpu").peak_bytes
-    length, settings = cfg.data.max_length, build.step_settings(cfg)
+    length = cfg.data.max_length
     collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
     generator = torch.Generator().manual_seed(0)
     peaks = {}
@@ -380,11 +377,7 @@ def test_a_padded_batch_of_real_rows_holds_what_the_estimate_says(
         for n in lengths:
             ids = torch.randint(0, config.vocab_size, (n,), generator=generator).tolist()
             rows.append({"input_ids": ids, "attention_mask": [1] * n, "labels": ids})
-        batch = dict(collate(rows))
-        with build._warm_recipe_step(cfg, config) as (_, model, optimizer, _), \
-                MemoryMeter(model, optimizer, inputs=batch) as meter:
-            training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
-        peaks[name] = meter.result().peak_bytes
+        peaks[name] = _trainer_step_peak(cfg, config, dict(collate(rows)), tmp_path)
     assert peaks["padded"] == predicted
     assert peaks["full"] < predicted if arch == "llama" else peaks["full"] <= predicted
 
@@ -393,19 +386,27 @@ def test_packed_rows_are_estimated_as_the_trainer_runs_them(tmp_path: Path, tiny
     """Rows of two packed examples, run as the Trainer runs them (no KV cache: it sets
     ``config.use_cache = TrainingArguments.use_cache``, False), get transformers' block-diagonal
     mask from the restarting position ids; the estimate is of that step."""
-    from memtrain.memory.meter import MemoryMeter
     from memtrain.packing import PackedCollator, pack_examples
-    from memtrain.step import training_step
 
     cfg = load_recipe(recipe(tmp_path, tiny_text_file, "llama", data={"packing": True}))
     config = resolve_config(cfg.model)[0]
-    half, settings = cfg.data.max_length // 2, build.step_settings(cfg)
+    half = cfg.data.max_length // 2
     generator = torch.Generator().manual_seed(0)
     examples = [torch.randint(0, config.vocab_size, (half,), generator=generator).tolist() for _ in range(8)]
     packed = pack_examples([(ids, ids) for ids in examples], cfg.data.max_length, split_long=True)
     batch = PackedCollator(0)([{k: packed[k][i] for k in packed} for i in range(4)])
+    assert _trainer_step_peak(cfg, config, batch, tmp_path) == estimate(cfg, device="cpu").peak_bytes
+
+
+def _trainer_step_peak(cfg: Any, config: Any, batch: dict, tmp_path: Path) -> int:
+    """Peak of one step of the recipe's warm real model on ``batch``, set up as the Trainer sets it
+    (``config.use_cache = TrainingArguments.use_cache``)."""
+    from memtrain.memory.meter import MemoryMeter
+    from memtrain.step import training_step
+
+    settings = build.step_settings(cfg)
     with build._warm_recipe_step(cfg, config) as (_, model, optimizer, _):
         model.config.use_cache = TrainingArguments(output_dir=str(tmp_path), report_to="none").use_cache
         with MemoryMeter(model, optimizer, inputs=batch) as meter:
             training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
-    assert meter.result().peak_bytes == estimate(cfg, device="cpu").peak_bytes
+    return meter.result().peak_bytes
