@@ -32,14 +32,26 @@ ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
+def classifier(tmp_path: Path, data: Path, arch: str, **sections: Any) -> Any:
+    """A tiny two-class recipe on ``arch`` (from ARCHS); ``sections`` are merged in."""
+    recipe = causal_recipe(tmp_path, data, "bert", model={"task": "sequence-classification"},
+                           data={"format": "classification"}, **sections)
+    recipe["model"]["from_config"] = dict(ARCHS[arch])
+    return load_recipe(recipe)
+
+
+def albert(tmp_path: Path, data: Path, checkpointing: str) -> Any:
+    """ALBERT trained in full, micro-batch left to the planner, the given checkpointing."""
+    return classifier(tmp_path, data, "albert", adapter={"method": "full"},
+                      memory={"checkpointing": checkpointing},
+                      training={"micro_batch_size": "auto", "effective_batch_size": 8})
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_estimate_equals_the_measured_step(arch: str, method: str, tmp_path: Path,
                                            tiny_classification_file: Path) -> None:
-    recipe = causal_recipe(tmp_path, tiny_classification_file, "bert", adapter={"method": method},
-                           model={"task": "sequence-classification"}, data={"format": "classification"})
-    recipe["model"]["from_config"] = dict(ARCHS[arch])
-    cfg = load_recipe(recipe)
+    cfg = classifier(tmp_path, tiny_classification_file, arch, adapter={"method": method})
     predicted = estimate(cfg, device="cpu")
     measured = build.measure_recipe_step(cfg, resolve_config(cfg.model)[0])
     assert predicted.peak_bytes == measured.peak_bytes
@@ -69,12 +81,7 @@ def test_lora_trains_a_two_layer_head_in_full_and_adapts_the_rest() -> None:
 
 def test_the_planner_passes_over_checkpointing_where_there_are_no_layers_to_checkpoint(
         tmp_path: Path, tiny_classification_file: Path) -> None:
-    recipe = causal_recipe(tmp_path, tiny_classification_file, "bert", adapter={"method": "full"},
-                           model={"task": "sequence-classification"}, data={"format": "classification"},
-                           training={"micro_batch_size": "auto", "effective_batch_size": 8},
-                           memory={"checkpointing": "auto"})
-    recipe["model"]["from_config"] = dict(ARCHS["albert"])
-    decided = plan(load_recipe(recipe), "1GiB", device="cpu")
+    decided = plan(albert(tmp_path, tiny_classification_file, "auto"), "1GiB", device="cpu")
     assert decided.settings()["memory.checkpointing"] == "none"
     skipped = {str(c.values["memory.checkpointing"]): c.reason for c in decided.rejected}
     assert set(skipped) == {"selective", "1", "full"}
@@ -86,11 +93,6 @@ def test_the_planner_passes_over_checkpointing_where_there_are_no_layers_to_chec
 def test_checkpointing_set_by_the_recipe_on_such_a_model_names_the_field(
         tmp_path: Path, tiny_classification_file: Path) -> None:
     """Only the search passes over an inapplicable technique; a recipe that fixes it gets the error."""
-    recipe = causal_recipe(tmp_path, tiny_classification_file, "bert", adapter={"method": "full"},
-                           model={"task": "sequence-classification"}, data={"format": "classification"},
-                           training={"micro_batch_size": "auto", "effective_batch_size": 8},
-                           memory={"checkpointing": "full"})
-    recipe["model"]["from_config"] = dict(ARCHS["albert"])
     with pytest.raises(NoMatchError, match=r"`memory.checkpointing`: found no list of 2 .*Fix: set "
                                            r"`memory.checkpointing: none`"):
-        fit_micro_batch(load_recipe(recipe), 2**30, device="cpu")
+        fit_micro_batch(albert(tmp_path, tiny_classification_file, "full"), 2**30, device="cpu")
