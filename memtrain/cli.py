@@ -14,11 +14,13 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 import warnings
 from typing import Annotated
 
 import typer
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from memtrain import cli_estimate, cli_runs, lazy_setup
@@ -29,6 +31,7 @@ from memtrain.cli_common import (
     err_console,
     user_errors,
 )
+from memtrain.errors import first_line
 from memtrain.cli_common import _check_budget as _check_budget
 from memtrain.cli_common import _check_device as _check_device
 
@@ -138,6 +141,15 @@ def main() -> None:
     except SystemExit as done:
         _exit_code[0] = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
         raise
+    except Exception as err:  # a bug, not a user mistake: its traceback, its message, status 1
+        # Caught here because the exit handler below leaves through os._exit: an exception left to
+        # the interpreter would print its traceback and still exit with status 0.
+        traceback.print_exc()
+        what = f"{type(err).__name__}: {first_line(err)}"
+        err_console.print(f"[bold red]internal error:[/] {escape(what)} (a bug in memtrain or a library "
+                          "it uses; the traceback above says where)", highlight=False, soft_wrap=True)
+        _exit_code[0] = 1
+        sys.exit(1)
 
 
 _exit_code = [0]
