@@ -31,9 +31,9 @@ from memtrain.cli_common import (
     err_console,
     user_errors,
 )
-from memtrain.errors import first_line
 from memtrain.cli_common import _check_budget as _check_budget
 from memtrain.cli_common import _check_device as _check_device
+from memtrain.errors import first_line
 
 app = typer.Typer(
     add_completion=False,
