@@ -10,9 +10,9 @@ from memtrain.errors import MemtrainError
 
 if TYPE_CHECKING:
     from memtrain.config import RunConfig, load_recipe
-    from memtrain.memory.estimate import Estimate, estimate
+    from memtrain.estimator.estimate import Estimate, estimate
     from memtrain.patches import apply_patches
-    from memtrain.plugin import MemoryBudgetCallback, attach, prepare_for_budget
+    from memtrain.plugin.prepare import MemoryBudgetCallback, attach, prepare_for_budget
 
 __version__ = "0.1.0"
 
@@ -32,11 +32,11 @@ def __getattr__(name: str) -> Any:
 
         return apply_patches
     if name in ("Estimate", "estimate"):
-        from memtrain.memory import estimate as module
+        from memtrain.estimator import estimate as module
 
         return getattr(module, name)
     if name in ("MemoryBudgetCallback", "attach", "prepare_for_budget"):  # the plain-Trainer plugin
-        from memtrain import plugin
+        from memtrain.plugin import prepare as plugin
 
         return getattr(plugin, name)
     raise AttributeError(f"module 'memtrain' has no attribute {name!r}")

@@ -8,7 +8,7 @@ On CUDA what runs out is the caching allocator's reserved memory plus the CUDA c
 tensor bytes: :class:`AllocatorBudget` caps the allocator (``set_per_process_memory_fraction``) so
 that a step over the budget raises the real ``torch.OutOfMemoryError`` at the allocation that
 crosses it, and reports the allocator's reserved peak. On a CPU there is no allocator to ask: budgets
-there are enforced on live tensor bytes (:class:`memtrain.memory.budget.SimulatedBudget`).
+there are enforced on live tensor bytes (:class:`memtrain.reliability.budget.SimulatedBudget`).
 """
 
 from __future__ import annotations

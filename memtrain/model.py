@@ -92,7 +92,7 @@ def quantization_config(cfg: ModelConfig,
     """bitsandbytes settings for ``model.quantization`` (None when not quantized).
 
     ``quant_storage``: the dtype packed 4-bit weights are stored as (default uint8; FSDP wants
-    the dtype of the other weights, see :func:`memtrain.distributed.quant_storage`).
+    the dtype of the other weights, see :func:`memtrain.distributed.sharding.quant_storage`).
     """
     if cfg.quantization in ("none", "auto"):
         return None

@@ -20,7 +20,7 @@ for what a multi-process run does that a single process does not:
 
 :func:`launch` starts ``processes`` processes with torch's elastic agent (what ``torchrun`` runs),
 and each trains a list of resolved recipes one after the other in the same process group, calling
-``memtrain.runner.train`` exactly as a ``memtrain train`` worker does (``WORLD_SIZE`` is set, so it
+``memtrain.run.train.train`` exactly as a ``memtrain train`` worker does (``WORLD_SIZE`` is set, so it
 trains instead of launching). Returns, per recipe, each rank's peak of every optimizer step.
 """
 
@@ -141,7 +141,7 @@ def worker(recipes: list[str]) -> list[list[int]]:
     from rich.console import Console
 
     from memtrain.config import load_recipe
-    from memtrain.runner import train
+    from memtrain.run.train import train
 
     _save_on_every_rank()
     out = []
@@ -158,7 +158,7 @@ def worker(recipes: list[str]) -> list[list[int]]:
 
 def _forget_accelerator() -> None:
     """What one run leaves in accelerate's process-wide state, undone for the next run: an FSDP
-    run switched it from DDP (:func:`memtrain.trainer.adopt_fsdp`) and keeps its plugin."""
+    run switched it from DDP (:func:`memtrain.trainer.trainer.adopt_fsdp`) and keeps its plugin."""
     from accelerate import PartialState
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType

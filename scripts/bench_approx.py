@@ -180,7 +180,7 @@ def memory_table(name: str, shape: Callable[[], nn.Module],
 def quality_table(seeds: list[int]) -> str:
     from rich.console import Console
 
-    from memtrain.runner import train
+    from memtrain.run.train import train
 
     results: dict[str, list[tuple[float, float, int]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="memtrain-bench-approx-") as tmp:

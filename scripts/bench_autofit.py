@@ -15,7 +15,7 @@ text; classification texts longer than the limit), so every step is the worst ca
   ``auto_find_batch_size=True`` (accelerate's ``find_executable_batch_size``: on out-of-memory,
   restart the training loop with the batch × 0.9; accumulation stays 1).
 - **memtrain**: ``training.micro_batch_size: auto`` as ``memtrain train`` runs it: prediction
-  (:func:`memtrain.autofit.predict`), one probe step (:func:`memtrain.autofit.confirm`), then
+  (:func:`memtrain.plan.autofit.predict`), one probe step (:func:`memtrain.plan.autofit.confirm`), then
   training with out-of-memory recovery; with margin 0 (what the default ``memory.margin: auto``
   gives a simulated budget alone: it counts the live tensor bytes the estimator predicts exactly)
   and with the 10% margin ``auto`` keeps against a real device's budget. Both are reported.
@@ -30,7 +30,7 @@ Both sides train 2 optimizer steps; the clock runs from the start of sizing (pre
 Trainer's ``train()``) to the end of optimizer step 1. Model loading and data preparation are
 outside the clock for both; memtrain's clock includes building its Trainer. Every memtrain run
 traces its prediction afresh, as each ``memtrain train`` process does. The process keeps freed
-memory for reuse (``memtrain.hostmem``, as ``memtrain train`` on a CPU), which speeds both sides.
+memory for reuse (``memtrain.memory.hostmem``, as ``memtrain train`` on a CPU), which speeds both sides.
 Writes docs/bench/autofit.md.
 
     PYTHONPATH=$PWD python scripts/bench_autofit.py           # the table in docs/
@@ -64,14 +64,16 @@ import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from memtrain import autofit, hostmem, planner
 from memtrain.config import RunConfig, load_recipe
-from memtrain.data import PreparedData, prepare_data
+from memtrain.config.batch import valid_batches
+from memtrain.data.prepare import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
-from memtrain.memory.budget import SimulatedBudgetCallback
-from memtrain.memory.build import build_model
+from memtrain.memory import hostmem
 from memtrain.model import load_tokenizer
-from memtrain.trainer import build_trainer, optimizer_arguments
+from memtrain.plan import autofit, search
+from memtrain.reliability.budget import SimulatedBudgetCallback
+from memtrain.trainer.build import build_model
+from memtrain.trainer.trainer import build_trainer, optimizer_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "bench" / "autofit.md"
@@ -235,9 +237,9 @@ def run_hf(s: Setup, tmp: Path, limit: int) -> dict[str, Any]:
 def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float | str) -> dict[str, Any]:
     cfg = with_budget(s.cfg, limit, margin)
     model = model_for(s)
-    choices = autofit.valid_batches(cfg.training, cfg.distributed.processes)
+    choices = valid_batches(cfg.training, cfg.distributed.processes)
     budget = SimulatedBudgetCallback(limit)
-    planner._TRACES.clear()  # every run traces, as each `memtrain train` process does
+    search._TRACES.clear()  # every run traces, as each `memtrain train` process does
     start = time.perf_counter()
     timer = Timer(start)
     try:

@@ -85,8 +85,9 @@ def accuracy_rows(archs: list[str] | None = None, setups: list[str] | None = Non
     from memprobe import probe_step
 
     from memtrain.config import load_recipe
-    from memtrain.memory.build import _warm_recipe_step
-    from memtrain.memory.estimate import estimate, resolve_config
+    from memtrain.estimator.estimate import estimate
+    from memtrain.estimator.real_step import warm_recipe_step
+    from memtrain.estimator.setup import resolve_config
 
     rows = []
     for arch in archs or list(ARCHS):
@@ -94,7 +95,7 @@ def accuracy_rows(archs: list[str] | None = None, setups: list[str] | None = Non
             for micro in micro_batches or MICRO_BATCHES:
                 cfg = load_recipe(bench_recipe(arch, setup, micro, seq_len))
                 torch.manual_seed(0)
-                with _warm_recipe_step(cfg, resolve_config(cfg.model)[0]) as (step, model, optimizer, batch):
+                with warm_recipe_step(cfg, resolve_config(cfg.model)[0]) as (step, model, optimizer, batch):
                     measured = probe_step(step, model, optimizer, batch)
                 start = time.perf_counter()
                 predicted = estimate(cfg, device="cpu")
@@ -114,7 +115,7 @@ def accuracy_rows(archs: list[str] | None = None, setups: list[str] | None = Non
 _SPEED_CODE = """
 import json, resource, time
 start = time.perf_counter()
-import memtrain.memory.estimate  # memtrain.estimate imports it on first use; time it apart
+import memtrain.estimator.estimate  # memtrain.estimator imports it on first use; time it apart
 imported = time.perf_counter()
 r = {"model": {"name": %r, "quantization": "nf4", "dtype": "bf16"},
      "data": {"source": "builtin:shakespeare-text", "max_length": 4096},
@@ -170,8 +171,8 @@ def accelerate_rows(models: list[str] | None = None) -> list[dict[str, Any]]:
     from accelerate.utils import calculate_maximum_sizes
     from transformers import AutoConfig, AutoModel
 
-    from memtrain.memory import catalog
-    from memtrain.memory.estimate import estimate
+    from memtrain.estimator import catalog
+    from memtrain.estimator.estimate import estimate
 
     rows = []
     for name in models or ACCELERATE_MODELS:

@@ -71,8 +71,8 @@ PLANS: list[tuple[str, str, list[str]]] = [
 def plans() -> list[str]:
     """The PLANS rows: the chosen plan's predicted peak, or the smallest peak when nothing fits."""
     from memtrain.config import load_recipe
-    from memtrain.memory.budget import usable_bytes
-    from memtrain.planner import NothingFits, plan
+    from memtrain.plan.planner import NothingFits, plan
+    from memtrain.reliability.budget import usable_bytes
     from memtrain.units import parse_size
 
     lines = ["## Plans", "",
@@ -97,7 +97,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from memtrain.memory.estimate import estimate
+    from memtrain.estimator.estimate import estimate
 
     lines = ["# The memory floor: memtrain's prediction vs torchtune's published peaks", "",
              f"`python scripts/bench_floor.py` on {platform.node()} ({platform.machine()}, torch "

@@ -64,13 +64,14 @@ def measure(overrides: list[str]) -> dict[str, float]:
     from memprobe import LiveBytes, resident
 
     from memtrain.config import load_recipe
-    from memtrain.memory.build import _warm_recipe_step
-    from memtrain.memory.estimate import estimate, resolve_config
+    from memtrain.estimator.estimate import estimate
+    from memtrain.estimator.real_step import warm_recipe_step
+    from memtrain.estimator.setup import resolve_config
 
     cfg = load_recipe(RECIPE, [*BASE, *overrides])
     config, _ = resolve_config(cfg.model)
     torch.manual_seed(0)
-    with _warm_recipe_step(cfg, config) as (step, model, optimizer, batch):
+    with warm_recipe_step(cfg, config) as (step, model, optimizer, batch):
         before = resident(model, optimizer, batch)
         with LiveBytes() as probe:
             probe.reset_peak()
@@ -104,7 +105,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from memtrain import hostmem
+    from memtrain.memory import hostmem
 
     hostmem.keep_freed_pages()  # as `memtrain train` on a CPU
     lines = ["# The floor techniques on a CPU: measured saving and cost", "",

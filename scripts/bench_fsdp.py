@@ -7,7 +7,7 @@ For full fine-tuning, LoRA and QLoRA, in fp32 and bf16 (QLoRA: bf16 only, its 4-
 compute in bf16), at 1, 2 and 4 processes and every ``distributed.sharding`` (``none``: DDP
 replicas; ``grad_op``; ``full``; ``full`` with ``memory.offload.parameters``), a tiny Llama from a
 config (hidden 128, 2 layers, untied 30,522-token embeddings) trains for 2 steps with real
-processes (CPU, gloo; `memtrain.runner.train`, as a `memtrain train` worker runs it).
+processes (CPU, gloo; `memtrain.run.train.train`, as a `memtrain train` worker runs it).
 
 - **measured**: every process counts its live tensor bytes with ``scripts/_fsdp_probe.py``, a
   dispatch-mode storage counter that shares no code with ``memtrain.memory`` (it follows storage
@@ -19,7 +19,7 @@ processes (CPU, gloo; `memtrain.runner.train`, as a `memtrain train` worker runs
 
 Every micro-batch row is full and holds two examples of ``data.max_length / 2`` tokens (token ids
 given as they are, ``data.packing``): the layout the estimate traces for a packed recipe
-(:func:`memtrain.memory.build.example_batch`), so the estimate's worst case is the run itself. The
+(:func:`memtrain.trainer.build.example_batch`), so the estimate's worst case is the run itself. The
 two examples of a row attend only within themselves (transformers' block-diagonal mask, with the
 grouped-query keys and values repeated for every head): the masked attention path, which real
 batches with padding or packing take, and full rows of one example each would not.

@@ -15,7 +15,7 @@ CUDA it stops at once with a message and writes nothing.
    ``auto`` fields (``PLAN_RECIPE``) for its top candidates and their predicted step times.
 3. Measurements, each row in a fresh process so that the peak statistics and the CUDA context
    are its own: the model built from its config the way training builds it
-   (``memtrain.memory.build``: load, patches, the Trainer's optimizer, a worst-case batch) with
+   (``memtrain.trainer.build``: load, patches, the Trainer's optimizer, a worst-case batch) with
    its weights created on the GPU, one warm-up optimizer step, then ``STEPS`` timed steps
    (``training_step``) after ``torch.cuda.reset_peak_memory_stats()``: ``max_memory_allocated``,
    ``max_memory_reserved``, and the device memory NVML reports used by the process (pynvml, else
@@ -274,7 +274,7 @@ def _to_gpu(cfg: Any, config: Any) -> tuple[Any, str]:
     """
     import torch
 
-    from memtrain.memory.build import build_model
+    from memtrain.trainer.build import build_model
 
     how = "built on the GPU"
     try:
@@ -299,8 +299,9 @@ def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from memtrain.config import load_recipe
-    from memtrain.memory.build import build_optimizer, example_batch, step_settings, training_step
     from memtrain.model import build_config
+    from memtrain.trainer.build import build_optimizer, example_batch, step_settings
+    from memtrain.trainer.step import training_step
 
     cfg = load_recipe(recipe)
     config = build_config(cfg.model)
@@ -352,8 +353,8 @@ def predict_child(recipes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plan_child(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """``memtrain plan`` of a recipe on CUDA: its top candidates with predicted total and seconds."""
-    from memtrain import planner
     from memtrain.config import load_recipe
+    from memtrain.plan import planner
 
     result = planner.plan(load_recipe(payload["recipe"]), device="cuda")
     out = []

@@ -1,9 +1,9 @@
-"""What keeping freed CPU memory (``memtrain.hostmem``) changes: page faults and seconds per step.
+"""What keeping freed CPU memory (``memtrain.memory.hostmem``) changes: page faults and seconds per step.
 
     PYTHONPATH=$PWD python scripts/bench_hostmem.py   # ~6 min on 2 CPU cores
 
 The setting is process-wide and one-way, so each side runs in its own process: glibc's default
-allocator, then with :func:`memtrain.hostmem.keep_freed_pages`, twice each in alternation (slow
+allocator, then with :func:`memtrain.memory.hostmem.keep_freed_pages`, twice each in alternation (slow
 phases of a shared machine then hit both sides). Each process builds full fine-tuning steps of two
 Llama-shaped models from config at several micro-batches (same effective batch, so the same work
 per optimizer step), runs one warm-up step each, then ``--rounds`` rounds of one timed step per
@@ -45,8 +45,9 @@ def child(keep: bool, rounds: int, threads: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_planner
 
-    from memtrain import hostmem, planner
     from memtrain.config import load_recipe
+    from memtrain.memory import hostmem
+    from memtrain.plan import planner
 
     torch.set_num_threads(threads)
     kept = hostmem.keep_freed_pages() if keep else False
@@ -122,7 +123,7 @@ def main() -> None:
     page_us = {side: (r["fresh_s"] - r["write_s"]) / max(r["fresh_faults"], 1) * 1e6
                for side, r in first.items()}
     lines = [
-        "# Keeping freed CPU memory (`memtrain.hostmem`)", "",
+        "# Keeping freed CPU memory (`memtrain.memory.hostmem`)", "",
         f"Command: `PYTHONPATH=$PWD python scripts/bench_hostmem.py` (--rounds {args.rounds}, "
         f"--threads {args.threads})  ",
         f"Versions: torch {torch.__version__}, glibc {platform.libc_ver()[1]}, "
@@ -131,7 +132,8 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f}", "",
         "Full fine-tuning steps (fp32, AdamW, sequence 128, no checkpointing) at several micro-batches of "
         "the same effective batch. *default*: glibc as it comes; *kept*: after "
-        "`memtrain.hostmem.keep_freed_pages()` (what `memtrain train` does on a CPU). Each side ran in "
+        "`memtrain.memory.hostmem.keep_freed_pages()` (what `memtrain train` does on a CPU). "
+        "Each side ran in "
         f"2 processes, alternating; each process timed {args.rounds} interleaved rounds after a warm-up "
         "step. Medians over both processes; faulted memory = minor page faults per optimizer step x 4 KiB.",
         "",

@@ -30,8 +30,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.config import OffloadConfig
-from memtrain.optim_offload import OffloadOptimizer
-from memtrain.patches import checkpointing, offload
+from memtrain.patches import activation_offload as offload
+from memtrain.patches import checkpointing
+from memtrain.trainer.optimizer_offload import OffloadOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memprobe import LiveBytes

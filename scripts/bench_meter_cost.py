@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from memtrain.device import compute_device, synchronize  # noqa: E402
 from memtrain.memory.meter import MemoryMeter  # noqa: E402
-from memtrain.step import training_step  # noqa: E402
+from memtrain.trainer.step import training_step  # noqa: E402
 
 # (name, hidden, layers, micro-batch, tokens): from a toy to a small model; the meter's cost is
 # per operation, so it shrinks as each operation does more work

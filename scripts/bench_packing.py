@@ -19,7 +19,7 @@ import datasets
 import transformers
 
 from memtrain.config import load_recipe
-from memtrain.data import prepare_data
+from memtrain.data.prepare import prepare_data
 from memtrain.model import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def main() -> None:
         f"{transformers.__version__}, datasets {datasets.__version__}, {platform.machine()}.", "",
         "Training split of each offline causal recipe, micro-batches of the recipe's size in a "
         "seeded random order, each padded to its longest row. Packing keeps examples apart "
-        "(positions restart, no attention across examples; see memtrain/packing.py).", "",
+        "(positions restart, no attention across examples; see memtrain/data/packing.py).", "",
         *rows, ""])
     (ROOT / "docs" / "bench" / "packing.md").write_text(text, encoding="utf-8")
     print(f"wrote {ROOT / 'docs' / 'bench' / 'packing.md'}")

@@ -29,11 +29,14 @@ from pathlib import Path
 import torch
 import transformers
 
-from memtrain import hostmem, planner
 from memtrain.config import RunConfig, load_recipe
-from memtrain.memory.budget import SimulatedBudget
-from memtrain.memory.build import build_model, build_optimizer, example_batch, training_step
-from memtrain.memory.estimate import estimate, resolve_config
+from memtrain.estimator.estimate import estimate
+from memtrain.estimator.setup import resolve_config
+from memtrain.memory import hostmem
+from memtrain.plan import planner, search
+from memtrain.reliability.budget import SimulatedBudget
+from memtrain.trainer.build import build_model, build_optimizer, example_batch
+from memtrain.trainer.step import training_step
 from memtrain.units import format_bytes
 
 EFFECTIVE = 16
@@ -170,7 +173,7 @@ def main() -> None:
         "every candidate runs one timed step, in a new order each round (background load slows all "
         "candidates alike); the fastest step per candidate (interference only adds time). Steps run "
         "as `memtrain train` runs them on a "
-        "CPU: freed memory is kept for reuse (`memtrain.hostmem`, docs/bench/hostmem.md). *Pick*: "
+        "CPU: freed memory is kept for reuse (`memtrain.memory.hostmem`, docs/bench/hostmem.md). *Pick*: "
         "`memtrain plan` at that budget, then run under the simulated budget (`OOM` = it ran out of "
         "memory).", "",
         f"**Pick within 10% of the fastest feasible: {within['plan']}/{cases} from predictions alone, "
@@ -193,7 +196,7 @@ def main() -> None:
     ]
     rho = _spearman([predicted[c] for c in measured], [measured[c] for c in measured])
     lines += ["", f"Predicted vs measured step time over the {len(measured)} candidates: Spearman rank "
-              f"correlation {rho:.2f}. The planner counts predictions within {planner.TIE:.0%} of "
+              f"correlation {rho:.2f}. The planner counts predictions within {search.TIE:.0%} of "
               "each other as equal and takes the one with fewer memory techniques."]
     text = "\n".join(lines) + "\n"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,7 @@ def main() -> None:
         "`memtrain` command does, with bitsandbytes' import-time `torch.compile` calls deferred and "
         "`datasets` loaded on first use (memtrain/lazy_setup.py). The 70B estimate's own work is its "
         "time above the floor; its last row traces depths 2 and 3 one after the other instead of side "
-        "by side (memtrain/memory/trace_pool.py).", ""])
+        "by side (memtrain/estimator/pool.py).", ""])
     out = ROOT / "docs" / "bench" / "startup.md"
     out.write_text(text, encoding="utf-8")
     print(f"wrote {out}")

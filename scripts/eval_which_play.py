@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from memtrain.data import load_splits
-from memtrain.inference import generate, load_run
+from memtrain.data.prepare import load_splits
+from memtrain.run.inference import generate, load_run
 
 
 def _norm(tok, text: str) -> str:

@@ -129,7 +129,7 @@ def tiny_catalog_configs() -> dict[str, dict[str, Any]]:
     """One tiny config per architecture (``model_type``) in memtrain's catalog: the first entry of
     that type with its sizes shrunk to 2 layers of width 64, everything else (activation, rope
     scaling, soft-capping, tied embeddings) kept."""
-    from memtrain.memory import catalog
+    from memtrain.estimator import catalog
 
     tiny: dict[str, dict[str, Any]] = {}
     for name in catalog.names():

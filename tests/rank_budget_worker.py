@@ -1,11 +1,11 @@
 """A training process with a budget of its own: ``python -m rank_budget_worker RECIPE EXCHANGE_DIR``.
 
 Test helper for several processes where only one runs short of memory (one GPU shared with another
-job, say). It replaces ``memtrain._worker`` (``memtrain.launch.WORKER_MODULE``, set in the launching
+job, say). It replaces ``memtrain.run.worker`` (``memtrain.run.launch.WORKER_MODULE``, set in the launching
 test) and, in the ranks named by ``MEMTRAIN_TEST_RANK_BUDGETS`` (JSON:
 ``{"1": {"probe": "60MiB", "train": "40MiB"}}``), gives the auto-fit probe and the simulated budget
 of training those limits instead of the recipe's ``memory.simulate_budget``. Everything else is
-``memtrain._worker``.
+``memtrain.run.worker``.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from typing import Any
 
 
 def _own_budgets() -> None:
-    import memtrain.autofit
-    from memtrain.memory.budget import SimulatedBudgetCallback
+    import memtrain.plan.autofit
+    from memtrain.reliability.budget import SimulatedBudgetCallback
     from memtrain.units import parse_size
 
     limits = json.loads(os.environ.get("MEMTRAIN_TEST_RANK_BUDGETS", "{}")).get(os.environ["RANK"])
     if not limits:
         return
     if "probe" in limits:
-        memtrain.autofit.budget_limit = lambda cfg: parse_size(limits["probe"])
+        memtrain.plan.autofit.budget_limit = lambda cfg: parse_size(limits["probe"])
     if "train" in limits:
         init = SimulatedBudgetCallback.__init__
 
@@ -38,7 +38,7 @@ def _own_budgets() -> None:
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from memtrain._worker import main
+    from memtrain.run.worker import main
 
     _own_budgets()
     sys.exit(record(main)(sys.argv[1:]))

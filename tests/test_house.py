@@ -1,4 +1,6 @@
-"""House rules that keep the package navigable: small modules, no import cycles (issue 17, point 5)."""
+"""House rules that keep the package navigable: small modules, no import cycles (issue 17, point 5),
+and packages that import only packages before them in the order a run goes through them (issue 29;
+docs/architecture.md draws the map)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ MAX_LINES = 400  # docs: /work/shared/DESIGN.md, "modules under ~400 lines"
 # Cycles that exist and are not removed yet, each as its sorted modules. Empty: there are none.
 # A cycle may only leave this list; a new one fails the test.
 KNOWN_CYCLES: list[list[str]] = []
+# The order a run goes through memtrain (docs/architecture.md). A module may import its own layer
+# and the layers before it, never one after it. `memtrain/__init__.py` (the public face, lazy)
+# and `__main__` stand above them all.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "units", "device", "sources", "builtin_data", "lazy_setup"),  # shared leaves
+    ("config",), ("model",), ("data",), ("memory",), ("patches",), ("distributed",), ("reliability",),
+    ("trainer",), ("estimator",), ("plan",), ("run",), ("plugin",), ("cli",),
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -103,14 +113,53 @@ def test_the_cycle_finder_finds_function_level_cycles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     real = import_graph()
-    assert "memtrain.planner" in real["memtrain.cli_estimate"]  # an import inside a function counts
+    assert "memtrain.plan.planner" in real["memtrain.cli.estimate"]  # an import inside a function counts
     assert "memtrain.config.schema" in real["memtrain.config"]
 
 
 def test_the_command_line_starts_without_heavy_libraries() -> None:
     """`memtrain --help` and `memtrain validate` import no torch, transformers, datasets or peft."""
-    code = ("import sys; import memtrain.cli; import memtrain.config; "
+    code = ("import sys; import memtrain.cli.main; import memtrain.config; "
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _layer(module: str) -> int | None:
+    """The index in LAYERS of ``memtrain.<name>...`` (None for the package itself and __main__)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] == "__main__":
+        return None
+    return next(i for i, names in enumerate(LAYERS) if parts[1] in names)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a later layer (module-level or inside functions), as 'a -> b' lines."""
+    out = []
+    for module, imported in sorted(graph.items()):
+        here = _layer(module)
+        for other in sorted(imported):
+            there = _layer(other)
+            if here is not None and (there is None or there > here):
+                out.append(f"{module} ({LAYERS[here][0]}) -> {other}")
+    return out
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    stray = [m for m in import_graph() if len(m.split(".")) > 1 and m.split(".")[1] != "__main__"
+             and not any(m.split(".")[1] in names for names in LAYERS)]
+    assert not stray, f"add these to a layer in LAYERS and docs/architecture.md: {stray}"
+
+
+def test_no_package_imports_a_package_after_it_in_the_run_order() -> None:
+    found = upward_imports(import_graph())
+    assert not found, ("imports against the run order (docs/architecture.md): move the code to the "
+                       f"layer that needs it, or what it needs to an earlier layer: {found}")
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    graph = {"memtrain.patches.x": {"memtrain.trainer.step"}, "memtrain.trainer.step": {"memtrain.patches"},
+             "memtrain.errors": {"memtrain"}}
+    assert upward_imports(graph) == ["memtrain.errors (errors) -> memtrain",
+                                     "memtrain.patches.x (patches) -> memtrain.trainer.step"]

@@ -35,12 +35,12 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 
 from memtrain.memory.quantized import quantization_state_tensors
-from memtrain.memory.trackers import _HOST_ON_CPU as _HOST_ON_CPU
-from memtrain.memory.trackers import CATEGORIES as CATEGORIES
-from memtrain.memory.trackers import CATEGORY_NAMES as CATEGORY_NAMES
-from memtrain.memory.trackers import FSDP_CATEGORIES as FSDP_CATEGORIES
-from memtrain.memory.trackers import PHASES as PHASES
-from memtrain.memory.trackers import _FSDPTracker, _Tracker
+from memtrain.memory.trackers import (
+    _HOST_ON_CPU,
+    PHASES,
+    _FSDPTracker,
+    _Tracker,
+)
 
 _ACTIVE: contextvars.ContextVar[MemoryMeter | None] = contextvars.ContextVar("memtrain_meter", default=None)
 
@@ -171,7 +171,7 @@ def mark_host(tensor: torch.Tensor) -> None:
 
 
 def _host_tensors(objects: list[Any]) -> list[torch.Tensor]:
-    """Tensors that objects (e.g. ``memtrain.optim_offload.OffloadOptimizer``, also wrapped by
+    """Tensors that objects (e.g. ``memtrain.trainer.optimizer_offload.OffloadOptimizer``, also wrapped by
     accelerate) declare as kept in host memory through a ``host_tensors()`` method."""
     found: list[torch.Tensor] = []
     for obj in objects:
@@ -204,23 +204,3 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
-
-
-def measure_step(model: nn.Module, batch: dict[str, torch.Tensor],
-                 optimizer: torch.optim.Optimizer | None = None, timeline: bool = False) -> StepMemory:
-    """Run and measure one step (:func:`memtrain.step.training_step`): forward, backward, and the
-    optimizer step with ``zero_grad(set_to_none=True)`` if an optimizer is given.
-
-    Without an optimizer the gradients stay in place, as after a micro-batch of accumulation.
-    """
-    from memtrain.step import training_step
-
-    model.train()
-    with MemoryMeter(model, optimizer, inputs=batch, timeline=timeline) as meter:
-        if optimizer is not None:
-            training_step(model, batch, optimizer)
-        else:
-            loss = model(**batch).loss
-            loss.backward()
-            del loss
-    return meter.result()

@@ -70,7 +70,7 @@ def quantize_fake(model: nn.Module, cfg: ModelConfig, quant_storage: torch.dtype
         model: a transformers model whose parameters are fake tensors (built in ``cfg.dtype``).
         cfg: the ``model`` section; ``quantization`` must be nf4, fp4 or int8.
         quant_storage: the dtype packed 4-bit weights are stored in (default uint8; a sharded
-            run stores them in the compute dtype, :func:`memtrain.sharding.quant_storage`).
+            run stores them in the compute dtype, :func:`memtrain.distributed.sharding.quant_storage`).
 
     Returns:
         The same model, with bitsandbytes layers holding fake quantized weights, marked as

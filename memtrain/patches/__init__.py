@@ -48,6 +48,7 @@ class _Entry:
     name: str
     stage: int
     hook: RecipeHook
+    field: str  # the recipe field that turns it on, named in errors
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -61,13 +62,14 @@ class UnknownPatchError(MemtrainError):
     """A patch name that is not registered."""
 
 
-def register(name: str, stage: int) -> Callable[[RecipeHook], RecipeHook]:
-    """Register ``hook(model, run_cfg) -> model | None`` (None: the recipe does not use it)."""
+def register(name: str, stage: int, field: str) -> Callable[[RecipeHook], RecipeHook]:
+    """Register ``hook(model, run_cfg) -> model | None`` (None: the recipe does not use it) as the
+    patch ``name``, applied at ``stage`` and turned on by the recipe field ``field``."""
 
     def wrap(hook: RecipeHook) -> RecipeHook:
         if name in _REGISTRY and _REGISTRY[name].hook is not hook:
             raise ValueError(f"patch {name!r} is registered twice")
-        _REGISTRY[name] = _Entry(name, stage, hook)
+        _REGISTRY[name] = _Entry(name, stage, hook, field)
         return hook
 
     return wrap
@@ -92,6 +94,12 @@ def get(name: str) -> RecipeHook:
     if name not in _REGISTRY:
         raise UnknownPatchError(f"Unknown patch {name!r}. Valid patches: {', '.join(available())}.")
     return _REGISTRY[name].hook
+
+
+def recipe_field(name: str) -> str:
+    """The recipe field of a registered patch (``memory.loss`` for ``chunked_loss``)."""
+    get(name)  # loads the registry; an unknown name lists the valid ones
+    return _REGISTRY[name].field
 
 
 def apply_patches(model: nn.Module, cfg: RunConfig, only: Iterable[str] | None = None) -> nn.Module:

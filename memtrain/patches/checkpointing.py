@@ -43,14 +43,7 @@ from torch.utils.checkpoint import (
 from memtrain.config import RunConfig
 from memtrain.config.schema import Checkpointing
 from memtrain.errors import MemtrainError
-from memtrain.patches import (
-    CHECKPOINTING,
-    NoMatchError,
-    PatchRecord,
-    add_records,
-    records,
-    register,
-)
+from memtrain.patches import CHECKPOINTING, NoMatchError, PatchRecord, add_records, records, register
 
 Config = Checkpointing
 Mode = str | int
@@ -258,7 +251,7 @@ def is_checkpointed(layer: nn.Module) -> bool:
     return False
 
 
-@register("checkpointing", CHECKPOINTING)
+@register("checkpointing", CHECKPOINTING, "memory.checkpointing")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     mode = cfg.memory.checkpointing
     if mode == "auto":

@@ -182,7 +182,7 @@ def apply(model: nn.Module, chunk: int | None = None) -> nn.Module:
     return model
 
 
-@register("chunked_loss", LOSS)
+@register("chunked_loss", LOSS, "memory.loss")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if cfg.memory.loss != "chunked":
         return None

@@ -27,14 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memtrain.config import FewBitConfig, RunConfig
-from memtrain.patches import (
-    APPROXIMATE,
-    PatchRecord,
-    add_records,
-    find_modules,
-    register,
-    set_submodule,
-)
+from memtrain.patches import APPROXIMATE, PatchRecord, add_records, find_modules, register, set_submodule
 from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, fewbit_table
 from memtrain.patches._targets import check_every_pattern, default_modules
 
@@ -276,7 +269,7 @@ def apply(model: nn.Module, cfg: FewBitConfig,
     return model
 
 
-@register("fewbit", APPROXIMATE)
+@register("fewbit", APPROXIMATE, "memory.activation_bits")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     fewbit = cfg.memory.fewbit
     if fewbit is None:  # off, or `auto` still to be resolved by the planner

@@ -244,7 +244,7 @@ def lean_lora_layers(model: nn.Module) -> int:
     return changed
 
 
-@register("lora", ADAPTER)
+@register("lora", ADAPTER, "adapter")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if cfg.adapter.method != "lora":
         return None

@@ -38,14 +38,7 @@ from torch._subclasses.fake_tensor import is_fake
 from transformers.pytorch_utils import Conv1D
 
 from memtrain.config import RandomizedLinearConfig, RunConfig
-from memtrain.patches import (
-    APPROXIMATE,
-    PatchRecord,
-    add_records,
-    find_modules,
-    register,
-    set_submodule,
-)
+from memtrain.patches import APPROXIMATE, PatchRecord, add_records, find_modules, register, set_submodule
 from memtrain.patches._targets import check_every_pattern, default_modules
 
 Config = RandomizedLinearConfig
@@ -273,7 +266,7 @@ def _lora_forms(pattern: str) -> list[str]:
     return [] if pattern.startswith("re:") else [f"{pattern}.lora_A.*"]
 
 
-@register("randomized_linear", APPROXIMATE)
+@register("randomized_linear", APPROXIMATE, "memory.randomized_linear")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     settings = cfg.memory.randomized_linear
     if not isinstance(settings, RandomizedLinearConfig):  # off, or `auto` for the planner

@@ -1,0 +1,183 @@
+"""``memtrain estimate``, ``memtrain plan`` and ``memtrain calibrate``: predictions, no training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from memtrain.cli.common import (
+    Overrides,
+    Recipe,
+    _check_budget,
+    _check_device,
+    _check_plot,
+    _write_figure,
+    console,
+    err_console,
+)
+
+
+def estimate(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimate as JSON.")] = False,
+    sweep: Annotated[bool, typer.Option(
+        "--sweep", help="Also show peak memory against micro-batch size and sequence length.")] = False,
+    device: Annotated[str | None, typer.Option(
+        help="Where the run will train: cuda or cpu (default: this machine's device).")] = None,
+    exact: Annotated[bool, typer.Option(
+        "--exact", help="Trace every layer instead of extrapolating from 2 and 3 (slower).")] = False,
+    plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curves to this PNG.")] = None,
+) -> None:
+    """Predict peak memory by category and phase, without loading weights or using the network."""
+    from memtrain.estimator import estimate as est
+
+    _check_device(device)
+    _check_plot(plot, sweep)
+    result = est.estimate(recipe, overrides or [], device=device, exact=exact)
+    curves = est.sweep(recipe, overrides or [], device=device) if sweep else None
+    if as_json:
+        out = result.to_dict() | ({"sweep": curves.to_dict()} if curves else {})
+        console.print_json(json.dumps(out))
+    else:
+        _print_estimate(result)
+        if curves:
+            _print_sweep(curves)
+    if curves and plot:
+        _plot_sweep(curves, plot, result.model)
+        err_console.print(f"curves saved to {plot}")
+
+
+def plan(
+    recipe: Recipe,
+    overrides: Overrides = None,
+    budget: Annotated[str | None, typer.Option(
+        help="Memory per device, like 24GiB (default: memory.budget, else the free memory).")] = None,
+    device: Annotated[str | None, typer.Option(
+        help="Where the run will train: cuda or cpu (default: this machine's device).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    tune: Annotated[int, typer.Option(
+        min=0, help="Time this many of the fastest-predicted settings, at up to four micro-batches that fit, "
+        "with real steps here and keep the fastest measured (builds the model).")] = 0,
+) -> None:
+    """Choose the `auto` settings: the fastest combination whose predicted peak fits the budget."""
+    from memtrain.config import load_recipe
+    from memtrain.plan import planner
+    from memtrain.plan.view import print_plan
+
+    _check_device(device)
+    _check_budget(budget)
+    cfg = load_recipe(recipe, overrides or [])
+    result = planner.plan(cfg, budget, device=device, tune=tune)
+    if as_json:
+        console.print_json(json.dumps(planner.describe(result), default=str))
+    else:
+        print_plan(console, result)
+        overrides_line = " ".join(f"{k}={_yaml_value(v)}" for k, v in result.settings().items())
+        console.print(f"train with: memtrain train {recipe} {overrides_line}", highlight=False)
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items() if v is not None) + "}"
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _print_estimate(result: Any) -> None:
+    from memtrain.units import format_bytes as fmt
+
+    s = result.settings
+    title = (f"{result.model}: {result.parameters:,} parameters, {result.trainable:,} trainable; "
+             f"{s['adapter']} {s['dtype']} quant={s['quantization']} {s['optimizer']}, micro-batch "
+             f"{s['micro_batch_size']} x {s['seq_len']} tokens, checkpointing={s['checkpointing']}")
+    if s.get("processes", 1) > 1:
+        title += f"; one of {s['processes']} processes, sharding={s['sharding']}"
+    phases = list(result.by_phase)
+    table = Table("category", "at the peak", *[f"{p} peak" for p in phases], title=title,
+                  title_justify="left")
+    for name, value in result.by_category.items():
+        table.add_row(name, fmt(value), *[fmt(result.category_at_phase_peak[p][name]) for p in phases])
+    table.add_row("[bold]live tensors[/]", f"[bold]{fmt(result.peak_bytes)}[/]",
+                  *[fmt(result.by_phase[p]) for p in phases])
+    console.print(table)
+    lines = Table("line", "bytes", "source", title=f"{result.device} memory", title_justify="left")
+    lines.add_row("live tensors at the peak", fmt(result.peak_bytes), result.method)
+    for name, value in result.overheads.items():
+        lines.add_row(name, fmt(value), result.overhead_sources[name])
+    lines.add_row(f"[bold]total on {result.device}[/]", f"[bold]{fmt(result.total_bytes)}[/]", "")
+    if result.host_peak_bytes:
+        lines.add_row("host (offloaded tensors)", fmt(result.host_peak_bytes), "separate from the device"
+                      if result.device != "cpu" else "the same RAM: in the total (host_offload)")
+    console.print(lines)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False)
+    console.print(f"estimated in {result.seconds:.1f} s", style="dim")
+
+
+def _print_sweep(curves: Any) -> None:
+    from memtrain.units import format_bytes as fmt
+
+    for axis, points in (("micro-batch size", curves.micro_batch_size), ("sequence length", curves.seq_len)):
+        table = Table(axis, "live tensors", "total", title=f"peak vs {axis}", title_justify="left")
+        for value, peak, total in points:
+            table.add_row(str(value), fmt(peak), fmt(total))
+        console.print(table)
+
+
+def _plot_sweep(curves: Any, path: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (label, points) in zip(axes, (("micro-batch size", curves.micro_batch_size),
+                                          ("sequence length", curves.seq_len)), strict=True):
+        xs = [p[0] for p in points]
+        ax.plot(xs, [p[1] / 2**30 for p in points], marker="o", label="live tensors")
+        ax.plot(xs, [p[2] / 2**30 for p in points], marker="o", label="total")
+        ax.set_xlabel(label)
+        ax.set_ylabel("GiB")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"predicted peak memory: {model}")
+    fig.tight_layout()
+    try:
+        _write_figure(fig, path, "`--plot`")
+    finally:
+        plt.close(fig)
+
+
+def calibrate(
+    output: Annotated[Path | None, typer.Option(
+        help="Where to save the profile (default: $MEMTRAIN_CALIBRATION or ~/.cache/memtrain).")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Shorter, rougher measurements.")] = False,
+) -> None:
+    """Measure this machine's GPU memory overheads and speed rates for the estimator and planner."""
+    from memtrain.estimator.calibrate import calibrate as run_calibration
+    from memtrain.units import format_bytes as fmt
+
+    profile = run_calibration(output, quick)
+    table = Table("device", "measure", "value", title="calibration", title_justify="left")
+    for device, rates in profile["rates"].items():
+        for dtype, flops in rates["matmul_flops"].items():
+            table.add_row(device, f"matmul {dtype}", f"{flops / 1e12:.2f} TFLOP/s")
+        for key in ("memory_bandwidth", "host_to_device_bandwidth", "device_to_host_bandwidth"):
+            if key in rates:
+                table.add_row(device, key.replace("_", " "), f"{rates[key] / 1e9:.1f} GB/s")
+    overheads = profile["overheads"] or {}
+    if "cuda_context_bytes" in overheads:
+        table.add_row(overheads["device"], "CUDA context", fmt(overheads["cuda_context_bytes"]))
+    if "fragmentation" in overheads:
+        table.add_row(overheads["device"], "allocator fragmentation", f"{overheads['fragmentation']:.1%}")
+    console.print(table)
+    for note in profile["notes"]:
+        console.print(f"note: {note}", highlight=False)
+    console.print(f"saved to {profile['path']}")

@@ -1,0 +1,172 @@
+"""Tokenize a dataset per format: one encoder per ``data.format`` (``_ENCODERS``), then cut.
+
+Each encoder maps loaded rows to ``input_ids`` and ``labels`` (``IGNORE_INDEX`` where no loss is
+taken); :mod:`memtrain.data.prepare` loads and checks the rows first and collates the result.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from datasets import ClassLabel, Dataset
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from memtrain.config import DataConfig, Problem, RecipeError
+from memtrain.data.chat import (
+    IGNORE_INDEX,
+    TemplateRewritesTurns,
+    chat_examples,
+    encode_spans,
+    pair_example,
+    resolve_chat_template,
+)
+from memtrain.data.formats import CONVERSATION_READERS, PAIR_READERS, ROW, RowError
+
+log = logging.getLogger("memtrain.data.prepare")  # the logger these messages always had
+
+
+Encoder = Callable[[Dataset, DataConfig, PreTrainedTokenizerBase, list[str] | None], Dataset]
+
+
+def _encode_classification(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                           names: list[str] | None) -> Dataset:
+    assert names is not None
+    index = {name: i for i, name in enumerate(names)}
+    is_class = isinstance(ds.features[cfg.label_column], ClassLabel)
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        texts = [str(t) for t in batch[cfg.text_column]]
+        out = dict(tok(texts, truncation=False))
+        long = [i for i, ids in enumerate(out["input_ids"]) if len(ids) > cfg.max_length]
+        if long:  # re-encode only the long ones, so special tokens survive the cut
+            cut = tok([texts[i] for i in long], truncation=True, max_length=cfg.max_length)
+            for key in out:
+                for j, i in enumerate(long):
+                    out[key][i] = cut[key][j]
+        long_set = set(long)
+        out["truncated"] = [i in long_set for i in range(len(texts))]
+        out["labels"] = [y if is_class else index[str(y)] for y in batch[cfg.label_column]]
+        return out
+
+    return ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
+
+
+def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
+    return [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+
+
+def _map_rows(ds: Dataset, encode: Callable[[dict[str, Any]], list[dict[str, list[int]]]]) -> Dataset:
+    """Apply ``encode`` (one row -> zero or more examples) to every row."""
+
+    def batch_encode(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": []}
+        for row in _rows(batch):
+            for example in encode(row):
+                out["input_ids"].append(example["input_ids"])
+                out["labels"].append(example["labels"])
+        return out
+
+    return ds.map(batch_encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
+
+
+def _encode_text(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                 names: list[str] | None) -> Dataset:
+    """Plain text, every token trained, closed by the end-of-sequence token."""
+    def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+        text = row[cfg.text_column]
+        if text is None:
+            raise RowError(cfg, row[ROW], "text_column", "the column is empty (null)",
+                           "fill it in or remove the row.")
+        return [encode_spans(tok, str(text), [], special_tokens=True, close=True, train_all=True)]
+
+    return _map_rows(ds, encode)
+
+
+def _encode_pair(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                 names: list[str] | None) -> Dataset:
+    """completion / alpaca: loss on the response (and the closing token)."""
+    read = PAIR_READERS[cfg.kind]
+    return _map_rows(ds, lambda row: [pair_example(tok, *read(cfg, row), cfg.train_on_inputs)])
+
+
+def _encode_chat(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                 names: list[str] | None) -> Dataset:
+    """sharegpt / messages: rendered with the chat template, loss on the assistant turns."""
+    read = CONVERSATION_READERS[cfg.kind]
+    template = resolve_chat_template(cfg, tok)
+    field = "conversations_column" if cfg.kind == "sharegpt" else "messages_column"
+
+    def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+        messages = read(cfg, row)
+        try:
+            return chat_examples(tok, template, messages, cfg.split_turns, cfg.train_on_inputs)
+        except TemplateError as err:
+            raise RowError(cfg, row[ROW], field, f"the chat template failed on this conversation "
+                           f"({err})", "check `data.chat_template` and the roles of the "
+                           "messages.") from None
+        except TemplateRewritesTurns as err:  # name the dataset and the row
+            raise TemplateRewritesTurns([replace(p, path=cfg.key("chat_template"),
+                                                 message=f"row {row[ROW]}: {p.message}")
+                                         for p in err.problems], cfg.source) from None
+
+    return _map_rows(ds, encode)
+
+
+def _encode_tokenized(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                      names: list[str] | None) -> Dataset:
+    """Token ids as given; ``labels`` when the data has them, else every token is trained."""
+    has_labels = "labels" in ds.column_names
+
+    def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+        ids, labels = row["input_ids"], row["labels"] if has_labels else row["input_ids"]
+        if not ids or not all(isinstance(t, int) for t in ids):
+            raise RowError(cfg, row[ROW], "format", "`input_ids` must be a non-empty list of "
+                           "integers", "store token ids as lists of integers.")
+        if labels is None or len(labels) != len(ids):
+            raise RowError(cfg, row[ROW], "format", f"`labels` has {len(labels or [])} entries "
+                           f"for {len(ids)} `input_ids`", "give one label per token (-100: not "
+                           "trained), or drop the `labels` column.")
+        return [{"input_ids": list(ids), "labels": list(labels)}]
+
+    return _map_rows(ds, encode)
+
+
+def _cut(ds: Dataset, max_length: int) -> Dataset:
+    """One example per row: cut at ``max_length``, add the attention mask."""
+
+    def cut(row: dict[str, Any]) -> dict[str, Any]:
+        ids = row["input_ids"][:max_length]
+        return {"input_ids": ids, "attention_mask": [1] * len(ids),
+                "labels": row["labels"][:max_length], "truncated": len(row["input_ids"]) > max_length}
+
+    return ds.map(cut, desc="cutting")
+
+
+_ENCODERS: dict[str, Encoder] = {
+    "classification": _encode_classification,
+    "text": _encode_text,
+    "completion": _encode_pair,
+    "alpaca": _encode_pair,
+    "messages": _encode_chat,
+    "sharegpt": _encode_chat,
+    "tokenized": _encode_tokenized,
+}
+
+
+def _drop_unlabelled(ds: Dataset, cfg: DataConfig) -> Dataset:
+    """Drop examples whose answer was cut away entirely; fail if that is all of them."""
+    kept = ds.filter(lambda row: any(t != IGNORE_INDEX for t in row["labels"]), desc="checking")
+    if len(kept) == 0:
+        longest = max(len(ids) for ids in ds["input_ids"])
+        raise RecipeError([Problem("data.max_length", cfg.max_length,
+                                   "leaves no answer tokens in any example (prompts fill it)",
+                                   f"raise `data.max_length` (examples reach {longest} tokens here "
+                                   "before cutting).")], cfg.source)
+    if len(kept) < len(ds):
+        log.warning("dropped %d examples with no answer tokens left after data.max_length=%d",
+                    len(ds) - len(kept), cfg.max_length)
+    return kept

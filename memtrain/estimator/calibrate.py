@@ -1,0 +1,293 @@
+"""``memtrain calibrate``: measure this machine's memory overheads and speed, save them as a profile.
+
+What a GPU holds beyond live tensors is not visible to a trace, so the estimator reports it as
+named lines (:func:`overheads`), with documented defaults until this machine is measured:
+
+- ``cuda_context``: the CUDA context with its kernel images and library handles, taken before
+  the first tensor. Default 1 GiB: the Transformers guide "Model training anatomy"
+  (huggingface.co/docs/transformers/model_memory_anatomy) measured 1.3 GB of CUDA kernels
+  before any tensor; lazy module loading (CUDA 11.7+, used by recent PyTorch) needs less.
+  Measured here as the device memory the process uses after CUDA initialisation and a first
+  matmul, minus what PyTorch's allocator reserved (read with ``nvidia-smi`` before and after).
+- ``fragmentation``: memory the caching allocator reserves but does not hand out, as a fraction
+  of the bytes a step allocates and frees (its peak minus the tensors that live across steps:
+  weights, buffers, optimizer state). Default 10% (an assumption, not a measurement); measured
+  here as ``(max_memory_reserved - max_memory_allocated) / (max_memory_allocated - resident)``
+  over a few real training steps after the first.
+
+The planner also needs speed rates, which :func:`calibrate` measures on the CPU and, when there
+is one, the GPU: matmul FLOP/s per dtype, memory bandwidth, host<->device copy bandwidth.
+The profile is JSON at ``$MEMTRAIN_CALIBRATION`` or ``~/.cache/memtrain/calibration.json``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memtrain.device import cuda_available, synchronize
+
+ENV_VAR = "MEMTRAIN_CALIBRATION"
+DEFAULT_CUDA_CONTEXT = 2**30
+DEFAULT_FRAGMENTATION = 0.10
+# Rates saved with an older version are measured again: version 1 divided the optimizer's step time
+# by a quarter of the parameters it updated (4x too slow per parameter).
+RATES_VERSION = 2
+_CONTEXT_DEFAULT_SOURCE = ("default 1 GiB (Transformers 'Model training anatomy' measured 1.3 GB of CUDA "
+                           "kernels; lazy loading needs less); run `memtrain calibrate` on the GPU")
+_FRAGMENTATION_DEFAULT_SOURCE = "default assumption; run `memtrain calibrate` on the GPU to measure it"
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Per-device memory beyond live tensors, and where each number comes from."""
+
+    cuda_context_bytes: int
+    cuda_context_source: str
+    fragmentation: float
+    fragmentation_source: str
+
+
+def profile_path() -> Path:
+    """Where the calibration profile lives (``$MEMTRAIN_CALIBRATION`` overrides)."""
+    override = os.environ.get(ENV_VAR)
+    return Path(override) if override else Path.home() / ".cache" / "memtrain" / "calibration.json"
+
+
+def load_profile(path: Path | None = None) -> dict[str, Any] | None:
+    """The saved profile, or None when there is none (or it cannot be read)."""
+    path = path or profile_path()
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def overheads(path: Path | None = None) -> Overheads:
+    """The overheads the estimator adds for a CUDA run: measured if calibrated, else the defaults."""
+    path = path or profile_path()
+    measured = (load_profile(path) or {}).get("overheads") or {}
+    context = measured.get("cuda_context_bytes")
+    fragmentation = measured.get("fragmentation")
+    device = measured.get("device", "the GPU")
+    return Overheads(
+        cuda_context_bytes=int(context) if context is not None else DEFAULT_CUDA_CONTEXT,
+        cuda_context_source=(f"measured on {device} ({path})" if context is not None
+                             else _CONTEXT_DEFAULT_SOURCE),
+        fragmentation=float(fragmentation) if fragmentation is not None else DEFAULT_FRAGMENTATION,
+        fragmentation_source=(f"measured on {device} ({path})" if fragmentation is not None
+                              else _FRAGMENTATION_DEFAULT_SOURCE),
+    )
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+def calibrate(path: Path | None = None, quick: bool = False) -> dict[str, Any]:
+    """Measure overheads (GPU only) and speed rates (CPU and GPU), save and return the profile.
+
+    Args:
+        path: where to write the profile (default :func:`profile_path`).
+        quick: smaller, shorter measurements (tests; rough numbers).
+    """
+    path = path or profile_path()
+    before = _device_used_bytes() if cuda_available() and not torch.cuda.is_initialized() else None
+    profile: dict[str, Any] = {
+        "version": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "host": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+                 "cpus": os.cpu_count()},
+        "rates": {"cpu": measure_rates("cpu", quick)},
+        "overheads": None,
+        "notes": [],
+    }
+    if cuda_available():
+        profile["overheads"] = measure_gpu_overheads(before, quick)
+        profile["rates"]["cuda"] = measure_rates("cuda", quick)
+        release_cached_memory()  # the process goes on (plan --tune, a run): give the cache back
+    else:
+        profile["notes"].append("no CUDA device: GPU memory overheads cannot be measured on this machine; "
+                                "estimates for CUDA runs keep the documented defaults")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2), encoding="utf-8")
+    profile["path"] = str(path)
+    return profile
+
+
+def measure_rates(device: str, quick: bool = False) -> dict[str, Any]:
+    """Matmul FLOP/s per dtype, memory copy bandwidth and (CUDA) host<->device bandwidth.
+
+    CPU rates depend on the threads torch uses; they are recorded as ``threads`` and a profile
+    measured with other threads is measured again (:func:`memtrain.plan.costmodel.rates`).
+    """
+    dev = torch.device(device)
+    n = (512 if quick else 1024) if dev.type == "cpu" else (2048 if quick else 8192)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if dev.type == "cuda":
+        dtypes["fp16"] = torch.float16
+    matmul = {}
+    for name, dtype in dtypes.items():
+        a = torch.randn(n, n, device=dev).to(dtype)
+        seconds = _best_time(lambda a=a: a @ a, dev, repeats=3 if quick else 5)
+        matmul[name] = 2 * n**3 / seconds
+    size = (16 if quick else 256) * 2**20 if dev.type == "cuda" else (8 if quick else 64) * 2**20
+    src = torch.empty(size, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy = _best_time(lambda: dst.copy_(src), dev)
+    rates: dict[str, Any] = {"version": RATES_VERSION, "matmul_flops": matmul, "matmul_size": n,
+                             "memory_bandwidth": 2 * size / copy}
+    if dev.type == "cpu":
+        rates["threads"] = torch.get_num_threads()
+    tiny = torch.ones(16, device=dev)
+    rates["op_seconds"] = _best_time(lambda: [tiny.add(1.0) for _ in range(100)], dev) / 100
+    rates["optimizer_seconds_per_parameter"] = _optimizer_rates(dev, quick)
+    rates["dequantize_nf4_elements"] = _dequantize_rate(dev, quick)
+    if dev.type == "cuda":
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        to_device = _best_time(lambda: src.copy_(host, non_blocking=True), dev)
+        to_host = _best_time(lambda: host.copy_(src, non_blocking=True), dev)
+        rates["host_to_device_bandwidth"] = size / to_device
+        rates["device_to_host_bandwidth"] = size / to_host
+    return rates
+
+
+def _optimizer_rates(device: torch.device, quick: bool) -> dict[str, float]:
+    """Seconds per parameter of one optimizer step (state already created), per optimizer."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from memtrain.trainer.trainer import OPTIMIZERS
+
+    numel = (2 if quick else 8) * 2**20
+    out = {}
+    for name, (optim, optim_args) in OPTIMIZERS.items():
+        if name.startswith("paged") and device.type != "cuda":
+            continue  # falls back to the non-paged optimizer off CUDA
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, optim=optim, optim_args=optim_args, report_to="none",
+                                     use_cpu=device.type == "cpu")
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+        params = [torch.nn.Parameter(torch.randn(numel // 4, 4, device=device)) for _ in range(4)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        try:
+            opt = cls(params, **kwargs)
+            out[name] = _best_time(opt.step, device, repeats=3) / sum(p.numel() for p in params)
+        except (ImportError, RuntimeError, ValueError):  # no kernel for this device
+            continue
+    return out
+
+
+def _dequantize_rate(device: torch.device, quick: bool) -> float | None:
+    """NF4 weight elements dequantized per second (what a QLoRA forward pays per weight)."""
+    try:
+        import bitsandbytes.functional as bnbf
+    except ImportError:
+        return None
+    n = 1024 if quick else 2048
+    weight = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(weight, quant_type="nf4")
+    return n * n / _best_time(lambda: bnbf.dequantize_4bit(packed, state), device, repeats=3)
+
+
+def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` runs: the hardware's speed, not the load of the moment.
+
+    The median was not enough: a quick profile measured while another process had the cores
+    recorded 4.2 GFLOP/s for fp32 matmul where the same machine does 60 GFLOP/s, and the planner
+    then saw every step as matmul-bound.
+    """
+    fn()  # warm-up (kernel selection, lazy loading)
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return max(min(times), 1e-9)
+
+
+def measure_gpu_overheads(used_before: int | None, quick: bool = False) -> dict[str, Any]:
+    """CUDA context bytes and allocator fragmentation on the current GPU (see module docstring)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(1024, 1024, device=device)
+    (x @ x).sum().item()  # loads cuBLAS and the first kernels
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device)}
+    used_after = _device_used_bytes()
+    if used_before is not None and used_after is not None:
+        result["cuda_context_bytes"] = max(0, used_after - used_before - torch.cuda.memory_reserved(device))
+        result["cuda_context_method"] = "nvidia-smi memory.used before/after CUDA init, minus reserved"
+    del x
+    result["fragmentation"] = _fragmentation(device, quick)
+    return result
+
+
+def release_cached_memory() -> int:
+    """Collect what calibration left and return the allocator's cached blocks to the driver;
+    the bytes still reserved afterwards (0 when calibration freed everything)."""
+    import gc
+
+    gc.collect()
+    if not cuda_available():
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return int(torch.cuda.memory_reserved())
+
+
+def _device_used_bytes() -> int | None:
+    """Device-wide used memory from nvidia-smi (reading it does not create a context here)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        out = subprocess.run([exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", index],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.strip().splitlines()[0]) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _fragmentation(device: torch.device, quick: bool) -> float:
+    """Reserved-but-unallocated bytes over the bytes a step allocates and frees, during a few
+    AdamW steps of a small Llama-shaped model (after a first step that creates optimizer state)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=2 if quick else 6,
+                         num_attention_heads=8, num_key_value_heads=8, vocab_size=32000)
+    model = AutoModelForCausalLM.from_config(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.cuda.empty_cache()
+    resident = 0  # weights and optimizer state: what lives from one step to the next
+    for step in range(3 if quick else 8):
+        if step == 1:  # optimizer state exists now: measure the steps after it
+            resident = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        batch, length = (4, 256) if step % 2 else (8, 512)  # varying shapes, as real data does
+        ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    del model, optimizer
+    torch.cuda.empty_cache()
+    transient = allocated - resident  # the estimator applies the fraction to the same base
+    return max(0.0, (reserved - allocated) / transient) if transient > 0 else DEFAULT_FRAGMENTATION

@@ -1,0 +1,300 @@
+"""Predict a recipe's peak memory without loading weights: ``memtrain.estimate(recipe)``.
+
+The estimator traces real training steps (forward, backward, optimizer step, after a warm-up
+that creates optimizer state) of the recipe's model on fake tensors: the same load arguments,
+quantization, patches and Trainer optimizer as training (:mod:`memtrain.trainer.build`), counted
+by the same meter. It traces 2 and 3 decoder layers and extrapolates exactly to the real depth
+(:mod:`memtrain.estimator.trace` explains why that is exact), so a 70B model costs seconds and no
+weight memory. The sequence length is ``data.max_length`` (the worst case; data is never read).
+
+On top of live tensor bytes, a CUDA run pays for the CUDA context and the caching allocator
+(512-byte rounding of each allocation, fragmentation). Those appear as separate named lines:
+rounding is computed from the traced allocations, the others come from ``memtrain calibrate``'s
+profile when one exists, else from the documented defaults in :mod:`memtrain.estimator.calibrate`.
+
+What to trace (architecture, step shape, device; :func:`resolve_config`) is decided in
+:mod:`memtrain.estimator.setup`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memtrain.config import RunConfig
+from memtrain.config.batch import resolve_batch
+from memtrain.estimator import calibrate
+from memtrain.estimator.pool import run_all
+from memtrain.estimator.setup import TraceSetup, trace_setup
+from memtrain.estimator.trace import (
+    HOST,
+    ROUNDED,
+    Candidates,
+    Trace,
+    Work,
+    direct,
+    extrapolate_depth,
+    in_batch,
+    trace_step,
+    with_depth,
+)
+from memtrain.estimator.trace_events import CATEGORY_NAMES
+
+PHASES = ("forward", "backward", "optimizer")
+Counts = tuple[int, int, list[str], "Work | None"]  # parameters, trainable, patches, work
+# Up to this depth a full trace costs no more than tracing 2 + 3 layers, and needs no extrapolation.
+FULL_TRACE_DEPTH = 5
+
+
+@dataclass
+class Estimate:
+    """A predicted training step. Byte values; ``total_bytes`` is what the device must hold."""
+
+    model: str
+    device: str
+    settings: dict[str, Any]
+    parameters: int
+    trainable: int
+    peak_bytes: int  # live tensor bytes at the peak moment
+    by_category: dict[str, int]  # at the peak
+    by_phase: dict[str, int]  # peak of each phase
+    category_at_phase_peak: dict[str, dict[str, int]]
+    host_peak_bytes: int  # offloaded tensors in host memory
+    overheads: dict[str, int]  # named lines on top of tensors (CUDA; on CPU only host_offload)
+    overhead_sources: dict[str, str]
+    total_bytes: int
+    method: str
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    work: Work | None = None  # FLOPs, ops and bytes written (the planner's cost model)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class Sweep:
+    """Peak memory as one setting varies: (value, tensor peak bytes, total bytes) per point."""
+
+    micro_batch_size: list[tuple[int, int, int]]
+    seq_len: list[tuple[int, int, int]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": [list(p) for p in self.micro_batch_size],
+                "seq_len": [list(p) for p in self.seq_len]}
+
+
+def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
+             device: str | None = None, exact: bool = False) -> Estimate:
+    """Predict the peak memory of one training step of ``recipe``, by category and phase.
+
+    Args:
+        recipe: a validated :class:`RunConfig`, a recipe file, shipped recipe name or dict.
+        overrides: ``key=value`` overrides, as on the command line.
+        device: ``cuda`` or ``cpu``: where the run will train (default: CUDA when this machine
+            has it). On a machine without CUDA, a CUDA run is traced on CPU fake tensors with
+            CUDA's optimizer kernels.
+        exact: trace every layer instead of extrapolating from 2 and 3 (slower; for checks).
+
+    Raises:
+        MemtrainError: a setting the estimator needs is ``auto``, the model is unknown offline,
+            or the recipe cannot be built; the message names the field.
+    """
+    start = time.perf_counter()
+    plan = trace_setup(recipe, overrides, device)
+    candidates, counts, method = trace_candidates(plan, plan.micro_batch, plan.seq_len, exact)
+    return summarize(plan, candidates, counts, method, time.perf_counter() - start)
+
+
+def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
+          micro_batch_sizes: Sequence[int] | None = None, seq_lens: Sequence[int] | None = None,
+          device: str | None = None) -> Sweep:
+    """Peak memory against micro-batch size and against sequence length.
+
+    Micro-batch points come from two traced sizes, linear per op (exact, see
+    :mod:`memtrain.estimator.trace`); each sequence length is traced (attention can be quadratic).
+    """
+    plan = trace_setup(recipe, overrides, device)
+    sizes = sorted(set(micro_batch_sizes or _doubling(1, max(8, 4 * plan.micro_batch))))
+    lengths = sorted(set(seq_lens or _seq_points(plan)))
+    base = min(sizes)
+    (c1, counts, method), (c2, _, _) = trace_candidates_at(plan, [(base, plan.seq_len),
+                                                             (base + 1, plan.seq_len)], exact=False)
+    by_batch = []
+    for size in sizes:
+        cands = in_batch(c1, c2, base, base + 1, size)
+        if cands is None:  # per-op structure differs between sizes: trace this point
+            cands = trace_candidates(plan, size, plan.seq_len, exact=False)[0]
+        est = summarize(plan, cands, counts, method, 0.0)
+        by_batch.append((size, est.peak_bytes, est.total_bytes))
+    by_length = []
+    at_lengths = trace_candidates_at(plan, [(plan.micro_batch, n) for n in lengths], exact=False)
+    for length, found in zip(lengths, at_lengths, strict=True):
+        est = summarize(plan, *found, 0.0)
+        by_length.append((length, est.peak_bytes, est.total_bytes))
+    return Sweep(by_batch, by_length)
+
+
+# ----------------------------------------------------------------------------------- tracing
+
+
+def trace_candidates(plan: TraceSetup, micro_batch: int, seq_len: int, exact: bool
+                ) -> tuple[Candidates, Counts, str]:
+    """Candidate peak ops of the full-depth step, parameter counts, and how they were obtained."""
+    return trace_candidates_at(plan, [(micro_batch, seq_len)], exact)[0]
+
+
+def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exact: bool
+                   ) -> list[tuple[Candidates, Counts, str]]:
+    """:func:`trace_candidates` at several (micro-batch, sequence length) points, their traces run side
+    by side (:mod:`memtrain.estimator.pool`)."""
+    whole = exact or plan.depth <= FULL_TRACE_DEPTH
+    if not whole and isinstance(plan.cfg.memory.checkpointing, int):  # the first n layers differ
+        if "checkpointing" not in " ".join(plan.notes):
+            plan.notes.append("memory.checkpointing is a number of layers, so every layer was traced")
+        whole = True
+    depths = [plan.depth] if whole else [2, 3]
+    jobs = [functools.partial(_trace, plan, depth, micro, seq) for micro, seq in points for depth in depths]
+    traces = run_all(jobs, cuda=plan.trace_device == "cuda")
+    found = []
+    for k, (micro, seq) in enumerate(points):
+        if whole:
+            found.append(_whole(plan, traces[k]))
+        else:
+            found.append(_extrapolated(plan, traces[2 * k], traces[2 * k + 1], micro, seq))
+    return found
+
+
+def _extrapolated(plan: TraceSetup, a: Trace, b: Trace, micro_batch: int, seq_len: int
+                  ) -> tuple[Candidates, Counts, str]:
+    """The full-depth step from traces at depths 2 (``a``) and 3 (``b``)."""
+    steps = plan.depth - 2
+    work = None if a.work is None or b.work is None else a.work + (b.work + a.work.scaled(-1)).scaled(steps)
+    counts = (a.parameters + steps * (b.parameters - a.parameters),
+              a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
+    found = extrapolate_depth(a, b, plan.depth)
+    if found is not None:
+        return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
+    plan.notes.append("layers differ in structure, so every layer was traced")
+    return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
+
+
+def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:
+    """The step from a trace of every layer."""
+    return (direct(full), (full.parameters, full.trainable, full.patches, full.work),
+            f"traced all {plan.depth} layers")
+
+
+def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int) -> Trace:
+    # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
+    foreach = plan.device == "cuda"
+    return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
+                      device=plan.trace_device, foreach=foreach)
+
+
+# --------------------------------------------------------------------------------- reporting
+
+
+def summarize(plan: TraceSetup, cands: Candidates, counts: Counts, method: str,
+               seconds: float) -> Estimate:
+    values = np.rint(cands.values).astype(np.int64)
+    totals = values[:, :HOST].sum(axis=1)
+    top = int(np.argmax(totals))
+    by_phase, at_phase = {}, {}
+    phases = np.array(cands.phases)
+    for phase in PHASES:
+        rows = np.flatnonzero(phases == phase)
+        if rows.size:
+            k = rows[int(np.argmax(totals[rows]))]
+            by_phase[phase] = int(totals[k])
+            at_phase[phase] = _categories(values[k])
+    peak = int(totals[top])
+    overheads, sources = _overheads(plan, peak, int(values[:, ROUNDED].max()),
+                                    _resident(_categories(values[top])))
+    shared = int((totals + values[:, HOST]).max()) - peak
+    if plan.device == "cpu" and shared > 0:  # offloading to the RAM the "device" is: one budget
+        overheads["host_offload"] = shared
+        sources["host_offload"] = "offloaded tensors: on a CPU the host is the same RAM"
+    cfg = plan.cfg
+    settings = {
+        "task": cfg.model.task, "dtype": cfg.model.dtype, "quantization": cfg.model.quantization,
+        "double_quant": cfg.model.double_quant, "adapter": cfg.adapter.method,
+        "lora_r": cfg.adapter.r if cfg.adapter.method == "lora" else None,
+        "optimizer": cfg.training.optimizer, "micro_batch_size": plan.micro_batch,
+        "gradient_accumulation": resolve_batch(cfg.training, cfg.distributed.processes).accumulation,
+        "seq_len": plan.seq_len, "checkpointing": cfg.memory.checkpointing,
+        "layers": plan.depth, "patches": counts[2], "processes": cfg.distributed.processes,
+        "sharding": cfg.distributed.sharding if cfg.distributed.processes > 1 else "none",
+    }
+    return Estimate(
+        model=plan.label, device=plan.device, settings=settings, parameters=counts[0],
+        trainable=counts[1], peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
+        category_at_phase_peak=at_phase, host_peak_bytes=int(values[:, HOST].max()),
+        overheads=overheads, overhead_sources=sources, total_bytes=peak + sum(overheads.values()),
+        method=method, notes=list(plan.notes), seconds=round(seconds, 3), work=counts[3],
+    )
+
+
+def _categories(row: np.ndarray) -> dict[str, int]:
+    return {name: int(v) for name, v in zip(CATEGORY_NAMES, row[:HOST], strict=True)}
+
+
+# Tensors that live from one step to the next: allocated once (weights at load, optimizer state
+# at the first step), never freed, so never split and reused by the caching allocator.
+RESIDENT = ("parameters", "buffers", "optimizer_state")
+
+
+def _resident(categories: dict[str, int]) -> int:
+    return sum(categories.get(name, 0) for name in RESIDENT)
+
+
+def _overheads(plan: TraceSetup, peak: int, rounded_peak: int, resident: int
+               ) -> tuple[dict[str, int], dict[str, str]]:
+    """Named lines for what a CUDA device holds beyond live tensors (none on CPU).
+
+    Fragmentation is a fraction of the bytes the step allocates and frees (the peak minus the
+    resident tensors): the caching allocator fragments by splitting cached blocks for later,
+    differently sized requests (PyTorch's "CUDA memory management" notes); a weight allocated at
+    load and never freed leaves no block to split. ``memtrain calibrate`` measures the fraction
+    against the same base (:func:`memtrain.estimator.calibrate.measure_gpu_overheads`).
+    """
+    if plan.device != "cuda":
+        return {}, {}
+    profile = calibrate.overheads()
+    rounding = max(0, rounded_peak - peak)
+    transient = max(0, peak - resident)
+    fragmentation = int(profile.fragmentation * (transient + rounding))
+    return (
+        {"cuda_context": profile.cuda_context_bytes, "allocator_rounding": rounding,
+         "fragmentation": fragmentation},
+        {"cuda_context": profile.cuda_context_source,
+         "allocator_rounding": "each allocation rounded up to 512 bytes, from the traced allocations",
+         "fragmentation": f"{profile.fragmentation:.0%} of the {transient / 2**30:.2f} GiB the step "
+                          "allocates and frees (peak minus parameters, buffers, optimizer state): "
+                          f"{profile.fragmentation_source}"},
+    )
+
+
+# -------------------------------------------------------------------------------- sweep axes
+
+
+def _doubling(low: int, high: int) -> list[int]:
+    out, value = [], low
+    while value <= high:
+        out.append(value)
+        value *= 2
+    return out
+
+
+def _seq_points(plan: TraceSetup) -> list[int]:
+    limit = getattr(plan.config, "n_positions", None) or getattr(plan.config, "max_position_embeddings", None)
+    points = [plan.seq_len * 2**k // 8 for k in range(6)]  # 1/8 ... 4 x max_length
+    points = [p for p in points if p >= 16 and (limit is None or p <= limit)]
+    return points or [plan.seq_len]

@@ -1,0 +1,291 @@
+"""A ``FakeTensorMode`` in which real training code (transformers, peft, bitsandbytes) runs.
+
+The estimator traces training steps on fake tensors: shapes, dtypes and devices without storage,
+so a 70B model costs no memory. Three things in the libraries memtrain uses do not work on fake
+tensors out of the box; :func:`fake_tensor_mode` fixes each for the duration of the trace only,
+and restores everything it touched afterwards:
+
+- ``module.to(dtype)`` on a module with fake parameters (peft casts LoRA weights to the base
+  layer's dtype) must swap tensors (``torch.utils.swap_tensors``), which refuses tensors with a
+  weak reference. The fake mode's own memo holds one on almost every fake tensor; the memo entry
+  is only a conversion cache, so it is dropped right before the swap.
+- ``copy.deepcopy`` of a fake tensor (peft copies a classification head it trains) takes the
+  real-tensor path through storages and comes back attached to a new fake mode, which the
+  original mode then refuses to mix with. A fake tensor is deep-copied by cloning it in its mode.
+- transformers asks of the position ids whether several sequences are packed into one row (a
+  data-dependent ``.all()``) when a batch comes without an attention mask; on fake tensors it
+  cannot ask and assumes packing. The estimator's batch (:func:`memtrain.trainer.build.example_batch`)
+  brings an attention mask unless the recipe packs its rows, so the question comes up for a packed
+  recipe, where the answer is yes (the block-diagonal mask a real packed row gets), or for rows of
+  one token, where it is no. ``fake_tensor_mode(packed=...)`` answers it.
+- bitsandbytes builds its 8-bit quantization map with ``.tolist()``, a data-dependent call that
+  fake tensors cannot answer. The map is built once for real (256 floats) and handed in as a
+  fake constant. bitsandbytes caches maps in module globals; the cache is restored on exit so that
+  no fake tensor leaks into later real work.
+- FSDP2 hands a 4-bit layer its gathered weight as a plain parameter, without the quantization
+  state; bitsandbytes recovers it by wrapping that parameter in ``Params4bit``, which cannot wrap
+  a fake tensor. While tracing, the state is put back on the gathered parameter itself (the
+  same state object, and no new tensor, as the real wrapper does).
+- DTensor (FSDP2's sharded parameters, in the optimizer step and gradient clipping) learns an
+  op's output layout the first time it sees the op by running it on fake tensors, in the active
+  fake mode if there is one. While tracing that would be the estimator's own mode, and those
+  tensors would count as memory of the step, once per new op: it gets a fake mode of its own.
+- torch's meta kernel of ``aten._grouped_mm`` (the grouped matmul that transformers' mixture-of-
+  experts layers run, Mixtral, Qwen-MoE, ...) repeats the CUDA kernel's old bf16-only check, while
+  the CPU kernel (and CUDA's fallback) multiplies any floating dtype: a float32 MoE model trains
+  but could not be traced. While tracing, inputs of one other floating dtype get the output the
+  meta kernel builds for bf16 (same shape, strides and device helper), in their own dtype.
+- Sizes that depend on values (``aten.nonzero``: DeBERTa's classification loss keeps the labels
+  ``>= 0`` this way) cannot be known from fake tensors, which refuse them. While tracing they are
+  taken at their largest (every element selected), the worst case, as every other size in an
+  estimate is (each example ``data.max_length`` tokens long); for DeBERTa's labels it is exact.
+- bitsandbytes' ``GlobalOptimManager`` is a process-wide singleton that the Trainer fills with
+  per-module overrides (embeddings keep 32-bit optimizer state). Its state is saved and restored
+  so that a trace does not leave overrides behind for a later real optimizer, or the reverse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from transformers import PretrainedConfig
+
+from memtrain.config import RunConfig
+from memtrain.distributed.sharding import quant_storage
+from memtrain.model import keep_4bit_trainable_on_cpu, model_class, model_kwargs
+from memtrain.trainer.build import apply_patches, recipe_stage
+
+
+@contextmanager
+def fake_tensor_mode(packed: bool = False) -> Iterator[FakeTensorMode]:
+    """Enter a ``FakeTensorMode`` with the fixes above; yields the mode (for ``from_tensor``).
+
+    Args:
+        packed: the traced batches pack several examples per row (``data.packing``).
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with ExitStack() as stack:
+        stack.enter_context(_swappable_fakes(mode))
+        stack.enter_context(_deepcopyable_fakes())
+        if not packed:
+            stack.enter_context(_unpacked_positions())
+        stack.enter_context(_bnb_on_fakes(mode))
+        stack.enter_context(_dtensor_propagation_apart())
+        stack.enter_context(_grouped_mm_any_float())
+        stack.enter_context(_largest_nonzero())
+        stack.enter_context(isolated_bnb_overrides())
+        stack.enter_context(mode)
+        yield mode
+
+
+@contextmanager
+def _swappable_fakes(mode: FakeTensorMode) -> Iterator[None]:
+    original: Callable[[torch.Tensor, torch.Tensor], None] = torch.utils.swap_tensors
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        keys = [r.key for t in (t1, t2) for r in weakref.getweakrefs(t) if isinstance(r, weakref.KeyedRef)]
+        for key in keys:  # the KeyedRef objects must be gone before swapping: keep only their keys
+            memo.pop(key, None)
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+@contextmanager
+def _deepcopyable_fakes() -> Iterator[None]:
+    def deepcopy(self: FakeTensor, memo: dict[int, Any]) -> torch.Tensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if isinstance(self, torch.nn.Parameter):
+            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
+        else:
+            new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():  # user attributes, e.g. a 4-bit weight's quant_state
+            if key not in new.__dict__:  # (not the fake mode's own bookkeeping)
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
+
+    FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del FakeTensor.__deepcopy__
+
+
+@contextmanager
+def _unpacked_positions() -> Iterator[None]:
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextmanager
+def _bnb_on_fakes(mode: FakeTensorMode) -> Iterator[None]:
+    try:
+        import bitsandbytes.functional as F
+        import bitsandbytes.nn.modules as bnb_modules
+    except ImportError:  # optional backend: nothing to fix
+        yield
+        return
+    original = F.create_dynamic_map
+    cache = dict(F.name2qmap)
+    recover = bnb_modules.fix_4bit_weight_quant_state_from_module
+
+    def fix_4bit_weight_quant_state_from_module(module: torch.nn.Module) -> None:
+        weight = module.weight
+        if isinstance(weight, FakeTensor) and getattr(weight, "quant_state", None) is None:
+            weight.quant_state = module.quant_state  # gathered by FSDP2: see the module docstring
+        else:
+            recover(module)
+
+    def create_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with unset_fake_temporarily():
+            real = original(*args, **kwargs)
+        return mode.from_tensor(real)
+
+    F.create_dynamic_map = create_dynamic_map
+    bnb_modules.fix_4bit_weight_quant_state_from_module = fix_4bit_weight_quant_state_from_module
+    F.name2qmap.clear()
+    try:
+        yield
+    finally:
+        bnb_modules.fix_4bit_weight_quant_state_from_module = recover
+        F.create_dynamic_map = original
+        F.name2qmap.clear()
+        F.name2qmap.update(cache)
+
+
+@contextmanager
+def _dtensor_propagation_apart() -> Iterator[None]:
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+@contextmanager
+def _fake_rule(op: Any, impl: Callable[..., Any]) -> Iterator[None]:
+    """Answer ``op`` with ``impl(mode, func, *args, **kwargs)`` in fake modes, ahead of its meta kernel
+    (``NotImplemented`` leaves it to the meta kernel); removed on exit."""
+    from torch._subclasses import fake_impls
+
+    rule = (lambda func: func is op, impl)
+    fake_impls.op_implementations_checks.insert(0, rule)
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_checks.remove(rule)
+
+
+def _grouped_mm_any_float() -> Any:
+    try:
+        from torch._meta_registrations import _create_grouped_mm_output_tensor as output_like
+    except ImportError:  # a torch without the helper: its meta kernel answers alone
+        return contextlib.nullcontext()
+
+    def grouped_mm(mode: FakeTensorMode, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor,
+                   offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> Any:
+        dtype = mat_a.dtype
+        if (dtype == torch.bfloat16 or dtype != mat_b.dtype or not dtype.is_floating_point
+                or bias is not None or offs is None):
+            return NotImplemented  # the meta kernel's own rules (and errors)
+        with mode:
+            return output_like(mat_a, mat_b, offs, out_dtype or dtype)
+
+    return _fake_rule(torch.ops.aten._grouped_mm.default, grouped_mm)
+
+
+def _largest_nonzero() -> Any:
+    def nonzero(mode: FakeTensorMode, func: Any, tensor: torch.Tensor) -> Any:
+        with mode:
+            return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
+
+    return _fake_rule(torch.ops.aten.nonzero.default, nonzero)
+
+
+@contextmanager
+def uninitialized_values() -> Iterator[None]:
+    """Build a transformers model without initializing its weights' values (for fake weights).
+
+    Values mean nothing on fake tensors, and some initializers ask them questions that fake
+    tensors cannot answer (``trunc_normal_`` resamples until no value lies outside its bounds:
+    ModernBERT). ``initialize_weights`` only sets values; ``init_weights`` still ties the
+    embeddings, as transformers does itself when it builds a model on the meta device.
+    """
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.initialize_weights
+    PreTrainedModel.initialize_weights = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def isolated_bnb_overrides() -> Iterator[None]:
+    """Run with an empty bitsandbytes ``GlobalOptimManager`` and restore its state afterwards.
+
+    Used around every optimizer that memtrain builds outside the Trainer (estimates, benchmarks),
+    so that per-parameter overrides registered for one model never apply to another.
+    """
+    try:
+        from bitsandbytes.optim import GlobalOptimManager
+    except ImportError:
+        yield
+        return
+    manager = GlobalOptimManager.get_instance()
+    saved = {k: v for k, v in vars(manager).items()}
+    manager.initialize()
+    try:
+        yield
+    finally:
+        manager.__dict__.clear()
+        manager.__dict__.update(saved)
+
+
+def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
+    """The same model on fake tensors; call inside :func:`memtrain.estimator.fake.fake_tensor_mode`.
+
+    Args:
+        cfg: the recipe (model section for dtype/quantization, the rest for patches).
+        config: the architecture (possibly with fewer layers than the real model).
+    """
+    source = "model.from_config" if cfg.model.from_config is not None else "model.name"
+    with recipe_stage(source, f"building the {config.model_type} architecture"), uninitialized_values():
+        model = model_class(cfg.model).from_config(config, **model_kwargs(cfg.model))
+    if cfg.model.quantization not in ("none", "auto"):
+        from memtrain.memory.quantized import quantize_fake
+
+        with recipe_stage("model.quantization", f"quantizing to {cfg.model.quantization}"):
+            model = quantize_fake(model, cfg.model, quant_storage(cfg))
+        if cfg.model.quantization != "int8":
+            keep_4bit_trainable_on_cpu(model)
+    model.eval()  # as from_pretrained leaves it; the step switches to train mode
+    return apply_patches(model, cfg)

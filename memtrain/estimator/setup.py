@@ -1,0 +1,153 @@
+"""What the estimator traces for a recipe (``TraceSetup``): its architecture config, step shape, device.
+
+:func:`resolve_config` finds a model's architecture without weights or network (the recipe's
+``from_config``, a local folder, the built-in catalog, or the local Hugging Face cache);
+:func:`_plan` checks that every field the estimate depends on has a value and notes what the
+estimate assumes. Used by :mod:`memtrain.estimator.estimate` and the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+from memtrain.config import ModelConfig, RunConfig, load_recipe
+from memtrain.config.batch import resolve_batch
+from memtrain.device import cuda_available, device_type
+from memtrain.errors import MemtrainError
+from memtrain.estimator import catalog
+
+
+@dataclass
+class TraceSetup:
+    """What to trace: the recipe, its architecture, the step shape and the target device."""
+
+    cfg: RunConfig
+    config: PretrainedConfig
+    label: str
+    depth: int
+    micro_batch: int
+    seq_len: int
+    device: str
+    trace_device: str
+    notes: list[str]
+
+
+NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
+                "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
+                "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear",
+                "memory.loss", "training.optimizer_in_backward")
+
+
+def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
+                device: str | None) -> TraceSetup:
+    cfg = recipe if isinstance(recipe, RunConfig) else load_recipe(recipe, overrides)
+    if isinstance(recipe, RunConfig) and overrides:
+        raise ValueError("pass overrides with a recipe file or dict, not with a RunConfig")
+    needs = (*NEEDS_VALUE, "distributed.sharding") if cfg.distributed.processes > 1 else NEEDS_VALUE
+    for path in needs:
+        if recipe_value(cfg, path) == "auto":
+            raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
+                                f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
+                                "run `memtrain plan`.")
+    target = device or device_type()
+    if target not in ("cuda", "cpu"):
+        raise MemtrainError(f"`--device` must be `cuda` or `cpu`, got {target!r}.")
+    config, label = resolve_config(cfg.model)
+    batch = resolve_batch(cfg.training, cfg.distributed.processes)
+    seq_len = cfg.data.max_length
+    _check_positions(config, seq_len)
+    trace_device = "cuda" if target == "cuda" and cuda_available() else "cpu"
+    notes = [f"every example is data.max_length = {seq_len} tokens (the worst case; data is not read)"]
+    if cfg.model.task == "sequence-classification" and cfg.model.num_labels is None:
+        notes.append("classification head sized for 2 labels (model.num_labels unset, data not read)")
+    if target == "cuda" and trace_device == "cpu":
+        notes.append("CUDA run traced on CPU fake tensors, with CUDA's multi-tensor optimizer kernels; "
+                     "int8 layers follow their CPU path")
+    notes += _process_notes(cfg)
+    if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
+        notes.append("optimizer offload copies nothing on a CPU trace: its state is counted on the "
+                     "device (an upper bound for the GPU)")
+    if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.parameters:
+        notes.append("parameter offload copies nothing on a CPU trace: the shards, their gradients and "
+                     "optimizer state are counted on the device (an upper bound for the GPU)")
+    if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
+        notes.append("paged optimizer state counted as device memory (all pages resident)")
+    depth = int(config.num_hidden_layers)
+    return TraceSetup(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes)
+
+
+def _process_notes(cfg: RunConfig) -> list[str]:
+    """What the figures of one of several processes include."""
+    n, how = cfg.distributed.processes, cfg.distributed.sharding
+    if n == 1:
+        return []
+    if how == "none":
+        return [f"one of {n} DDP replicas: the whole model, plus DDP's gradient buckets (a second "
+                "copy of the trained gradients, counted as `gradients`)"]
+    kept = "kept from each layer's forward to its backward" if how == "grad_op" else "resharded after forward"
+    return [f"one of {n} FSDP2 processes (sharding {how}), traced in a fake process group: parameters, "
+            f"gradients and optimizer state sharded; gathered layers ({kept}) as `unsharded`"]
+
+
+def recipe_value(cfg: RunConfig, path: str) -> Any:
+    node: Any = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def resolve_config(cfg: ModelConfig) -> tuple[PretrainedConfig, str]:
+    """The architecture config of the recipe's model and a label for it, without weights or network.
+
+    ``model.from_config`` and local folders are read as training reads them; hub ids come from
+    the built-in catalog (:mod:`memtrain.estimator.catalog`) or else the local Hugging Face cache.
+    """
+    from memtrain import sources
+    from memtrain.model import build_config
+
+    num_labels = cfg.num_labels if cfg.task == "sequence-classification" else None
+    if cfg.from_config is not None:
+        config, label = build_config(cfg, num_labels), f"from_config ({cfg.from_config['model_type']})"
+    elif cfg.name.startswith(sources.PKG_PREFIX) or sources.looks_local(cfg.name):  # type: ignore[union-attr]
+        config, label = build_config(cfg, num_labels), cfg.name
+    elif (found := catalog.lookup(cfg.name)) is not None:  # type: ignore[arg-type]
+        label, values = found
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    else:
+        config, label = _cached_config(cfg), cfg.name
+    if num_labels is not None:
+        config.num_labels = num_labels
+    if cfg.task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        # Training takes it from the tokenizer; any id gives the same memory.
+        eos = getattr(config, "eos_token_id", None)
+        config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) or 0
+    return config, label  # type: ignore[return-value]
+
+
+def _cached_config(cfg: ModelConfig) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(cfg.name, revision=cfg.revision, local_files_only=True,
+                                          trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        raise MemtrainError(
+            f"`model.name`: {cfg.name!r} is not in memtrain's catalog and its config is not in the local "
+            "Hugging Face cache (the estimator never uses the network). Fix: use a catalog model ("
+            f"{', '.join(catalog.names())}), point `model.name` at a local folder with its config.json, or "
+            "give the architecture in `model.from_config`."
+        ) from None
+
+
+def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
+    """Models with learned position embeddings cannot take longer sequences (fake tensors would)."""
+    limit = getattr(config, "n_positions", None)
+    if limit is None and config.model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
+        offset = (config.pad_token_id or 0) + 1 if config.model_type != "bert" else 0
+        limit = config.max_position_embeddings - offset
+    if limit is not None and seq_len > limit:
+        raise MemtrainError(f"`data.max_length`: {seq_len} tokens exceed the {limit} positions this model "
+                            f"({config.model_type}) has. Fix: set `data.max_length` to {limit} or less.")

@@ -1,0 +1,339 @@
+"""Trace a training step on fake tensors and extrapolate it in depth and micro-batch size.
+
+:func:`trace_step` builds the recipe's model on fake tensors (:mod:`memtrain.trainer.build`), runs
+a warm-up step (so optimizer state exists) and measures a second one with the memory meter
+(with gradient accumulation, only its second micro-batch runs, on the gradients the first one
+leaves: every later micro-batch holds the same memory, and the trace costs one forward+backward),
+recording after every op the live bytes per category, the host bytes, the phase and the decoder
+layer the op ran in.
+
+Why extrapolation is exact. Decoder layers are identical, so an op inside layer ``i`` of an
+``L``-layer model sees ``c + p·i + q·L`` bytes: state of all ``L`` layers (``q``), activations
+saved by the layers before it or gradients of the layers after it (``p``), and its own work
+(``c``). Layer 0 is special when its input needs no gradient (LoRA on a frozen embedding saves
+less), so it gets its own line. Ops outside the layers (embedding, head, loss, optimizer) see
+``c + q·L``. Tracing depths 2 and 3 pins every coefficient of every op: layer 0 from its two
+occurrences, the regular layers from layer 1 at both depths and layer 2 at depth 3. The peak of
+an ``L``-layer model is then the largest op value, where each regular-layer op is evaluated at
+``i = 1`` and ``i = L - 1`` (a linear function of ``i`` peaks at an end). The same argument makes
+every op linear in the micro-batch size. Ops that do not align across depths (per-parameter
+loops in the optimizer and in gradient clipping, per-layer cache set-up before the first layer,
+whose op count grows with depth) are each a fixed cost on top of state that grows linearly, so
+their maximum is linear in ``L``. Ops that allocate nothing (views) record no row, so layers
+that differ only in views (Gemma-2's sliding-window layers) still align. If the layer structure
+does not align (layers of different shape), the caller traces the full depth instead.
+``tests/test_estimate.py`` checks extrapolated == full trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from memtrain import patches
+from memtrain.config import RunConfig
+from memtrain.distributed import sharding
+from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
+from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
+from memtrain.model import count_parameters
+from memtrain.trainer.build import build_optimizer, example_batch, recipe_stage, step_settings
+from memtrain.trainer.step import hold_gradients, training_step
+
+HOST, ROUNDED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1  # extra value columns
+
+
+@dataclass
+class Trace:
+    """One traced step: per op, its phase occurrence, layer (-1: none) and byte values."""
+
+    phases: list[str]  # phase name of each occurrence (forward, backward, forward, ..., optimizer)
+    occurrence: np.ndarray  # (ops,)
+    layer: np.ndarray  # (ops,)
+    values: np.ndarray  # (ops, categories + host + rounded)
+    parameters: int
+    trainable: int
+    patches: list[str]  # what the applied patches did
+    work: Work | None = None  # what the step computes, for the planner's cost model
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one traced step computes: the planner's cost model turns it into seconds.
+
+    Forward and backward figures cover ``micro_batches`` micro-batches (recompute included);
+    optimizer figures cover one optimizer step (with gradient clipping).
+    """
+
+    micro_batches: int
+    flops: float  # matmul / attention FLOPs of forward + backward (torch's FlopCounterMode rules)
+    ops: int  # ops dispatched in forward + backward (each costs a launch on a GPU)
+    written: int  # bytes of the tensors forward + backward allocate (memory traffic)
+    optimizer_ops: int
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.micro_batches, self.flops + other.flops, self.ops + other.ops,
+                    self.written + other.written, self.optimizer_ops + other.optimizer_ops)
+
+    def scaled(self, factor: float) -> Work:
+        """Every figure times ``factor`` (a linear extrapolation step)."""
+        return Work(self.micro_batches, self.flops * factor, round(self.ops * factor),
+                    round(self.written * factor), round(self.optimizer_ops * factor))
+
+
+@dataclass
+class Candidates:
+    """Byte values of the ops that can hold the peak, each with its phase."""
+
+    phases: list[str]
+    values: np.ndarray  # float64 (candidates, categories + host + rounded)
+
+
+def with_depth(config: PretrainedConfig, depth: int) -> PretrainedConfig:
+    """A copy of ``config`` with ``depth`` decoder layers (per-layer lists cut to match)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = depth  # attribute maps cover n_layer (GPT-2) and friends
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:depth]
+    return config
+
+
+def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
+    """The repeated blocks: the largest ModuleList of ``depth`` same-class modules."""
+    best: list[nn.Module] = []
+    best_size = -1
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == depth and len({type(m) for m in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = list(module), size
+    return best
+
+
+def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
+               device: torch.device | str = "cpu", foreach: bool = False) -> Trace:
+    """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
+
+    With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
+    :func:`memtrain.distributed.fsdp.shard_model` as training, in a fake process group where this
+    process is rank 0 of ``distributed.processes`` (collectives do nothing); with ``none`` and
+    several processes the step holds DDP's gradient buckets (:func:`_ddp_buckets`).
+
+    Args:
+        cfg: the recipe (no `auto` fields).
+        config: the architecture, possibly with fewer layers (:func:`with_depth`).
+        batch_size: micro-batch size.
+        seq_len: tokens per example.
+        device: the device the fake tensors claim to be on.
+        foreach: make torch optimizers use their multi-tensor (foreach) kernels, as they do for
+            real CUDA tensors (fake tensors never get them by default).
+    """
+    settings = step_settings(cfg)
+    accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
+    fake = fake_tensor_mode(packed=cfg.data.packing)
+    with _process_group(cfg, device) as mesh, fake, _default_device(device), _quiet():
+        model = build_fake_model(cfg, config)
+        total, trainable = count_parameters(model)  # before sharding: 4-bit weights lose their marks
+        if mesh is not None:
+            from memtrain.distributed.fsdp import shard_model
+
+            model = shard_model(model, cfg, mesh)
+        optimizer = build_optimizer(cfg, model)
+        if foreach:
+            for group in optimizer.param_groups:
+                if "foreach" in group and not group.get("fused"):
+                    group["foreach"] = True
+        batch = example_batch(cfg, config, batch_size, seq_len, device)
+        step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])
+        _create_optimizer_state(model, optimizer)
+        # With accumulation, the first micro-batch's gradients are put in place before the meter
+        # starts and only the second runs; under FSDP2 the first leaves full gradients inside
+        # FSDP (no gradient sync), so both micro-batches run.
+        held = accumulation > 1 and mesh is None
+        if held:
+            hold_gradients(model)
+        layers = decoder_layers(model, config.num_hidden_layers)
+        meter = _TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
+        with recipe_stage("model", "a training step on fake tensors"), meter:
+            training_step(*step, held_gradients=held)
+        done = [r.detail or r.name for r in patches.records(model)]
+    tracker = meter.tracker
+    work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
+                tracker.ops["optimizer"])
+    rows = np.array(tracker.rows, dtype=np.int64)
+    return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work)
+
+
+@contextlib.contextmanager
+def _process_group(cfg: RunConfig, device: torch.device | str) -> Iterator[Any]:
+    """A fake process group and its mesh when the recipe shards the model, else None."""
+    if not sharding.sharded(cfg):
+        yield None
+        return
+    from memtrain.distributed.fsdp import fake_process_group
+
+    with fake_process_group(cfg.distributed.processes, torch.device(device).type) as mesh:
+        yield mesh
+
+
+def _ddp_buckets(cfg: RunConfig, model: nn.Module) -> list[torch.Tensor]:
+    """DDP's gradient buckets, for replicas (``sharding: none``) in several processes.
+
+    ``DistributedDataParallel`` copies every gradient into flat buckets (one per 25 MiB, per dtype)
+    that it all-reduces; with ``gradient_as_bucket_view=False`` (accelerate's default, which the
+    Trainer keeps) they are a second copy of the trained gradients, allocated when the model is
+    wrapped and held for the whole run. Measured: one 2-process run holds exactly the trained
+    gradients' bytes more than one process (docs/bench/fsdp.md).
+    """
+    if not sharding.ddp_replicas(cfg):
+        return []
+    sizes: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    device = next(model.parameters()).device
+    return [torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()]
+
+
+def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What the warm-up step leaves behind, without its forward and backward: optimizer state.
+
+    An optimizer step on zero gradients creates exactly the state a real first step creates
+    (its shapes and dtypes depend on the parameters, not on gradient values).
+    """
+    model.train()
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------ extrapolation
+
+
+def direct(trace: Trace) -> Candidates:
+    """Every op of a full-depth trace is a candidate."""
+    return Candidates([trace.phases[o] for o in trace.occurrence], trace.values.astype(np.float64))
+
+
+def _split(trace: Trace, occ: int) -> tuple[np.ndarray, dict[int, np.ndarray], np.ndarray] | None:
+    """(ops before the layers, ops per layer, ops after) of one phase occurrence; None if tangled."""
+    mask = trace.occurrence == occ
+    values, layer = trace.values[mask], trace.layer[mask]
+    inside = np.flatnonzero(layer >= 0)
+    if inside.size == 0:
+        return values, {}, values[:0]
+    first, last = inside[0], inside[-1]
+    blocks: dict[int, list[int]] = {}
+    current = -1
+    waiting: list[int] = []
+    # Ops between two layers belong to the layer after them: FSDP2 gathers a layer's weights in a
+    # hook that runs before the module tracker enters the layer (unsharded steps have none).
+    for k in range(first, last + 1):
+        if layer[k] < 0:
+            waiting.append(k)
+            continue
+        if layer[k] != current:
+            current = int(layer[k])
+            if current in blocks:
+                return None  # a layer ran twice in one phase: no simple structure
+            blocks[current] = []
+        blocks[current] += [*waiting, k]
+        waiting = []
+    return values[:first], {i: values[idx] for i, idx in blocks.items()}, values[last + 1:]
+
+
+def extrapolate_depth(a: Trace, b: Trace, depth: int) -> Candidates | None:
+    """Candidates of a ``depth``-layer step from traces at depths 2 (``a``) and 3 (``b``).
+
+    Returns None when the two traces do not align layer by layer (then trace the full depth).
+    """
+    if a.phases != b.phases:
+        return None
+    steps = depth - 2  # extrapolation distance from depth 2, in layers
+    phases: list[str] = []
+    rows: list[np.ndarray] = []
+    for occ, phase in enumerate(a.phases):
+        sa, sb = _split(a, occ), _split(b, occ)
+        if sa is None or sb is None:
+            return None
+        (pre_a, blocks_a, post_a), (pre_b, blocks_b, post_b) = sa, sb
+        if not blocks_a and not blocks_b:
+            new = _outside_layers(pre_a, pre_b, steps)
+        elif sorted(blocks_a) == [0, 1] and sorted(blocks_b) == [0, 1, 2]:
+            new = _with_layers(pre_a, pre_b, post_a, post_b, blocks_a, blocks_b, steps, depth)
+        else:
+            return None
+        if new is None:
+            return None
+        phases += [phase] * len(new)
+        rows.append(new)
+    return Candidates(phases, np.concatenate(rows).astype(np.float64))
+
+
+def _line(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
+    return va + steps * (vb - va)
+
+
+def _outside_layers(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
+    if len(va) == len(vb):
+        return _line(va, vb, steps)
+    if len(va) == 0 or len(vb) == 0:
+        return va[:0] if len(va) == 0 else va  # cannot pair: keep what was seen (never the peak)
+    # Op counts differ (a per-parameter loop, a per-layer cache entry): extrapolate the largest op.
+    top_a = va[np.argmax(va[:, :HOST].sum(axis=1))]
+    top_b = vb[np.argmax(vb[:, :HOST].sum(axis=1))]
+    return _line(top_a, top_b, steps)[None, :]
+
+
+def _with_layers(pre_a: np.ndarray, pre_b: np.ndarray, post_a: np.ndarray, post_b: np.ndarray,
+                 blocks_a: dict[int, np.ndarray], blocks_b: dict[int, np.ndarray], steps: int,
+                 depth: int) -> np.ndarray | None:
+    regular = {len(blocks_a[1]), len(blocks_b[1]), len(blocks_b[2])}
+    if len(regular) != 1 or len(blocks_a[0]) != len(blocks_b[0]):
+        return None
+    first = _line(blocks_a[0], blocks_b[0], steps)
+    per_depth = blocks_b[1] - blocks_a[1]
+    per_index = blocks_b[2] - blocks_b[1]
+    at_one = blocks_a[1] + steps * per_depth  # layer i = 1 of `depth` layers
+    at_last = at_one + (depth - 2) * per_index  # layer i = depth - 1
+    parts = [_outside_layers(pre_a, pre_b, steps), first, at_one, at_last,
+             _outside_layers(post_a, post_b, steps)]
+    return np.concatenate(parts)
+
+
+def in_batch(c1: Candidates, c2: Candidates, b1: int, b2: int, batch: int) -> Candidates | None:
+    """Candidates at micro-batch ``batch``, linear per op from those at ``b1`` and ``b2``."""
+    if c1.phases != c2.phases:
+        return None
+    slope = (c2.values - c1.values) / (b2 - b1)
+    return Candidates(c1.phases, c1.values + (batch - b1) * slope)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Library warnings about a model built dozens of times per estimate are noise here."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _default_device(device: torch.device | str) -> Any:
+    # A torch.device context intercepts every torch call; on CPU it changes nothing, so skip it.
+    return contextlib.nullcontext() if torch.device(device).type == "cpu" else torch.device(device)

@@ -1,0 +1,155 @@
+"""The estimator's meter: the memory meter's trackers, recording every op's bytes.
+
+:func:`memtrain.estimator.trace.trace_step` measures its fake step with :class:`_TracingMeter`, a
+:class:`memtrain.memory.meter.MemoryMeter` whose tracker (torch's ``MemTracker``, or
+``FSDPMemTracker`` for an FSDP2 model, as in the meter) records, after every op that changes
+them, the raw bytes per category on the device and the host, the phase, and the decoder layer the
+op ran in: the rows that :mod:`memtrain.estimator.trace` extrapolates. It also counts the step's work
+(matmul FLOPs, ops, bytes written) for the planner's cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch._guards import active_fake_mode
+from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
+from torch.utils.flop_counter import flop_registry
+
+from memtrain.memory import meter as meter_mod
+from memtrain.memory import trackers
+
+CATEGORY_NAMES = trackers.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
+
+
+class _EventRecorder:
+    """What the tracing meter adds to the meter's trackers: raw bytes per category after every op
+    (one row per op that changes them), the phase and decoder layer of each row, and the step's
+    work (FLOPs, ops, bytes written) for the cost model."""
+
+    def _init_events(self, layers: list[nn.Module]) -> None:
+        self._index = {ref: CATEGORY_NAMES.index(name) for ref, name in self.categories.items()}  # type: ignore[attr-defined]
+        self._layers = layers
+        self._fqns: list[str | None] = [None] * len(layers)
+        self._raw = {d: [0] * len(CATEGORY_NAMES) for d in (self.compute_device, self.host_device)}  # type: ignore[attr-defined]
+        self._rounded = 0
+        self.phases: list[str] = []
+        self.rows: list[tuple[int, ...]] = []
+        self.ops = {"step": 0, "optimizer": 0}
+        self.written = 0
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
+        if func is torch.ops.prim.device.default:
+            return func(*args, **(kwargs or {}))
+        phase = self.phase()  # type: ignore[attr-defined]
+        out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+        if out is NotImplemented:  # a DTensor op (FSDP2): its local ops come back through here
+            return out
+        if active_fake_mode() is not self._fake_mode_on_entry:  # type: ignore[attr-defined]
+            return out  # DTensor's layout propagation (memtrain.estimator.fake): not part of the step
+        self.ops["optimizer" if phase == "optimizer" else "step"] += 1
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
+            self.flops += count(*args, **(kwargs or {}), out_val=out)
+        return out
+
+    def _update_snap(self, u_type: _UpdateType, winfo: object, old_mem_consumed: int | None = None,
+                     old_reftype: Any = None) -> None:
+        self._account(u_type, winfo, old_reftype)
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
+
+    def _account(self, u_type: _UpdateType, winfo: Any, old_reftype: Any) -> None:
+        # MemTracker rounds CUDA sizes into its own totals; these are raw bytes, rounded kept apart.
+        counts = self._raw.get(winfo.device)
+        if counts is None:
+            return
+        raw = winfo.size * winfo.element_size
+        old = getattr(winfo, "_memtrain_raw", raw)
+        slot = self._index[winfo.reftype]
+        delta_rounded = 0
+        if u_type == _UpdateType.ADD:
+            counts[slot] += raw
+            delta_rounded = _round(raw)
+            if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
+                self.written += raw
+        elif u_type == _UpdateType.DEL:
+            counts[slot] -= old
+            delta_rounded = -_round(old)
+        elif u_type == _UpdateType.REF and old_reftype is not None:
+            counts[self._index[old_reftype]] -= old
+            counts[slot] += old
+        elif u_type == _UpdateType.SIZE:
+            counts[slot] += raw - old
+            delta_rounded = _round(raw) - _round(old)
+        winfo._memtrain_raw = raw
+        if winfo.device == self.compute_device:  # type: ignore[attr-defined]
+            self._rounded += delta_rounded
+
+    def _update_peak_stats(self, peak_state: object) -> None:
+        phase = self.phase()  # type: ignore[attr-defined]
+        if not self.phases or self.phases[-1] != phase:
+            self.phases.append(phase)
+        row = (len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],  # type: ignore[attr-defined]
+               sum(self._raw[self.host_device]), self._rounded)  # type: ignore[attr-defined]
+        if not self.rows or row != self.rows[-1]:  # ops that allocate nothing (views) add no row
+            self.rows.append(row)
+
+    def _current_layer(self) -> int:
+        parents = self._mod_tracker.parents  # type: ignore[attr-defined]
+        for i, module in enumerate(self._layers):
+            fqn = self._fqns[i] = self._fqns[i] or self._mod_tracker.get_known_fqn(module)  # type: ignore[attr-defined]
+            if fqn is not None and fqn in parents:
+                return i
+        return -1
+
+
+class _EventTracker(_EventRecorder, meter_mod._Tracker):
+    """The meter's tracker, recording raw bytes per op instead of keeping running peaks."""
+
+    def __init__(self, device: torch.device, host: torch.device, layers: list[nn.Module]) -> None:
+        super().__init__(device, host, timeline=False)
+        self._init_events(layers)
+
+
+class _FSDPEventTracker(_EventRecorder, trackers._FSDPTracker):
+    """The meter's FSDP2 tracker (sharded vs. gathered state), recording raw bytes per op."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 host: torch.device, layers: list[nn.Module]) -> None:
+        super().__init__(model, optimizer, device, host, timeline=False)
+        self._init_events(layers)
+
+
+def _round(n: int) -> int:
+    return math.ceil(n / CUDA_BLOCK) * CUDA_BLOCK
+
+
+class _TracingMeter(meter_mod.MemoryMeter):
+    """A MemoryMeter (so offload code's ``mark_host`` reaches it) with the recording tracker.
+
+    ``gradients``: tensors that hold gradient bytes from before the step (DDP's buckets), counted
+    as ``gradients`` from the start.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
+                 layers: list[nn.Module], gradients: list[torch.Tensor]) -> None:
+        super().__init__(model, optimizer, inputs=batch)
+        host = self._tracker.host_device
+        self.tracker: _EventTracker | _FSDPEventTracker = (
+            _FSDPEventTracker(model, optimizer, self.device, host, layers)
+            if isinstance(self._tracker, trackers._FSDPTracker)
+            else _EventTracker(self.device, host, layers))
+        self._tracker = self.tracker
+        self._gradients = gradients
+
+    def __enter__(self) -> _TracingMeter:
+        for tensor in self._gradients:
+            self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.GRAD)
+        super().__enter__()
+        return self

@@ -1,0 +1,288 @@
+"""Auto-fit micro-batch (``training.micro_batch_size: auto``): predicted, then confirmed for real.
+
+The planner predicts the largest micro-batch whose step fits the budget, among those that keep
+effective = micro × accumulation × processes exact (:func:`predict`). Before training starts,
+:func:`confirm` runs one real probe step at that size with the worst case of the data — every
+example ``data.max_length`` tokens — on the real model with the Trainer's own optimizer, under the
+real or simulated budget. If it runs out of memory, the probe steps down to the next valid
+micro-batch (a divisor of the per-process effective batch) and tries again; the Trainer's batch
+arguments are then set to what fitted.
+
+With several processes every process probes its own shard of the model under its own budget, and
+they decide each step together (:mod:`memtrain.distributed.together`): they start from the smallest predicted
+micro-batch, and after each probe step one all-reduce says whether it fitted in *every* process,
+so all keep the same micro-batch: the largest that fits in each, i.e. the minimum over the
+processes of what each alone would keep. The budget defers its out-of-memory error to the end of
+the probe step (:mod:`memtrain.reliability.budget`), since a process that stopped half-way would leave
+the others in a collective; a real allocation failure in one process stops the run with its error.
+
+Why a probe at all when the estimate is exact on CPU: on a GPU the caching allocator, the CUDA
+context and kernels' workspaces are modelled, not traced, and data can differ from the recipe's
+model of it. A probe costs one step; a step that fails at step 1000 costs much more (that case is
+handled by :mod:`memtrain.reliability.recovery`).
+
+What the probe leaves behind: nothing. Its optimizer is a separate instance of the one training
+will create (made by the Trainer's own ``create_optimizer``), run with learning rate 0 (parameters
+do not change: updates are ``0 × finite``), and dropped afterwards; gradients are set to None.
+Optimizer state exists during the probe, created by a one-example warm-up step of a few tokens,
+because a training step from step 2 on holds it. With gradient accumulation the probe runs one
+micro-batch on zero gradients held for every trainable parameter, the state every micro-batch after
+the first runs in (the step's peak), at the cost of one forward and backward.
+
+Compared with ``TrainingArguments(auto_find_batch_size=True)`` (accelerate's
+``find_executable_batch_size``): that halves the batch after each out-of-memory error, restarts
+the training loop, and changes the effective batch; ``scripts/bench_autofit.py`` measures both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.config import RunConfig
+from memtrain.config.batch import Batch, valid_batches
+from memtrain.distributed.together import drop_gradients, flagged_ranks, largest, smallest, world
+from memtrain.errors import MemtrainError, first_line
+from memtrain.reliability.budget import budget_guard, resolve_budget, usable_bytes
+from memtrain.reliability.recovery import free_memory, reset_module_tracking
+from memtrain.trainer.step import hold_gradients, training_step
+from memtrain.units import format_bytes, parse_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Probe:
+    """What :func:`confirm` did: the batch it chose and each micro-batch it tried."""
+
+    batch: Batch
+    tried: list[tuple[int, bool]] = field(default_factory=list)  # (micro-batch, fitted)
+    peak_bytes: int | None = None  # live tensor bytes of the step that fitted (when tracked)
+    limit_bytes: int | None = None
+    seconds: float = 0.0
+    over_budget: dict[int, list[int]] = field(default_factory=dict)  # several processes: who did not fit
+
+    @property
+    def failed(self) -> int:
+        """Out-of-memory attempts before the probe that fitted."""
+        return sum(1 for _, ok in self.tried if not ok)
+
+
+def budget_limit(cfg: RunConfig) -> int | None:
+    """The bytes a probe step must stay under: the simulated budget, else the budget's usable part."""
+    if cfg.memory.simulate_budget is not None:
+        return parse_size(cfg.memory.simulate_budget)
+    budget = resolve_budget(cfg.memory.budget)
+    return None if budget is None else usable_bytes(budget, cfg.memory.margin_fraction)
+
+
+def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch, int]:
+    """The predicted largest micro-batch: the recipe with it filled in, the batch, the predicted peak.
+
+    Uses the planner (:func:`memtrain.plan.planner.fit_micro_batch`: the estimator's traces, exact in
+    the micro-batch). ``usable`` defaults to the budget (or simulated budget) minus ``memory.margin``.
+
+    Raises:
+        MemtrainError: no budget to fit into, or not even the smallest micro-batch fits.
+    """
+    if usable is None:
+        total = resolve_budget(cfg.memory.budget or cfg.memory.simulate_budget)
+        if total is None:
+            raise MemtrainError("`training.micro_batch_size: auto` needs a budget to fit into. Fix: set "
+                                "`memory.budget` (e.g. `24GiB` or `auto`), or a number of examples.")
+        usable = usable_bytes(total, cfg.memory.margin_fraction)
+    from memtrain.plan.planner import fit_micro_batch
+
+    pairs = valid_batches(cfg.training, cfg.distributed.processes)
+    micro, _accum, peak = fit_micro_batch(cfg, usable)
+    accum = dict(pairs)[micro]
+    return with_batch(cfg, micro, accum), Batch(micro, accum, cfg.distributed.processes), peak
+
+
+def with_batch(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
+    """``cfg`` with the micro-batch and accumulation set (the effective batch is unchanged)."""
+    training = cfg.training.model_copy(update={"micro_batch_size": micro,
+                                               "gradient_accumulation": accumulation})
+    return cfg.model_copy(update={"training": training})
+
+
+def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[int, int]] | None = None,
+            limit: int | None = None, seq_len: int | None = None) -> Probe:
+    """Confirm ``batch`` with one real probe step, stepping down until a step fits; set the Trainer.
+
+    Args:
+        trainer: the Trainer about to train (``memtrain.trainer.trainer.build_trainer``); its model is
+            probed, and its batch arguments are set to the batch that fits.
+        cfg: the recipe (optimizer, clipping, task); ``training.micro_batch_size`` may be ``auto``.
+        batch: the predicted batch (:func:`predict`).
+        choices: the (micro, accumulation) pairs the recipe allows, :func:`valid_batches` of the
+            recipe as written (before ``auto`` was filled in); default: every micro-batch that
+            divides ``batch``'s per-process effective batch.
+        limit: bytes the step must stay under (default: :func:`budget_limit`); ``None`` runs the
+            probe without a tracker, so only a real out-of-memory error stops it.
+        seq_len: tokens per example (default ``data.max_length``, the worst case).
+
+    Raises:
+        MemtrainError: not even the smallest valid micro-batch fits (the message has the numbers).
+    """
+    start = time.perf_counter()
+    limit = budget_limit(cfg) if limit is None else limit
+    seq_len = seq_len or cfg.data.max_length
+    per_process = batch.micro * batch.accumulation
+    if choices is None:
+        choices = [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
+    model = trainer.model
+    device = _device(model)
+    # With several processes (machines may have planned apart: `memory.budget: auto`) all start
+    # from the smallest prediction and take each decision together, so they try the same
+    # micro-batches in the same order: the one they keep is the largest that fits in every process.
+    micro = smallest([batch.micro], device)[0]
+    top = batch.accumulation if micro == batch.micro else dict(choices).get(micro, per_process // micro)
+    pairs = [p for p in choices if p[0] < micro] + [(micro, top)]
+    probe = Probe(batch, limit_bytes=limit)
+    with _probe_optimizer(trainer, cfg, model) as optimizer:
+        for micro, accum in sorted(pairs, reverse=True):
+            fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), seq_len, limit)
+            over = flagged_ranks(not fits, device)
+            peak = largest([peak or 0], device)[0] or None  # the highest process's
+            probe.tried.append((micro, not over))
+            if over and world()[1] > 1:
+                probe.over_budget[micro] = over
+            if not over:
+                probe.batch, probe.peak_bytes = Batch(micro, accum, batch.processes), peak
+                break
+    probe.seconds = time.perf_counter() - start
+    if not probe.tried[-1][1]:
+        raise MemtrainError(
+            f"`training.micro_batch_size: auto`: not even micro-batch {probe.tried[-1][0]} of "
+            f"{seq_len} tokens fits {_limit_text(limit)} (probe step on the real model"
+            f"{_where(probe, probe.tried[-1][0])}). Fix: raise `memory.budget`, shorten "
+            "`data.max_length`, or save memory (`memtrain plan`).")
+    set_batch(trainer, probe.batch)
+    log.info(describe(probe, seq_len))
+    return probe
+
+
+def set_batch(trainer: Any, batch: Batch) -> None:
+    """Point a Trainer that has not started training at another micro-batch and accumulation."""
+    trainer.args.per_device_train_batch_size = batch.micro
+    trainer.args.per_device_eval_batch_size = batch.micro
+    trainer.args.gradient_accumulation_steps = batch.accumulation
+    trainer._train_batch_size = trainer.args.train_batch_size
+
+
+# ------------------------------------------------------------------------------ the probe
+
+
+@contextlib.contextmanager
+def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator[torch.optim.Optimizer]:
+    """The optimizer training will create, at learning rate 0, with its state; gone afterwards."""
+    from memtrain.trainer.build import example_batch, recipe_stage
+
+    if trainer.optimizer is not None:
+        raise ValueError("auto-fit probes before training: the Trainer must not have an optimizer yet")
+    # The Trainer's own create_optimizer (memtrain.trainer.build.build_optimizer would make new
+    # TrainingArguments, which resets accelerate's state under a live Trainer); training makes its own.
+    optimizer = trainer.create_optimizer()
+    trainer.optimizer = None
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    was_training = model.training
+    try:
+        # a one-example, few-token step creates the optimizer state a training step holds
+        config = getattr(model, "config", None)
+        tiny = example_batch(cfg, config, 1, min(8, cfg.data.max_length), _device(model))
+        with recipe_stage("training.micro_batch_size", "the auto-fit probe's warm-up step"):
+            training_step(model, tiny, optimizer, skip_non_finite=True)
+        yield optimizer
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        # offload and in-backward optimizers step from gradient hooks that hold them: unregister
+        # those, or the probe's optimizer and its host state would live on beside training's
+        remove_hooks = getattr(optimizer, "remove_hooks", None)
+        if remove_hooks is not None:
+            remove_hooks()
+        del optimizer
+        free_memory()
+
+
+def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, micro: int,
+              micro_batches: int, seq_len: int, limit: int | None) -> tuple[bool, int | None]:
+    """Run the probe step: whether it fitted in this process, and its peak (None when untracked).
+
+    With several processes the budget defers (:mod:`memtrain.reliability.budget`): the step runs to
+    its end in every process, whose collectives must all happen, and the caller compares notes.
+    """
+    from memtrain.trainer.build import example_batch
+
+    several = world()[1] > 1
+    # The earlier micro-batches' gradients: held ones, and one forward+backward shows the peak;
+    # FSDP2 keeps them full and unsharded until the last micro-batch, so run two micro-batches.
+    held = micro_batches > 1 and not hasattr(model, "set_requires_gradient_sync")
+    if held:
+        hold_gradients(model)
+    simulated = cfg.memory.simulate_budget is not None
+    budget = (budget_guard(limit, model, optimizer, device=_device(model), simulated=simulated,
+                           defer=several) if limit is not None else contextlib.nullcontext())
+    try:
+        with budget:
+            inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))  # padded, as real ones
+            training_step(model, inputs if held or micro_batches == 1 else [inputs] * 2, optimizer,
+                          micro_batches, cfg.training.max_grad_norm, held_gradients=held,
+                          skip_non_finite=True)
+            del inputs
+    except torch.OutOfMemoryError as err:
+        if several:  # a real allocation failure half-way: the others wait in a collective
+            raise _in_one_process(err, micro) from None
+        failed = True
+    else:
+        take = getattr(budget, "take_overrun", None)  # a deferring budget's note
+        failed = take is not None and take() is not None
+    drop_gradients(model)  # outside the except block: the failed step's tensors are gone
+    free_memory()
+    reset_module_tracking()
+    if failed:
+        log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, seq_len)
+        return False, None
+    return True, getattr(budget, "peak_bytes", None)
+
+
+def _in_one_process(err: BaseException, micro: int) -> MemtrainError:
+    rank, size = world()
+    first = first_line(err)
+    return MemtrainError(
+        f"`training.micro_batch_size: auto`: the probe step of micro-batch {micro} ran out of device "
+        f"memory in process {rank} of {size} ({first}); the processes cannot go on together from a step "
+        "one of them left half-way. Fix: set `memory.budget` below the device's memory (the probe then "
+        "stops at the budget in every process), or give `training.micro_batch_size` a number.")
+
+
+def _where(probe: Probe, micro: int) -> str:
+    over = probe.over_budget.get(micro)
+    return f" in process(es) {over}" if over else ""
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _limit_text(limit: int | None) -> str:
+    return f"the {format_bytes(limit)} limit" if limit is not None else "the device's memory"
+
+
+def describe(probe: Probe, seq_len: int) -> str:
+    """One line: the batch a probe confirmed, what it tried, its peak and time."""
+    b = probe.batch
+    steps = ", ".join(f"{m} {'fits' if ok else 'out of memory'}{_where(probe, m)}" for m, ok in probe.tried)
+    peak = f", peak {format_bytes(probe.peak_bytes)}" if probe.peak_bytes is not None else ""
+    return (f"auto-fit: micro-batch {b.micro} × {b.accumulation} accumulated (effective {b.effective}) "
+            f"confirmed by a probe step of {seq_len} tokens per example under "
+            f"{_limit_text(probe.limit_bytes)} ({steps}{peak}; {probe.seconds:.1f} s)")

@@ -1,0 +1,313 @@
+"""The planner's search: enumerate candidates, bound their step time, trace the ones that may win.
+
+See :mod:`memtrain.plan.planner` for how the search prunes (branch and bound on time, memory dominance)
+and how it breaks ties (``TIE``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from memtrain.config import RunConfig
+from memtrain.distributed import sharding
+from memtrain.errors import MemtrainError
+from memtrain.estimator import estimate as est
+from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
+from memtrain.estimator.trace import Work, in_batch
+from memtrain.patches import NoMatchError
+from memtrain.plan import costmodel
+from memtrain.plan.space import IN_BACKWARD, Candidate, _batches, _options, _rank, auto_fields, with_values
+from memtrain.units import format_bytes
+
+# Predicted step times this close count as equal: the cost model's rank correlation with measured
+# steps is 0.89 on scripts/bench_planner.py (docs/bench/planner.md), not 1. Among equals the planner
+# takes the candidate with the fewest memory techniques, then the smallest peak.
+TIE = 0.05
+TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that fit)
+
+
+@dataclass
+class _Traced:
+    """A candidate's traces at micro-batch 2 and 3 (and single sizes traced on their own)."""
+
+    plan: Any  # the estimator's plan (settings, architecture, device)
+    c2: Any
+    c3: Any
+    counts2: est.Counts
+    counts3: est.Counts
+    points: dict[int, Any] = field(default_factory=dict)  # micro-batch -> candidates traced directly
+
+
+_TRACES: dict[str, _Traced] = {}
+
+
+class _Search:
+    """Enumerate, bound and evaluate candidates (see the module docstring)."""
+
+    def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None) -> None:
+        self.cfg, self.device, self.usable = cfg, device, usable
+        config, _ = resolve_config(cfg.model)
+        self.depth = int(config.num_hidden_layers)
+        self.fields = [f for f in auto_fields(cfg) if not f.startswith("training.micro")
+                       and not f.startswith("training.gradient")] if fields is None else fields
+        self.batches = _batches(cfg)
+        self.rates = costmodel.rates(device)
+        self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates
+        self.done: list[Candidate] = []
+        self.pruned: list[Candidate] = []
+        self._traces = _TRACES  # shared by every search in this process: a trace depends only on
+        # the settings in its key, never on the budget
+
+    def candidates(self) -> Iterator[Candidate]:
+        domains = [_options(self.cfg, f, self.depth) for f in self.fields]
+        for combo in itertools.product(*domains):
+            values = dict(zip(self.fields, combo, strict=True))
+            try:  # e.g. a quantized base trained in full, the step in backward with clipping,
+                sharding.sharded(with_values(self.cfg, values))  # an 8-bit optimizer on shards
+            except (ValueError, MemtrainError):
+                continue
+            yield Candidate(values)
+
+    def run(self) -> Candidate | None:
+        cands = list(self.candidates())
+        bounds = [(self.lower_bound(c), i) for i, c in enumerate(cands)]
+        fastest: Candidate | None = None
+        too_big: list[Candidate] = []
+        fits: list[Candidate] = []
+        for bound, i in sorted(bounds):
+            cand = cands[i]
+            if fastest is not None and bound > fastest.seconds * (1 + TIE):
+                cand.reason = (f"slower: at least {bound:.3g} s per step, the fastest that fits needs "
+                               f"{fastest.seconds:.3g} s")
+                self.pruned.append(cand)
+                continue
+            if (big := next((t for t in too_big if self._dominated(cand, t)), None)) is not None:
+                cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
+                self.pruned.append(cand)
+                continue
+            try:
+                self.evaluate(cand)
+            except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)
+                cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
+                self.pruned.append(cand)
+                continue
+            if cand.seconds == math.inf:
+                too_big.append(cand)
+                continue
+            fits.append(cand)
+            if fastest is None or cand.seconds < fastest.seconds:
+                fastest = cand
+        if fastest is None:
+            return None
+        ties = [c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)]
+        best = min(ties, key=lambda c: (self.techniques(c), _gathers(c), c.peak, c.seconds))
+        self._settle(best)
+        for cand in fits:
+            if cand is best:
+                continue
+            if cand in ties and self.techniques(cand) > self.techniques(best):
+                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
+                               f"model's {TIE:.0%} error, and it uses more memory techniques")
+            elif cand in ties and _gathers(cand) > _gathers(best):
+                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
+                               f"model's {TIE:.0%} error, and it gathers every layer's weights twice per "
+                               "step (`sharding: full`) where `grad_op` gathers them once")
+            elif cand in ties and cand.peak > best.peak:
+                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
+                               f"model's {TIE:.0%} error, and it leaves less memory free")
+            else:
+                cand.reason = f"slower: {cand.seconds:.3g} s per step vs {best.seconds:.3g} s"
+        return best
+
+    def _settle(self, cand: Candidate) -> None:
+        """The chosen candidate's own peak, where the search bounded it from above.
+
+        When other micro-batches accumulate, every pair is judged on a trace whose micro-batch
+        runs beside the gradients of an earlier one; a choice without accumulation never holds
+        them, so its predicted peak is taken from a trace without them (lower, and what the
+        callback's comparison with the measured steps should see).
+        """
+        if cand.accumulation != 1 or not any(a > 1 for _, a in self.batches_for(cand)):
+            return
+        cfg = with_values(self.cfg, cand.values)
+        cand.peak = self._summary(self._traced(cfg, 1), cand.micro).total_bytes
+
+    def techniques(self, cand: Candidate) -> int:
+        """How many memory techniques ``cand`` turns on (LoRA vs full fine-tuning is not one)."""
+        return sum(1 for f, v in cand.values.items() if f != "adapter.method" and (
+            v != "none" if f == "distributed.sharding" else any(_rank(f, v, self.depth))))
+
+    def micro_options(self, cand: Candidate) -> list[Candidate]:
+        """``cand`` (evaluated, fitting) at up to ``TUNE_MICROS`` of its largest micro-batches that fit.
+
+        Smaller micro-batches than the fitted one are accumulated, so their peak comes from the
+        trace on held gradients; micro-batch 1 is left out unless it is the fitted one (it would
+        need a trace of its own).
+        """
+        cfg = with_values(self.cfg, cand.values)
+        out = [dataclasses.replace(cand, reason="")]
+        for micro, accumulation in reversed(self.batches_for(cand)):
+            if len(out) == TUNE_MICROS:
+                break
+            if micro >= cand.micro or micro == 1:
+                continue
+            traced = self._traced(cfg, accumulation)
+            summary = self._summary(traced, micro)
+            if summary.total_bytes > self.usable:
+                continue
+            work = _work_at(traced.counts2[3], traced.counts3[3], micro)
+            cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary.host_peak_bytes)
+            out.append(dataclasses.replace(cand, micro=micro, accumulation=accumulation, reason="",
+                                           peak=summary.total_bytes, seconds=cost.seconds, parts=cost.parts))
+        return out
+
+    def _dominated(self, cand: Candidate, small: Candidate) -> bool:
+        """``cand`` keeps at least as much memory as ``small`` in every field.
+
+        The step in backward saves gradients but allows no accumulation (fewer micro-batch
+        choices), so candidates that differ in it are not comparable.
+        """
+        if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
+            return False
+        return all(a <= b for f in self.fields for a, b in zip(
+            _rank(f, cand.values[f], self.depth), _rank(f, small.values[f], self.depth), strict=True))
+
+    def lower_bound(self, cand: Candidate) -> float:
+        """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base."""
+        base = {f: v for f, v in cand.values.items() if f in ("model.quantization", "adapter.method")}
+        cfg = with_values(self.cfg, {**base, **self._plain(cand)})
+        batches = self.batches_for(cand) or self.batches
+        micro, accumulation = batches[-1]
+        held = 2 if any(a > 1 for _, a in self.batches) else 1
+        traced = self._traced(cfg, held)
+        work = _work_at(traced.counts2[3], traced.counts3[3], micro)
+        ckpt = cand.values.get("memory.checkpointing", self.cfg.memory.checkpointing)
+        if ckpt == "full" or isinstance(ckpt, int):  # recompute: one more forward, >= 1/3 of the FLOPs
+            share = 1.0 if ckpt == "full" else min(1.0, ckpt / self.depth)
+            work = Work(1, work.flops * (1 + share / 3), work.ops, work.written, work.optimizer_ops)
+        return self._cost(cfg, cand.values, work, traced.counts2, accumulation, 0).seconds
+
+    def _plain(self, cand: Candidate) -> dict[str, Any]:
+        plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
+                 "memory.offload.activations": False, "memory.offload.optimizer": False,
+                 "memory.activation_bits": None, "memory.randomized_linear": None,
+                 "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False}
+        return {f: v for f, v in plain.items() if f in self.fields}
+
+    def evaluate(self, cand: Candidate) -> None:
+        """Trace ``cand``, pick its largest fitting micro-batch, predict its time.
+
+        Accumulation matters to the peak: from the second micro-batch on, gradients are held
+        during the forward. Traces of an accumulated micro-batch (on held gradients) bound every
+        pair from above; a pair without accumulation is traced on its own only when the gradients it does
+        not hold could make the difference.
+        """
+        cfg = with_values(self.cfg, cand.values)
+        batches = self.batches_for(cand)
+        if not batches:
+            cand.micro, cand.accumulation = self.batches[0]
+            cand.reason = ("the optimizer step in backward needs gradient_accumulation 1, and no "
+                           "allowed micro-batch equals the effective batch")
+            self.pruned.append(cand)
+            return
+        held = 2 if any(a > 1 for _, a in batches) else 1
+        fitted = None
+        traced = self._traced(cfg, held)
+        for micro, accumulation in reversed(batches):
+            summary = self._summary(traced, micro)
+            if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \
+                    and summary.total_bytes - self._grad_bytes(cfg, traced) <= self.usable:
+                summary = self._summary(self._traced(cfg, 1), micro)
+                if summary.total_bytes <= self.usable:
+                    traced = self._traced(cfg, 1)
+            if summary.total_bytes <= self.usable:
+                fitted = (micro, accumulation, summary, traced)
+                break
+        if fitted is None:
+            cand.micro, cand.accumulation = batches[0]
+            cand.min_peak = self._summary(traced, cand.micro).total_bytes
+            cand.reason = (f"does not fit: {format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
+                           f"{format_bytes(self.usable)} usable")
+            self.done.append(cand)
+            return
+        micro, accumulation, summary, traced = fitted
+        cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
+        first = batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
+        smallest = 2 if first == 1 and micro > 1 else first
+        cand.min_peak = self._summary(traced, smallest).total_bytes
+        work = _work_at(traced.counts2[3], traced.counts3[3], micro)
+        cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary.host_peak_bytes)
+        cand.seconds, cand.parts = cost.seconds, cost.parts
+        self.done.append(cand)
+
+    def batches_for(self, cand: Candidate) -> list[tuple[int, int]]:
+        """The (micro, accumulation) pairs ``cand`` allows: without accumulation when its optimizer
+        steps inside backward."""
+        if cand.values.get(IN_BACKWARD, self.cfg.training.optimizer_in_backward) is True:
+            return [(m, a) for m, a in self.batches if a == 1]
+        return self.batches
+
+    def _grad_bytes(self, cfg: RunConfig, traced: _Traced) -> int:
+        return traced.counts2[1] * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)
+
+    def _summary(self, traced: _Traced, micro: int) -> est.Estimate:
+        """The estimate at ``micro``: linear from the traces at 2 and 3 (size 1 is traced itself:
+        some models take other paths for a single example)."""
+        cands = in_batch(traced.c2, traced.c3, 2, 3, micro) if micro >= 2 else None
+        if cands is None:
+            if micro not in traced.points:
+                traced.points[micro] = est.trace_candidates(traced.plan, micro, traced.plan.seq_len, False)[0]
+            cands = traced.points[micro]
+        return est.summarize(traced.plan, cands, traced.counts2, "", 0.0)
+
+    def _cost(self, cfg: RunConfig, values: dict[str, Any], work: Work, counts: est.Counts,
+              accumulation: int, offloaded: int) -> costmodel.StepCost:
+        get = lambda path: values.get(path, recipe_value(self.cfg, path))  # noqa: E731
+        quantized = get("model.quantization") not in ("none", "auto")
+        ckpt = get("memory.checkpointing")
+        passes = 1.0 if ckpt == "full" else (min(1.0, ckpt / self.depth) if isinstance(ckpt, int) else 0.0)
+        frozen = counts[0] - counts[1]
+        opt_off = bool(get("memory.offload.optimizer"))
+        return costmodel.step_seconds(
+            work, micro_batches=accumulation, rates=self.rates, dtype=cfg.model.dtype,
+            optimizer=str(get("training.optimizer")), trainable=counts[1],
+            quantized_elements=int(frozen * 0.9) if quantized else 0, recompute_passes=passes,
+            offloaded_bytes=offloaded, optimizer_offloaded=opt_off,
+            optimizer_rates=self.host_rates if opt_off else None,
+            parameter_bytes=2 if cfg.model.dtype in ("bf16", "fp16") else 4)
+
+    def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
+        """Candidates and counts at micro-batch 2 and 3 (cached per settings and accumulation)."""
+        key = cfg.model_dump_json(include={"model", "data", "adapter", "training", "memory", "distributed"},
+                                  exclude={"training": {"micro_batch_size", "gradient_accumulation",
+                                                        "effective_batch_size"}})
+        key += f"|{min(accumulation, 2)}|{self.device}"
+        if key not in self._traces:
+            one = {"training.micro_batch_size": 1, "training.effective_batch_size": None,
+                   "training.gradient_accumulation": min(accumulation, 2)}
+            plan = trace_setup(with_values(cfg, one), (), self.device)
+            (c2, counts2, _), (c3, counts3, _) = est.trace_candidates_at(
+                plan, [(2, plan.seq_len), (3, plan.seq_len)], False)
+            self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
+        return self._traces[key]
+
+
+def _gathers(cand: Candidate) -> int:
+    """All-gathers of every layer's weights per step (the cost model does not see collectives)."""
+    return {"grad_op": 1, "full": 2}.get(cand.values.get("distributed.sharding", ""), 0)
+
+
+def _work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:
+    """Work of one micro-batch of ``micro`` examples (plus one optimizer step), from traces at
+    micro-batch 2 and 3: FLOPs and bytes are linear in the batch, op counts do not depend on it."""
+    if w2 is None or w3 is None:
+        raise MemtrainError("the estimate did not record the step's work (FLOPs); cannot plan")
+    f2, f3 = w2.flops / w2.micro_batches, w3.flops / w3.micro_batches
+    b2, b3 = w2.written / w2.micro_batches, w3.written / w3.micro_batches
+    return Work(1, max(0.0, f2 + (micro - 2) * (f3 - f2)), round(w2.ops / w2.micro_batches),
+                max(0, round(b2 + (micro - 2) * (b3 - b2))), w2.optimizer_ops)

@@ -1,0 +1,129 @@
+"""The planner's candidate space: which values each ``auto`` field can take, in memory order.
+
+A *candidate* (:class:`Candidate`) is one combination of values for the ``auto`` fields of a
+recipe. :func:`_options` lists a field's values from "keeps most memory" to "keeps least" and
+:func:`_rank` places a value in that order (the search prunes by it, see
+:mod:`memtrain.plan.planner`). :func:`with_values` sets dotted fields on a recipe and re-validates it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memtrain.config import RunConfig
+from memtrain.config.batch import Batch, resolve_batch, valid_batches
+from memtrain.estimator.setup import NEEDS_VALUE, recipe_value
+
+# Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
+APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
+IN_BACKWARD = "training.optimizer_in_backward"
+
+
+@dataclass
+class Candidate:
+    """One combination of values for the ``auto`` fields, with its predictions."""
+
+    values: dict[str, Any]  # dotted field -> value (the `auto` fields only)
+    micro: int = 0
+    accumulation: int = 0
+    peak: int = 0  # predicted device bytes (tensors + CUDA overheads) at the chosen micro-batch
+    seconds: float = math.inf  # predicted seconds per optimizer step
+    parts: dict[str, float] = field(default_factory=dict)
+    min_peak: int = 0  # predicted peak at the smallest micro-batch
+    reason: str = ""  # why it was not chosen
+    measured: float | None = None  # seconds of a real step, when the plan was tuned
+
+    def label(self) -> str:
+        shown = dict(self.values)
+        if self.micro:
+            shown.update(micro=self.micro, accumulation=self.accumulation)
+        return ", ".join(f"{k.split('.')[-1] if k != 'memory.offload.activations' else 'offload_act'}"
+                         f"={_show(v)}" for k, v in shown.items())
+
+
+def auto_fields(cfg: RunConfig) -> list[str]:
+    """The dotted fields of ``cfg`` the planner must decide."""
+    paths = [*NEEDS_VALUE, "distributed.sharding"]
+    return [p for p in paths if recipe_value(cfg, p) == "auto"]
+
+
+def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """A re-validated copy of ``cfg`` with dotted fields set.
+
+    Raises:
+        ValueError: the combination is invalid (e.g. a quantized base trained in full).
+    """
+    data = cfg.model_dump(mode="json")
+    for path, value in values.items():
+        node = data
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    context: dict[str, Any] = {"problems": []}
+    new = RunConfig.model_validate(data, context=context)
+    if context["problems"]:
+        raise ValueError("; ".join(str(p) for p in context["problems"]))
+    return new
+
+
+def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
+    """Candidate values of one `auto` field, from most memory kept to least."""
+    approx = cfg.memory.allow_approximate
+    return {
+        "model.quantization": ["none", "nf4"],
+        "adapter.method": ["full", "lora"],
+        "training.optimizer": ["adamw", "adamw_8bit"],
+        "memory.checkpointing": ["none", "selective", max(1, depth // 2), "full"],
+        "memory.offload.activations": [False, True],
+        "memory.offload.optimizer": [False, True] if cfg.distributed.processes == 1 else [False],
+        "memory.activation_bits": [None, 3] if approx else [None],
+        "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
+        # one process: nothing to shard; `grad_op` keeps at least what `full` keeps
+        "distributed.sharding": ["none", "grad_op", "full"] if cfg.distributed.processes > 1 else ["none"],
+        "memory.loss": ["standard", "chunked"] if cfg.model.task == "causal-lm" else ["standard"],
+        "training.optimizer_in_backward": [False, True],
+    }[path]
+
+
+def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
+    """Position of ``value`` in its field's memory order, as a vector (checkpointing is 2-D:
+    selective and n-of-L are not comparable)."""
+    if path == "memory.checkpointing":
+        return {"none": (0, 0), "selective": (1, 0), "full": (1, 1)}.get(value, (0, 1))  # type: ignore[arg-type]
+    if path == "model.quantization":
+        return (0,) if value == "none" else (1,)
+    if path == "adapter.method":
+        return (0,) if value == "full" else (1,)
+    if path == "training.optimizer":
+        return (0,) if value == "adamw" else (1,)
+    if path == "distributed.sharding":
+        # `grad_op` keeps at least what `full` keeps. Replicas are comparable with neither: with a
+        # frozen base (LoRA) a process gathers the whole model under `grad_op`, more than one
+        # replica holds, while full fine-tuning holds far more as replicas.
+        return {"none": (0, 1), "grad_op": (1, 0), "full": (2, 0)}[value]
+    if path == "memory.loss":
+        return (0,) if value == "standard" else (1,)
+    return (0,) if value in (None, False) else (1,)
+
+
+def _batches(cfg: RunConfig) -> list[tuple[int, int]]:
+    """Valid (micro, accumulation) pairs, smallest micro first; the effective batch never changes."""
+    t, procs = cfg.training, cfg.distributed.processes
+    if t.micro_batch_size != "auto" and t.gradient_accumulation != "auto":
+        batch: Batch = resolve_batch(t, procs)
+        return [(batch.micro, batch.accumulation)]
+    if t.micro_batch_size == "auto" or (t.micro_batch_size is None and t.effective_batch_size is not None):
+        return valid_batches(t, procs)  # the same choices the probe step confirms among
+    if t.effective_batch_size is None:
+        return [(t.micro_batch_size or 8, 1)]
+    per_process = t.effective_batch_size // procs
+    return [(t.micro_batch_size, per_process // t.micro_batch_size)]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"ratio {value['ratio']}"
+    return str(value).lower() if isinstance(value, bool) else str(value)

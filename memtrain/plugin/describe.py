@@ -1,0 +1,262 @@
+"""What :func:`memtrain.plugin.prepare.prepare_for_budget` decides, and how it describes the user's setup.
+
+:func:`recipe_for` turns a user's model and ``TrainingArguments`` into a memtrain recipe for the
+estimator (which task: the classes transformers' auto classes map to causal LM or sequence
+classification for the model's ``model_type``). :class:`BudgetPlan` is the decision as the user
+sees it: the settings chosen, the predicted peak, and each change with its reason, printed as a
+short table and attached to the model as ``model.memtrain_plan``. :func:`nothing_fits` words the
+planner's failure in the plugin's own argument names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+from transformers import TrainingArguments
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+)
+
+from memtrain.config import RunConfig
+from memtrain.errors import MemtrainError
+from memtrain.units import format_bytes
+
+# TrainingArguments.optim -> memtrain's training.optimizer
+# (the inverse of memtrain.trainer.trainer.OPTIMIZERS)
+OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit",
+               "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
+               "adafactor": "adafactor", "sgd": "sgd"}
+EIGHT_BIT_OPTIM = "adamw_bnb_8bit"  # what TrainingArguments calls memtrain's adamw_8bit
+TASKS = (("sequence-classification", MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+         ("causal-lm", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+@dataclass
+class Change:
+    """One setting ``prepare_for_budget`` changed (or kept on purpose), with its reason."""
+
+    setting: str
+    yours: str
+    now: str
+    why: str
+
+
+@dataclass
+class BudgetPlan:
+    """``prepare_for_budget``'s decision, as ``model.memtrain_plan`` (pass it to the callback).
+
+    Attributes:
+        budget: the budget in bytes; ``usable`` is what is left after the margin.
+        predicted_peak: the estimator's peak for one training step with the chosen settings
+            (every example ``max_length`` tokens long).
+        settings: the chosen values, by ``TrainingArguments`` name where there is one
+            (``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``optim``) and
+            memtrain's patch names otherwise (``checkpointing``, ``loss``, ...).
+        changes: what differs from the model and arguments given, and why.
+    """
+
+    budget: int
+    usable: int
+    device: str
+    predicted_peak: int
+    settings: dict[str, Any]
+    changes: list[Change] = field(default_factory=list)
+
+    def table(self) -> Table:
+        """The decision as a rich table: one row per change, then the predicted peak."""
+        table = Table("setting", "yours", "now", "why")
+        for change in self.changes:
+            table.add_row(change.setting, change.yours, change.now, change.why)
+        if not self.changes:
+            table.add_row("(nothing)", "", "", "your settings fit as they are")
+        return table
+
+    def summary(self) -> str:
+        """One line: the predicted peak against the budget."""
+        return (f"memtrain prepare_for_budget: predicted peak {format_bytes(self.predicted_peak)} of "
+                f"{format_bytes(self.usable)} usable (budget {format_bytes(self.budget)}, {self.device})")
+
+    def print(self, console: Console | None = None) -> None:
+        """Print :meth:`summary` and :meth:`table` (to stderr by default, beside the Trainer's output)."""
+        console = console or Console(stderr=True)
+        console.print(self.summary(), highlight=False)
+        console.print(self.table())
+
+
+def task_of(model: nn.Module) -> str:
+    """``causal-lm`` or ``sequence-classification``, from transformers' auto-class mappings.
+
+    The model's class (or a base class) must be what ``AutoModelForCausalLM`` or
+    ``AutoModelForSequenceClassification`` builds for its config's ``model_type`` (GPT-2's
+    ``GPT2LMHeadModel`` is a causal LM); a class those map for any model type is accepted too.
+    """
+    names = {cls.__name__ for cls in type(model).__mro__}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for task, mapping in TASKS:
+        if names & _names(mapping.get(model_type)):
+            return task
+    for task, mapping in TASKS:
+        if names & {n for v in mapping.values() for n in _names(v)}:
+            return task
+    known = {task: sorted(_names(mapping.get(model_type))) for task, mapping in TASKS}
+    raise MemtrainError(
+        f"prepare_for_budget: `model` is a {type(model).__name__} (model_type {model_type!r}), which "
+        "transformers' auto classes map to neither causal LM nor sequence classification, the two tasks "
+        f"memtrain estimates. Fix: pass the model AutoModelForCausalLM ({known['causal-lm'] or 'none'}) "
+        f"or AutoModelForSequenceClassification ({known['sequence-classification'] or 'none'}) builds.")
+
+
+def _names(value: Any) -> set[str]:
+    if value is None:
+        return set()
+    return {value} if isinstance(value, str) else set(value)
+
+
+def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
+               allow_approximate: bool = False) -> RunConfig:
+    """A memtrain recipe that describes a user's model and TrainingArguments (for the estimator)."""
+    from memtrain.config import load_recipe
+
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base_model.config
+    task = task_of(base_model)
+    precision = _precision(base_model)
+    if args.optim not in OPTIM_NAMES:
+        raise MemtrainError(f"prepare_for_budget: `args.optim={optim_name(args)!r}` is not one memtrain "
+                            f"estimates. Fix: one of {', '.join(sorted(OPTIM_NAMES))}.")
+    values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in (
+        "architectures", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id",
+        "quantization_config")}
+    per_device = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    classify = task == "sequence-classification"
+    recipe = {
+        "model": {"from_config": values, "tokenizer": "unused", "task": task, **precision,
+                  **({"num_labels": config.num_labels} if classify else {})},
+        "data": {"source": "unused", "max_length": max_length,
+                 **({"format": "classification"} if classify else {})},
+        "adapter": _adapter(model),
+        "training": {"effective_batch_size": per_device, "micro_batch_size": "auto",
+                     "gradient_accumulation": None, "optimizer": OPTIM_NAMES[args.optim],
+                     "learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm or None},
+        "memory": {"allow_approximate": allow_approximate},
+        "output": {"dir": args.output_dir or "unused"},
+    }
+    try:
+        return load_recipe(recipe)
+    except MemtrainError as err:
+        raise MemtrainError(f"prepare_for_budget cannot describe this model and these TrainingArguments "
+                            f"to memtrain's estimator:\n{err}") from err
+
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _precision(model: nn.Module) -> dict[str, Any]:
+    """The ``model`` recipe keys for how the weights are stored: ``dtype`` and the quantization.
+
+    A bitsandbytes model (``config.quantization_config``) is described by its quantization and
+    compute dtype: after ``prepare_model_for_kbit_training`` its few unquantized weights are fp32,
+    which says nothing about the rest. Otherwise the dtype holding most of the parameters (the
+    first parameter may be an fp32 embedding or norm kept apart on purpose).
+    """
+    quant = getattr(model.config, "quantization_config", None)
+    quant = quant.to_dict() if hasattr(quant, "to_dict") else (quant or {})
+    if quant.get("load_in_4bit") or quant.get("load_in_8bit"):
+        compute = quant.get("bnb_4bit_compute_dtype") or "bfloat16"
+        compute = DTYPE_NAMES.get(getattr(torch, str(compute).replace("torch.", ""), None), "bf16")
+        if quant.get("load_in_8bit"):
+            return {"dtype": compute, "quantization": "int8"}
+        return {"dtype": compute, "quantization": quant.get("bnb_4bit_quant_type", "nf4"),
+                "compute_dtype": compute, "double_quant": bool(quant.get("bnb_4bit_use_double_quant"))}
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    dtype = max(counts, key=counts.__getitem__) if counts else torch.float32
+    return {"dtype": DTYPE_NAMES.get(dtype, "fp32")}
+
+
+def _adapter(model: nn.Module) -> dict[str, Any]:
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        return {"method": "full"}
+    lora = next(iter(peft_config.values()))
+    targets = lora.target_modules
+    return {"method": "lora", "r": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
+            "target_modules": "all-linear" if targets == "all-linear" else sorted(targets)}
+
+
+def budget_plan(decided: Any, args: TrainingArguments, optimizer_changed: bool,
+                user_checkpointing: bool) -> BudgetPlan:
+    """The planner's decision as a :class:`BudgetPlan`, with each change and its reason."""
+    chosen = decided.settings()
+    micro, accumulation = chosen["training.micro_batch_size"], chosen["training.gradient_accumulation"]
+    mode = chosen.get("memory.checkpointing", "full" if user_checkpointing else "none")
+    settings: dict[str, Any] = {"per_device_train_batch_size": micro,
+                                "gradient_accumulation_steps": accumulation,
+                                "optim": EIGHT_BIT_OPTIM if optimizer_changed else optim_name(args),
+                                "checkpointing": mode, "loss": chosen.get("memory.loss", "standard")}
+    for key in ("memory.activation_bits", "memory.randomized_linear"):
+        if chosen.get(key):
+            settings[key.split(".")[1]] = chosen[key]
+    changes: list[Change] = []
+    if micro != args.per_device_train_batch_size:
+        why = ("the largest micro-batch that fits; the accumulation makes up the rest, so your effective "
+               "batch is unchanged")
+        changes += [Change("per_device_train_batch_size", str(args.per_device_train_batch_size),
+                           str(micro), why),
+                    Change("gradient_accumulation_steps", str(args.gradient_accumulation_steps),
+                           str(accumulation), "keeps per-device batch × accumulation")]
+    if user_checkpointing:
+        changes.append(Change("gradient_checkpointing", "True", f"False; memtrain's {mode} checkpointing",
+                              "your checkpointing, done once by memtrain's patch (transformers' on top "
+                              "would recompute every layer twice)"))
+    elif mode != "none":
+        changes.append(Change("checkpointing", "none", str(mode), "activations do not fit otherwise"))
+    if optimizer_changed:
+        changes.append(Change("optim", optim_name(args), EIGHT_BIT_OPTIM,
+                              "nothing fits with your optimizer: 8-bit AdamW keeps its state in 2 bytes "
+                              "per parameter instead of 8 (bitsandbytes)"))
+    if settings["loss"] == "chunked":
+        changes.append(Change("loss", "standard", "chunked", "the full logits of a step do not fit"))
+    for name in ("activation_bits", "randomized_linear"):
+        if name in settings:
+            changes.append(Change(name, "off", str(settings[name]), "allow_approximate=True: saves "
+                                  "activation memory, with approximate gradients"))
+    return BudgetPlan(decided.budget, decided.usable, decided.device, decided.chosen.peak, settings, changes)
+
+
+def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, args: TrainingArguments,
+                 user_checkpointing: bool) -> MemtrainError:
+    """The error when no optimizer tried fits: the smallest reachable peak and what reaches it."""
+    optimizer, err = min(failures, key=lambda f: f[1].smallest.min_peak)
+    smallest = err.smallest
+    values = dict(smallest.values)
+    parts = [f"per_device_train_batch_size={smallest.micro}",
+             f"gradient_accumulation_steps={smallest.accumulation}"]
+    mode = values.pop("memory.checkpointing", "full" if user_checkpointing else "none")
+    parts.append(f"checkpointing {mode}")
+    optim = optim_name(args) if optimizer == OPTIM_NAMES.get(args.optim) else EIGHT_BIT_OPTIM
+    parts.append(f"optim={optim!r}" + (" (8-bit AdamW)" if optim == EIGHT_BIT_OPTIM else ""))
+    parts += [f"{k.split('.')[-1]} {v}" for k, v in values.items() if k != "training.optimizer"]
+    usable = int(total * (1 - margin))
+    needed = int(smallest.min_peak / (1 - margin)) + 1
+    yours = next((e.smallest.min_peak for o, e in failures if o == OPTIM_NAMES.get(args.optim)), None)
+    own = (f" (with your optim={optim_name(args)!r}: {format_bytes(yours)})"
+           if yours is not None and optim != optim_name(args) else "")
+    return MemtrainError(
+        f"prepare_for_budget: nothing fits budget={format_bytes(total)} ({format_bytes(usable)} usable with "
+        f"margin={margin}). The smallest reachable peak is {format_bytes(smallest.min_peak)}, with "
+        f"{', '.join(parts)}{own}. Fix: budget= of at least {format_bytes(needed)}, a shorter "
+        "max_length=, allow_approximate=True, a LoRA adapter (peft), or a smaller model.")
+
+
+def optim_name(args: TrainingArguments) -> str:
+    """``args.optim`` as the plain string a user writes (TrainingArguments keeps an enum)."""
+    return str(getattr(args.optim, "value", args.optim))

@@ -1,0 +1,331 @@
+"""memtrain for people who keep their own ``transformers.Trainer`` script: two lines.
+
+::
+
+    model, args = prepare_for_budget(model, args, "24GiB")          # fit the step to the budget
+    trainer = Trainer(model=model, args=args, ...)
+    attach(trainer)                                                 # memory logs, OOM recovery
+
+:class:`MemoryBudgetCallback` measures every logged step (memtrain's meter: live tensor bytes by
+category; on CUDA also the allocator's peaks) and puts it into the Trainer's own logs, beside the
+predicted peak when one is given and the usable part of the budget, so TensorBoard, W&B or any
+other tracker records them; it warns when a measured peak exceeds the usable budget. It also
+installs memtrain's out-of-memory recovery (:mod:`memtrain.reliability.recovery`) into the Trainer: a
+micro-batch that runs out of memory is split in two and its optimizer step redone.
+
+:func:`prepare_for_budget` describes the user's model and arguments as a memtrain recipe, asks the
+estimator (no weights are touched) for the least change that fits — the largest micro-batch that
+keeps per-device batch × accumulation unchanged, then activation checkpointing, then an 8-bit
+optimizer — applies memtrain's checkpointing patch to the model and returns adjusted arguments;
+the decision (:class:`memtrain.plugin.describe.BudgetPlan`) is printed and kept as
+``model.memtrain_plan``, which the callback takes as its budget and prediction.
+
+How the callback reaches the Trainer: transformers never hands a callback its Trainer, and
+recovery must wrap the Trainer's ``training_step`` and ``prediction_step``. So the Trainer is
+given explicitly: :func:`attach` (or ``MemoryBudgetCallback(...).attach(trainer)``) adds the
+callback ahead of the reporting integrations and installs recovery. Passed only in
+``callbacks=[...]``, the callback measures, logs and enforces a simulated budget, and warns once
+that recovery needs ``attach``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+from memtrain.errors import MemtrainError
+from memtrain.memory import hostmem
+from memtrain.plugin.describe import BudgetPlan, budget_plan, nothing_fits, recipe_for
+from memtrain.reliability.budget import SimulatedBudget, resolve_budget, usable_bytes
+from memtrain.reliability.eval_recovery import EvalBatchRecovery
+from memtrain.reliability.recovery import MicroBatchRecovery
+from memtrain.trainer.callbacks import MemoryMeterCallback
+from memtrain.units import format_bytes, parse_size
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+
+
+class MemoryBudgetCallback(MemoryMeterCallback):
+    """Measured vs predicted memory in the Trainer's logs, a warning over budget, OOM recovery.
+
+    Args:
+        budget: the memory the run may use, like ``"24GiB"``, a number of bytes, or ``"auto"``
+            (the device's free memory); None logs measurements only. Or the plan
+            ``prepare_for_budget`` attached to the model (``model.memtrain_plan``): its budget,
+            margin and predicted peak.
+        margin: fraction of the budget kept free; measured peaks above the rest are warned about.
+        predicted: the predicted peak (bytes, a size, e.g. from ``memtrain estimate``, or a plan), logged
+            as ``memory/predicted_peak_mib`` beside the measured ``memory/peak_mib``.
+        simulate: enforce the budget as a simulated one (CPU testing): torch's out-of-memory error
+            as soon as live tensor bytes exceed it.
+        simulate_budget: enforce this limit instead of ``budget`` (implies ``simulate``).
+        recover: install out-of-memory recovery into the Trainer.
+        every: measure the first two steps, then one in ``every`` (default: the Trainer's
+            ``logging_steps``, so that each log entry reports the step it is logged at).
+    """
+
+    def __init__(self, budget: str | int | BudgetPlan | None = None, *, margin: float = 0.1,
+                 predicted: str | int | BudgetPlan | None = None, simulate: bool = False,
+                 simulate_budget: str | int | None = None, recover: bool = True,
+                 every: int | None = None) -> None:
+        plan = next((p for p in (budget, predicted) if isinstance(p, BudgetPlan)), None)
+        if plan is not None:  # prepare_for_budget's decision: its budget, margin and predicted peak
+            budget = plan.budget if budget is None or budget is plan else budget
+            predicted = plan.predicted_peak if predicted is None or predicted is plan else predicted
+        self.plan = plan
+        self.predicted = parse_size(predicted) if predicted is not None else None  # type: ignore[arg-type]
+        super().__init__(every=every, keep_timeline=False, predicted_bytes=self.predicted)
+        self.budget = budget if isinstance(budget, int) or budget is None else resolve_budget(budget)
+        self.usable = usable_bytes(self.budget, margin) if self.budget is not None else None
+        if plan is not None and self.budget == plan.budget:
+            self.usable = plan.usable
+        limit = simulate_budget if simulate_budget is not None else (self.budget if simulate else None)
+        if limit is None and simulate:
+            raise MemtrainError("MemoryBudgetCallback(simulate=True) needs `budget` or `simulate_budget`.")
+        self.limit = parse_size(limit) if limit is not None else None
+        self.recover = recover
+        self.recovery: MicroBatchRecovery | None = None
+        self.eval_recovery: EvalBatchRecovery | None = None
+        self._tracked: tuple[Any, Any, Any] = (None, None, None)
+        self.over_budget: list[int] = []  # global steps whose measured peak exceeded the usable budget
+        self._simulated: SimulatedBudget | None = None
+        self._warned = self._evaluate_paused = self._attached = False
+        self._outside = 0
+
+    def attach(self, trainer: Trainer) -> MemoryBudgetCallback:
+        """Add the callback to ``trainer`` (ahead of its reporting integrations) and install
+        out-of-memory recovery for training and evaluation into it. Call before ``train()``."""
+        super().attach(trainer)
+        self._attached = True
+        if trainer.loss_is_scaled_for_ga is None and _is_classifier(trainer.model):
+            # Transformers 5 would skip 1/accumulation for sequence classifiers (their forward takes
+            # **kwargs, but the loss is a plain mean): gradients would grow with the accumulation
+            # that prepare_for_budget raises. Same fix as memtrain.trainer.trainer.build_trainer.
+            trainer.loss_is_scaled_for_ga = False
+        if self.recover and getattr(trainer, "oom_recovery", None) is None and self.recovery is None:
+            self.recovery = MicroBatchRecovery(trainer, budget_bytes=self.limit or self.budget).install()
+            self.eval_recovery = EvalBatchRecovery(trainer).install()
+        if self.limit is not None and not self._evaluate_paused:
+            stock = trainer.evaluate
+
+            def evaluate(*args: Any, **kwargs: Any) -> dict[str, float]:
+                with self.paused():  # the budget limits training steps, as in `memtrain train`
+                    return stock(*args, **kwargs)
+
+            trainer.evaluate = evaluate
+            self._evaluate_paused = True
+        return self
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        super().on_train_begin(args, state, control, **kwargs)
+        if args.device.type == "cuda":  # the context and library workspaces, outside the allocator
+            from memtrain.device import outside_allocator_bytes
+
+            self._outside = outside_allocator_bytes(args.device)
+        if (self.recover or self.limit is not None) and not self._attached and not self._warned:
+            self._warned = True
+            log.warning("MemoryBudgetCallback: out-of-memory recovery (and pausing a simulated budget "
+                        "during evaluation) needs the Trainer, which callbacks are never given: call "
+                        "`memtrain.attach(trainer)` (or `callback.attach(trainer)`) before "
+                        "`trainer.train()`; without it an out-of-memory error stops training.")
+        if self.limit is not None:
+            self._close_simulated()  # a loop restarted by auto_find_batch_size never ended
+            inner = getattr(optimizer, "optimizer", optimizer)
+            opt = inner if isinstance(inner, torch.optim.Optimizer) else None
+            self._tracked = (model, opt, args.device)
+            self._simulated = SimulatedBudget(self.limit, model, opt, device=args.device)
+            self._simulated.__enter__()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No simulated budget inside (evaluation: it limits training steps; tracking every op
+        would also slow evaluation several times over)."""
+        if self._simulated is None:
+            yield
+            return
+        self._close_simulated()
+        try:
+            yield
+        finally:
+            model, opt, device = self._tracked
+            self._simulated = SimulatedBudget(self.limit or 0, model, opt, device=device)
+            self._simulated.__enter__()
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kwargs: Any) -> None:
+        measured = max(self._since_log, key=lambda r: r.peak_bytes) if self._since_log else None
+        super().on_log(args, state, control, logs=logs, **kwargs)
+        if logs is None or measured is None or "memory/peak_mib" not in logs:
+            return
+        extra: dict[str, float] = {}
+        if self.predicted is not None:  # memory/predicted_peak_mib: logged by MemoryMeterCallback
+            error = (self.predicted - measured.peak_bytes) / measured.peak_bytes
+            extra["memory/predicted_error_pct"] = 100.0 * error
+        peak = measured.peak_bytes
+        if measured.cuda_max_reserved is not None and self.limit is None:
+            # on CUDA what runs out is the allocator's reserved memory plus the context, not tensors
+            peak = measured.cuda_max_reserved + self._outside
+            extra["memory/device_peak_mib"] = peak / MiB
+        if self.usable is not None:
+            extra["memory/budget_usable_mib"] = self.usable / MiB
+            if peak > self.usable:
+                self.over_budget.append(state.global_step)
+                log.warning("Step %d: measured peak %s exceeds the usable budget %s (budget %s minus the "
+                            "margin).", state.global_step, format_bytes(peak),
+                            format_bytes(self.usable), format_bytes(self.budget or 0))
+        logs.update(extra)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
+
+    def close(self) -> None:
+        """Stop measuring and leave the simulated budget (also after an exception)."""
+        super().close()
+        self._close_simulated()
+
+    def _close_simulated(self) -> None:
+        if self._simulated is not None:
+            self._simulated.__exit__(None, None, None)
+            self._simulated = None
+
+
+def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **options: Any
+           ) -> MemoryBudgetCallback:
+    """Add a :class:`MemoryBudgetCallback` to an existing Trainer: the second of the two lines.
+
+    Args:
+        trainer: the user's Trainer (any subclass), before ``train()``.
+        budget: a size, bytes, ``"auto"`` or a plan; default: the plan ``prepare_for_budget``
+            attached to the Trainer's model (``model.memtrain_plan``), else measurement only.
+        options: the callback's other arguments (``margin``, ``simulate_budget``, ``recover``, ...).
+
+    Returns:
+        The attached callback (its ``recovery``, ``over_budget``, ``steps``, ... for inspection).
+    """
+    if budget is None:
+        model = trainer.model
+        budget = getattr(getattr(model, "get_base_model", lambda: model)(), "memtrain_plan",
+                         getattr(model, "memtrain_plan", None))
+    return MemoryBudgetCallback(budget, **options).attach(trainer)
+
+
+# ---------------------------------------------------------------------------- prepare_for_budget
+
+
+def _is_classifier(model: nn.Module) -> bool:
+    inner = getattr(model, "get_base_model", lambda: model)()
+    return type(inner).__name__.endswith("ForSequenceClassification")
+
+
+def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | int, *,
+                       allow_approximate: bool = False, max_length: int = 512, margin: float = 0.1,
+                       quiet: bool = False) -> tuple[nn.Module, TrainingArguments]:
+    """Patch ``model`` and adjust ``args`` so that a training step fits ``budget``.
+
+    Args:
+        model: the model the script trains (plain, or a peft LoRA model): any class transformers'
+            auto classes build for causal LM or sequence classification.
+        args: its TrainingArguments; per-device batch × accumulation is kept exactly, and
+            ``gradient_checkpointing=True`` is kept as memtrain's full checkpointing.
+        budget: like ``"24GiB"``, bytes, or ``"auto"`` (the device's free memory).
+        allow_approximate: let the planner also choose approximate-gradient layers (few-bit
+            activation backward, randomized linear backward), which change the gradients.
+        max_length: the longest example in tokens (the step is sized for it: the worst case).
+        margin: fraction of the budget kept free for what estimates miss.
+        quiet: do not print the table of what was decided (it is in ``model.memtrain_plan``).
+
+    Returns:
+        The model (with activation checkpointing and the chunked loss when they were needed, and
+        LoRA layers that keep their input in its own dtype; the decision, a
+        :class:`~memtrain.plugin.describe.BudgetPlan`, in ``model.memtrain_plan``) and new
+        TrainingArguments (``per_device_train_batch_size``, ``gradient_accumulation_steps``, maybe
+        ``optim``; ``gradient_checkpointing`` off, memtrain's patch does it). Calling it again on
+        the same model first removes what the last call applied.
+        Training on a CPU with glibc, the process also keeps freed memory for reuse
+        (:func:`memtrain.memory.hostmem.keep_freed_pages`: no page faults for tensors above 32 MiB).
+
+    Raises:
+        MemtrainError: nothing fits (the message has the smallest reachable peak and the settings
+            that reach it), or the model or arguments are not ones memtrain estimates.
+    """
+    from memtrain.plan import planner
+
+    try:
+        total = resolve_budget(budget) if isinstance(budget, str) else budget
+    except ValueError as err:
+        raise MemtrainError(f"prepare_for_budget: `budget={budget!r}`: {err}. Fix: a size like '24GiB', "
+                            "a number of bytes, or 'auto' (the device's free memory).") from err
+    base = recipe_for(model, args, max_length, allow_approximate)
+    inner = getattr(model, "get_base_model", lambda: model)()
+    user_checkpointing = any(bool(getattr(owner, name, False)) for owner, name in (
+        (args, "activation_checkpointing"), (args, "gradient_checkpointing"),
+        (inner, "is_activation_checkpointing"), (inner, "is_gradient_checkpointing")))
+    auto: dict[str, Any] = {"training.micro_batch_size": "auto", "training.gradient_accumulation": "auto",
+                            "memory.checkpointing": "full" if user_checkpointing else "auto",
+                            "memory.margin": margin}
+    if allow_approximate:
+        auto.update({"memory.activation_bits": "auto", "memory.randomized_linear": "auto"})
+    if base.model.task == "causal-lm":
+        auto["memory.loss"] = "auto"
+    optimizers = [base.training.optimizer]
+    if "8bit" not in base.training.optimizer:
+        optimizers.append("adamw_8bit")  # your optimizer first; the 8-bit one only if nothing else fits
+    failures: list[tuple[str, Any]] = []
+    for optimizer in optimizers:
+        try:
+            decided = planner.plan(planner.with_values(base, {**auto, "training.optimizer": optimizer}),
+                                   int(total))  # type: ignore[arg-type]
+        except planner.NothingFits as err:
+            failures.append((optimizer, err))
+            continue
+        changed = optimizer != base.training.optimizer
+        result = budget_plan(decided, args, changed, user_checkpointing)
+        if not quiet:
+            result.print()
+        return _apply_plan(model, args, decided, result)
+    raise nothing_fits(failures, int(total), margin, args, user_checkpointing)  # type: ignore[arg-type]
+
+
+def _apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: BudgetPlan
+                ) -> tuple[nn.Module, TrainingArguments]:
+    """Patch ``model`` as the plan says (after undoing a previous call's patches); new arguments."""
+    from memtrain.config import FewBitConfig, RandomizedLinearConfig
+    from memtrain.patches import checkpointing, chunked_loss, fewbit, lora, randomized_linear, records
+
+    for record in reversed(records(model)):  # a re-run (notebook cell) starts from the plain model
+        if record.undo is not None:
+            record.undo()
+    model.__dict__.pop("_memtrain_patch_records", None)
+    inner = getattr(model, "get_base_model", lambda: model)()
+    if getattr(inner, "is_gradient_checkpointing", False):
+        inner.gradient_checkpointing_disable()  # memtrain's patch checkpoints; never both
+    settings = decided.settings()
+    lora.lean_lora_layers(model)  # as memtrain's estimate of a LoRA model assumes (exact)
+    if settings.get("memory.loss") == "chunked":
+        chunked_loss.apply(model)
+    if result.settings["checkpointing"] != "none":
+        checkpointing.apply(model, result.settings["checkpointing"])
+    if settings.get("memory.activation_bits"):
+        fewbit.apply(model, FewBitConfig(bits=settings["memory.activation_bits"]))
+    if settings.get("memory.randomized_linear"):
+        randomized_linear.apply(model, RandomizedLinearConfig(**settings["memory.randomized_linear"]))
+    updates: dict[str, Any] = {key: result.settings[key] for key in
+                               ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")}
+    # memtrain's patch checkpoints; never both (transformers 5 names it activation_checkpointing)
+    updates.update({name: False for name in ("activation_checkpointing", "gradient_checkpointing")
+                    if hasattr(args, name)})
+    if decided.device == "cpu" and hostmem.keep_freed_pages():
+        log.info("prepare_for_budget: freed host memory is kept for reuse (memtrain.memory.hostmem)")
+    log.info("prepare_for_budget: %s; predicted peak %s of %s usable", decided.chosen.label(),
+             format_bytes(decided.chosen.peak), format_bytes(decided.usable))
+    model.__dict__["memtrain_plan"] = result  # not a submodule, not saved with the weights
+    return model, dataclasses.replace(args, **updates)

@@ -1,0 +1,213 @@
+"""Memory budgets: parse ``memory.budget``, detect free device memory, simulate a budget on CPU.
+
+:class:`SimulatedBudget` raises the framework's own out-of-memory error
+(``torch.OutOfMemoryError``, what CUDA raises) as soon as the live tensor bytes it tracks exceed a
+limit (on a CPU, offloaded "host" tensors count too: they live in the same RAM). With it, auto-fit
+and out-of-memory recovery run for real on a machine without a GPU: the code under test sees
+exactly the exception a GPU would raise, at the op that would have failed.
+It counts tensor bytes as the meter does (no allocator caching or fragmentation).
+
+With several processes it *defers* instead (``defer=True``): it notes the first op that crossed
+the limit and lets the micro-batch finish, and the processes compare notes after it
+(:mod:`memtrain.reliability.recovery`, :func:`memtrain.plan.autofit.confirm`). An error raised at
+the op in one
+process would leave the others waiting in a collective (an FSDP all-gather or reduce-scatter,
+DDP's all-reduce) that process never joins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from memtrain.device import AllocatorBudget, compute_device
+from memtrain.memory.meter import _TOTAL_KEY, _Tracker
+from memtrain.memory.trackers import _HOST_ON_CPU
+from memtrain.units import format_bytes, parse_size
+
+
+def device_free_bytes(device: torch.device | str | None = None) -> int:
+    """Free memory of the compute device: CUDA's free bytes, or available RAM on CPU."""
+    device = torch.device(device) if device is not None else compute_device()
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def resolve_budget(budget: str | None, device: torch.device | str | None = None) -> int | None:
+    """``memory.budget`` in bytes: ``auto`` detects the free memory, None means no budget."""
+    if budget is None:
+        return None
+    if budget == "auto":
+        return device_free_bytes(device)
+    return parse_size(budget)
+
+
+def usable_bytes(budget: int, margin: float) -> int:
+    """What plans may use of a budget: the safety margin is kept free."""
+    return int(budget * (1.0 - margin))
+
+
+class _BudgetTracker(_Tracker):
+    def __init__(self, device: torch.device, limit: int, defer: bool = False) -> None:
+        host = torch.device("cpu") if device.type != "cpu" else _HOST_ON_CPU
+        super().__init__(device, host, timeline=False)
+        self.limit = limit
+        self.defer = defer
+        self.overrun: str | None = None  # deferred: the first crossing since it was last taken
+
+    def live(self) -> int:
+        """Live bytes that count against the limit: on a CPU also the offloaded ones (same RAM)."""
+        snap = self._curr_mem_snap
+        live = snap.get(self.compute_device, {}).get(_TOTAL_KEY, 0)
+        if self.compute_device.type == "cpu":
+            live += snap.get(self.host_device, {}).get(_TOTAL_KEY, 0)
+        return int(live)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # Only the device total and its peak: nothing reads the meter's phase and category
+        # bookkeeping here, and it ran after every op of a guarded step.
+        live = self.live()
+        if live > self._peak_mem.get(self.compute_device, 0):
+            self._peak_mem[self.compute_device] = live
+        if live > self.limit:
+            # The wording CUDA's allocator uses, so that code which recognises an out-of-memory
+            # error by its message (accelerate's find_executable_batch_size) sees this one too.
+            message = (f"Simulated: tried to allocate past the budget, device out of memory. "
+                       f"{format_bytes(live)} of live tensors exceed the simulated budget of "
+                       f"{format_bytes(self.limit)} (memory.simulate_budget).")
+            if not self.defer:
+                raise torch.OutOfMemoryError(message)
+            self.overrun = self.overrun or message
+
+
+class SimulatedBudget:
+    """Context manager: raise ``torch.OutOfMemoryError`` when live tensor bytes exceed ``limit``.
+
+    Args:
+        limit: bytes, or a size like ``"2GiB"``.
+        track: modules, optimizers or tensors created before entering that count from the start.
+        device: the compute device whose bytes count (default: CUDA if present, else CPU).
+        defer: note the first crossing (:meth:`take_overrun`) instead of raising at that op (for
+            several processes, see the module docstring).
+    """
+
+    def __init__(self, limit: int | str, *track: Any, device: torch.device | str | None = None,
+                 defer: bool = False) -> None:
+        self.limit = parse_size(limit)
+        device = torch.device(device) if device is not None else compute_device()
+        if device.type == "cpu":  # CPU tensors carry no index; a launched process's args.device does
+            device = torch.device("cpu")
+        self._tracker = _BudgetTracker(device, self.limit, defer)
+        self._track = [t for t in track if t is not None]
+
+    def __enter__(self) -> SimulatedBudget:
+        if self._track:
+            self._tracker.track_external(*self._track)
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tracker.__exit__(*exc)
+
+    @property
+    def live_bytes(self) -> int:
+        return self._tracker.live()
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self._tracker._peak_mem.get(self._tracker.compute_device, 0))
+
+    def take_overrun(self) -> str | None:
+        """With ``defer``: the error the first crossing since the last call would have raised, else
+        None; the next call starts afresh."""
+        message, self._tracker.overrun = self._tracker.overrun, None
+        return message
+
+
+def budget_guard(limit: int, *track: Any, device: torch.device | None = None,
+                 simulated: bool = False, defer: bool = False) -> SimulatedBudget | AllocatorBudget:
+    """What enforces ``limit`` for a step: the allocator itself on CUDA (reserved memory and the
+    context, :class:`memtrain.device.AllocatorBudget`), live tensor bytes on a CPU or when the
+    budget is a simulated one (``memory.simulate_budget``: tensor bytes on every device).
+
+    Both raise ``torch.OutOfMemoryError`` when the step goes over and report ``peak_bytes``.
+    ``defer`` (several processes, see the module docstring): live tensor bytes on every device,
+    noted rather than raised; the allocator's cap cannot wait for the end of the step.
+    """
+    device = device or compute_device()
+    if device.type == "cuda" and not simulated and not defer:
+        return AllocatorBudget(limit, device)
+    return SimulatedBudget(limit, *track, device=device, defer=defer)
+
+
+class SimulatedBudgetCallback(TrainerCallback):
+    """Keep a :class:`SimulatedBudget` active from the start to the end of training.
+
+    With several processes the budget defers (see the module docstring): out-of-memory recovery
+    takes what it noted after every micro-batch (:meth:`take_overrun`); a crossing outside the
+    micro-batches (the optimizer step) makes every process raise together at the end of the step.
+    """
+
+    def __init__(self, limit: int | str) -> None:
+        self.limit = limit
+        self.budget: SimulatedBudget | None = None
+        self._defer = False
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        opt = inner if isinstance(inner, torch.optim.Optimizer) else None
+        self._tracked, self._device = (model, opt), args.device
+        self._defer = getattr(args, "world_size", 1) > 1
+        self.budget = SimulatedBudget(self.limit, model, opt, device=args.device, defer=self._defer)
+        self.budget.__enter__()
+
+    def take_overrun(self) -> str | None:
+        """What the deferring budget noted since the last call (None: nothing, or not deferring)."""
+        return self.budget.take_overrun() if self.budget is not None else None
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if not self._defer:
+            return
+        from memtrain.distributed.together import flagged_ranks
+
+        message = self.take_overrun()
+        ranks = flagged_ranks(message is not None, args.device)  # every process, every step
+        if ranks:
+            raise torch.OutOfMemoryError(
+                f"{message or 'Simulated: device out of memory.'} (process(es) {ranks} of "
+                f"{args.world_size}, outside the micro-batches: in the optimizer step)")
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No limit inside (evaluation): tracking every op would slow it several times over."""
+        active = self.budget
+        if active is None:
+            yield
+            return
+        model, optimizer = self._tracked
+        active.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.budget = SimulatedBudget(self.limit, model, optimizer, device=self._device,
+                                          defer=self._defer)
+            self.budget.__enter__()
+
+    def close(self) -> None:
+        """Leave the budget (also after training stopped with an exception)."""
+        if self.budget is not None:
+            self.budget.__exit__(None, None, None)
+            self.budget = None

@@ -1,0 +1,218 @@
+"""Using a finished run: merge its adapter, generate text, predict labels.
+
+A run folder holds the resolved ``recipe.yaml``, the tokenizer (with the chat template the data was
+rendered with) and either a LoRA adapter (``adapter_config.json``) or a whole model. For an
+adapter, the base model is rebuilt as the recipe says (a model built from a config gets the same
+seeded random weights as in training) and the adapter is loaded on top.
+
+``merge`` folds the adapter into the base weights. A 4-bit or 8-bit base is first dequantized
+into the compute dtype (``transformers``' ``dequantize``), so the merged weights are exactly the
+ones the adapter was trained against, and the result is an ordinary Hugging Face model folder.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from memtrain.config import RunConfig, load_recipe
+from memtrain.data.chat import end_token_id
+from memtrain.errors import MemtrainError
+from memtrain.model import DTYPES, load_model, model_class
+from memtrain.run.train import LABELS_FILE, RECIPE_FILE
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILE = "adapter_config.json"
+CHAT_FORMATS = ("messages", "sharegpt")
+
+
+@dataclass
+class Run:
+    """A finished run, loaded: its recipe, tokenizer and model (in eval mode)."""
+
+    folder: Path
+    cfg: RunConfig
+    tokenizer: PreTrainedTokenizerBase
+    model: Any
+    adapter: bool
+
+
+def load_run(run_dir: str | Path, dequantize: bool = False) -> Run:
+    """Load a run folder written by ``memtrain train`` (adapter on its base, or a whole model).
+
+    Args:
+        dequantize: turn a quantized base into ordinary linear layers before the adapter loads.
+
+    Raises:
+        MemtrainError: not a finished run, or it saved no model.
+    """
+    folder = Path(run_dir)
+    if not (folder / RECIPE_FILE).is_file():
+        raise MemtrainError(f"`RUN_DIR`: {str(folder)!r} is not a finished run (no {RECIPE_FILE}). "
+                            "Fix: give the `output.dir` of a run that completed.")
+    cfg = load_recipe(folder / RECIPE_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    adapter = (folder / ADAPTER_FILE).is_file()
+    if adapter:
+        model = _adapter_model(folder, cfg, tokenizer, dequantize)
+    elif (folder / "config.json").is_file():
+        model = model_class(cfg.model).from_pretrained(folder, dtype=DTYPES[cfg.model.dtype])
+    else:
+        raise MemtrainError(f"`RUN_DIR`: {str(folder)!r} holds no model (the run had "
+                            "`output.save_model: false`). Fix: train again with it true.")
+    model.eval()
+    return Run(folder, cfg, tokenizer, model, adapter)
+
+
+def _adapter_model(folder: Path, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,
+                   dequantize: bool) -> Any:
+    from peft import PeftModel
+
+    labels = label_names(folder, cfg) if cfg.model.task == "sequence-classification" else None
+    base = load_model(cfg.model, len(labels) if labels else None, tokenizer.pad_token_id,
+                      cfg.training.seed)
+    if labels:
+        base.config.id2label = dict(enumerate(labels))
+        base.config.label2id = {n: i for i, n in enumerate(labels)}
+    if dequantize and getattr(base, "hf_quantizer", None) is not None:
+        base = base.dequantize(dtype=DTYPES[cfg.model.compute_dtype or cfg.model.dtype])
+        for key in ("quantization_config", "_pre_quantization_dtype"):  # save as unquantized
+            if hasattr(base.config, key):
+                delattr(base.config, key)
+    return PeftModel.from_pretrained(base, folder)
+
+
+def label_names(folder: Path, cfg: RunConfig) -> list[str]:
+    """Class names of a classifier run: ``labels.json``, else read again from the recipe's data."""
+    path = folder / LABELS_FILE
+    if path.is_file():
+        return list(json.loads(path.read_text(encoding="utf-8")))
+    from memtrain.data.prepare import class_names
+
+    return class_names(cfg)
+
+
+def merge(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Fold a run's LoRA adapter into its base weights and save an ordinary model folder.
+
+    Returns:
+        The folder written (default: ``RUN_DIR/merged``).
+    """
+    run = load_run(run_dir, dequantize=True)
+    if not run.adapter:
+        raise MemtrainError(f"`RUN_DIR`: {str(run.folder)!r} holds a whole model (adapter.method: "
+                            f"{run.cfg.adapter.method}), there is no adapter to merge. Fix: use the "
+                            "run folder itself as the model.")
+    out = Path(out_dir) if out_dir is not None else run.folder / "merged"
+    if out.exists() and any(out.iterdir()):
+        raise MemtrainError(f"`--out`: {str(out)!r} is not empty. Fix: remove it or choose another.")
+    merged: PreTrainedModel = run.model.merge_and_unload()
+    merged.save_pretrained(out)
+    run.tokenizer.save_pretrained(out)
+    return out
+
+
+def format_prompt(run: Run, prompt: str | list[dict[str, str]], extra: str = "") -> list[int]:
+    """Token ids of a prompt, written the way the run's training data was.
+
+    Chat data: the chat template with the generation prompt (``prompt`` may be a whole message
+    list); alpaca: ``alpaca_template`` with ``extra`` as the input (``alpaca_template_no_input``
+    without one); completion: ``completion_template``; text: the prompt as it is.
+    """
+    tok, data = run.tokenizer, run.cfg.data
+    if data.kind in CHAT_FORMATS:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    if not isinstance(prompt, str):
+        raise MemtrainError(f"a conversation needs chat data; this run trained on "
+                            f"`data.format: {data.format}`. Fix: give one prompt.")
+    if data.kind == "alpaca":
+        template = data.alpaca_template if extra.strip() else data.alpaca_template_no_input
+        prompt = template.replace("{instruction}", prompt).replace("{input}", extra.strip())
+    elif data.kind == "completion":
+        prompt = data.completion_template.replace("{prompt}", prompt)
+    ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
+    end = end_token_id(tok)
+    while ids and ids[-1] == end:  # the document's end token would tell the model to stop
+        ids.pop()
+    return ids
+
+
+def generate(run: Run, prompt: str | list[dict[str, str]], max_new_tokens: int = 64,
+             temperature: float = 0.0, extra: str = "") -> str:
+    """The model's continuation of ``prompt`` (greedy when ``temperature`` is 0); ``extra`` is
+    the input of an alpaca prompt."""
+    if run.cfg.model.task != "causal-lm":
+        raise MemtrainError("`RUN_DIR`: generation needs a causal LM; this run is a classifier. "
+                            "Fix: use `memtrain predict`.")
+    ids = torch.tensor([format_prompt(run, prompt, extra)], device=run.model.device)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
+        {"do_sample": False}
+    with torch.no_grad():
+        out = run.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, eos_token_id=end_token_id(run.tokenizer),
+                                 pad_token_id=run.tokenizer.pad_token_id, **sampling)
+    return run.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def predict(run: Run, texts: list[str], batch_size: int = 32) -> list[dict[str, Any]]:
+    """Label and class probabilities for each text (classifier runs)."""
+    _require_classifier(run)
+    config = run.model.config
+    names = [config.id2label[i] for i in range(config.num_labels)]
+    rows = []
+    for start in range(0, len(texts), batch_size):
+        chunk = texts[start: start + batch_size]
+        enc = run.tokenizer(chunk, truncation=True, max_length=run.cfg.data.max_length,
+                            padding=True, return_tensors="pt").to(run.model.device)
+        with torch.no_grad():
+            probs = run.model(**enc).logits.float().softmax(-1)
+        for text, p in zip(chunk, probs.tolist(), strict=True):
+            best = max(range(len(p)), key=p.__getitem__)
+            rows.append({"text": text, "label": names[best], "score": round(p[best], 6),
+                         **{f"score_{n}": round(v, 6) for n, v in zip(names, p, strict=True)}})
+    return rows
+
+
+def _require_classifier(run: Run) -> None:
+    if run.cfg.model.task != "sequence-classification":
+        raise MemtrainError("`RUN_DIR`: prediction needs a classifier run; this one is a causal LM. "
+                            "Fix: use `memtrain generate`.")
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    """Predictions as CSV (``.csv``) or JSON lines (anything else)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".csv":
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["text", "label", "score"])
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def read_texts(run: Run, file: str | Path) -> list[str]:
+    """The ``data.text_column`` of a data file (same file types as ``data.source``)."""
+    from datasets import DatasetDict
+
+    from memtrain.data.prepare import load_raw
+
+    _require_classifier(run)
+    data = run.cfg.data.model_copy(update={"source": str(file)})
+    raw = load_raw(data)
+    ds = raw[next(iter(raw))] if isinstance(raw, DatasetDict) else raw
+    if data.text_column not in ds.column_names:
+        raise MemtrainError(f"`FILE`: {str(file)!r} has no column {data.text_column!r} (the run's "
+                            f"`data.text_column`); it has: {', '.join(ds.column_names)}. Fix: name "
+                            "the column like the training data's.")
+    return [str(t) for t in ds[data.text_column]]

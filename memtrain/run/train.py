@@ -1,0 +1,318 @@
+"""``memtrain train``: the whole run, from a validated recipe to a saved adapter and metrics.
+
+Order matters for failing fast: the output folder and the data are checked before the model is
+loaded, so a user mistake costs seconds, not a model download.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import TrainerCallback, set_seed
+
+from memtrain import patches
+from memtrain.config import RunConfig, dump_recipe
+from memtrain.config.batch import Batch, resolve_batch, valid_batches
+from memtrain.data.prepare import PreparedData, prepare_data
+from memtrain.device import cuda_available
+from memtrain.distributed import fsdp as distributed
+from memtrain.errors import MemtrainError, first_line
+from memtrain.estimator.estimate import Estimate, estimate
+from memtrain.memory import hostmem
+from memtrain.memory.meter import StepMemory
+from memtrain.memory.report import Report, build_report, save_report
+from memtrain.model import count_parameters, load_tokenizer
+from memtrain.plan import autofit, planner
+from memtrain.reliability import checkpoints, rundir
+from memtrain.reliability.budget import SimulatedBudgetCallback
+from memtrain.reliability.guards import GracefulStop, Interrupted, StopOnSignal
+from memtrain.run import launch
+from memtrain.trainer.build import build_model
+from memtrain.trainer.callbacks import MemoryMeterCallback
+from memtrain.trainer.trainer import add_derived_metrics, build_trainer
+
+log = logging.getLogger(__name__)
+
+RECIPE_FILE, METRICS_FILE, LABELS_FILE = "recipe.yaml", rundir.METRICS_FILE, "labels.json"
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    output_dir: Path
+    metrics: dict[str, float]
+    batch: Batch
+    patches: list[str] = field(default_factory=list)
+    memory: StepMemory | None = None  # the measured step with the highest peak
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = field(default=None, repr=False)  # the trained (patched) model; None from a launch
+    process_memory: list[StepMemory | None] = field(default_factory=list)  # by rank, several processes
+
+
+def train(cfg: RunConfig, console: Console | None = None,
+          callbacks: list[TrainerCallback] | None = None, *,
+          autofit_choices: list[tuple[int, int]] | None = None) -> TrainResult:
+    """Fine-tune as the recipe says and save the result in ``cfg.output.dir``.
+
+    ``autofit_choices`` is set by memtrain's launcher in each process it starts: the (micro-batch,
+    accumulation) pairs the recipe allowed before the launcher planned ``micro_batch_size: auto``,
+    among which the processes confirm the planned one with a probe step.
+
+    Raises:
+        MemtrainError: a user-fixable problem (data, output folder, settings), before heavy work.
+    """
+    console = console or Console()
+    out = Path(cfg.output.dir)
+    # micro_batch_size: auto is predicted by the planner and confirmed by a probe step once the
+    # Trainer exists, among the batches the recipe as written allows
+    choices = valid_batches(cfg.training, cfg.distributed.processes) if (
+        cfg.training.micro_batch_size == "auto") else autofit_choices
+    if choices and cfg.memory.budget is None and cfg.memory.simulate_budget is None:
+        raise MemtrainError(
+            "`training.micro_batch_size`: `auto` picks the largest micro-batch that fits "
+            "`memory.budget`, and no budget is set (it would plan against all of this machine's "
+            "memory). Fix: set `memory.budget` (e.g. `memory.budget=8GiB`, or `auto` for the free "
+            "memory), or give `training.micro_batch_size` a number.")
+    if planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ):
+        cfg = _plan(cfg, console)  # once, before any process starts: every process gets the decision
+    if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
+        return _launch(cfg, out, callbacks, choices)
+    launch.bind_device()
+    # on the CPU, tensors above 32 MiB would otherwise page-fault on every step
+    kept_pages = not cuda_available() and hostmem.keep_freed_pages()
+    resume_from = rundir.check_output_dir(cfg, out)
+    set_seed(cfg.training.seed)
+    tokenizer = load_tokenizer(cfg.model)
+    data = prepare_data(cfg, tokenizer)
+    batch = resolve_batch(cfg.training, cfg.distributed.processes)
+    model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
+    model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
+    rundir.clear_old_run(cfg, out)  # only now: a data or model mistake leaves the old run whole
+    rundir.claim(out)
+    _startup_table(console, cfg, model, data, batch, kept_pages)
+    predicted = _predict(cfg) if cfg.output.report else None
+    meter = MemoryMeterCallback(every=cfg.training.logging_steps,
+                                predicted_bytes=predicted.peak_bytes if predicted else None)
+    guards: list[TrainerCallback] = [meter]
+    if cfg.memory.simulate_budget is not None:
+        guards.insert(0, SimulatedBudgetCallback(cfg.memory.simulate_budget))
+    with GracefulStop() as stop:
+        stopper = StopOnSignal(stop)
+        trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
+                                [*guards, stopper, *(callbacks or [])],
+                                fsdp_plugin=distributed.fsdp_plugin(model, cfg))
+        meter.attach(trainer)  # ahead of the reporting integrations: they log its memory entries
+        if choices:
+            batch = _confirm_batch(trainer, cfg, batch, choices, console)
+            cfg = planner.with_values(cfg, {"training.micro_batch_size": batch.micro,
+                                            "training.gradient_accumulation": batch.accumulation})
+        resumed_at, trainer.runtime_before = checkpoints.progress(resume_from) if resume_from else (0, 0.0)
+        try:
+            train_output = trainer.train(resume_from_checkpoint=resume_from)
+        except torch.OutOfMemoryError as err:  # what recovery could not fix (it raises MemtrainErrors)
+            if isinstance(err, MemtrainError):
+                raise
+            raise _out_of_memory(err, trainer.state.global_step + 1, out) from None
+        finally:  # leave the dispatch modes in reverse order, also when a step raised
+            for guard in reversed(guards):
+                guard.close()
+    signum = stopper.signum or stop.signum  # stopper's: the same in every process
+    if signum is not None:
+        step = trainer.state.global_step
+        raise Interrupted(
+            f"Stopped by {signal.Signals(signum).name} after step {step}; the checkpoint is "
+            f"{out / f'checkpoint-{step}'}. Resume with the same command plus `training.resume=true`.",
+            signum,
+        )
+    if trainer.nonfinite.stopped_at is not None:
+        raise trainer.nonfinite.error(out)
+    metrics = _whole_run(dict(train_output.metrics), trainer.state, resumed_at, trainer.runtime_before)
+    if data.eval is not None:
+        metrics.update(trainer.evaluate())
+    metrics = add_derived_metrics(metrics, cfg, data)
+    report = None
+    if cfg.output.report and meter.worst is not None:
+        report = build_report(meter.worst, trainer.state.log_history,
+                              predicted.to_dict() if predicted else None,
+                              {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
+    _save_final(trainer, tokenizer, cfg, metrics, out, report, data.label_names)
+    _summary(console, metrics, out)
+    return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
+                       meter.worst, list(trainer.state.log_history), model)
+
+
+def _whole_run(metrics: dict[str, Any], state: Any, resumed_at: int, runtime_before: float) -> dict[str, Any]:
+    """After a resume, ``train_loss`` and ``train_runtime`` over the whole run, not just its last part.
+
+    The Trainer's own figures cover the steps of this call only. The steps before the resume come
+    from the checkpoint's log (each logged loss is the mean over the steps since the previous log)
+    and its manifest (training seconds so far); ``resumed_from_step`` says a resume happened.
+    """
+    if not resumed_at:
+        return metrics
+    done = state.global_step
+    logged = sorted((h["step"], h["loss"]) for h in state.log_history
+                    if "loss" in h and h.get("step", 0) <= resumed_at)
+    weighted, previous = 0.0, 0
+    for step, loss in logged:
+        weighted += loss * (step - previous)
+        previous = step
+    if previous and done > 0 and "train_loss" in metrics:  # unlogged steps count at the logged mean
+        before = weighted / previous * resumed_at
+        metrics["train_loss"] = (before + metrics["train_loss"] * (done - resumed_at)) / done
+    metrics["train_runtime"] = metrics.get("train_runtime", 0.0) + runtime_before
+    metrics["resumed_from_step"] = resumed_at
+    return metrics
+
+
+def _out_of_memory(err: BaseException, step: int, out: Path) -> MemtrainError:
+    first = first_line(err)
+    return MemtrainError(
+        f"Out of memory in optimizer step {step}: {first} {checkpoints.kept_sentence(out)} Fix: a "
+        "larger `memory.budget` (or `memory.simulate_budget`), a smaller `training.micro_batch_size`, "
+        "`memory.checkpointing: full`, a shorter `data.max_length`, LoRA or quantization; then add "
+        "`training.resume=true` to continue from the checkpoint.")
+
+
+def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],
+                   console: Console) -> Batch:
+    """``micro_batch_size: auto``: one real probe step confirms (or steps down) the predicted batch."""
+    probe = autofit.confirm(trainer, cfg, batch, choices=choices)
+    console.print(autofit.describe(probe, cfg.data.max_length))
+    return probe.batch
+
+
+def _plan(cfg: RunConfig, console: Console) -> RunConfig:
+    """Decide the recipe's `auto` fields (or check the fixed ones fit its budget) and say why."""
+    from memtrain.plan.view import print_plan
+
+    try:
+        decided = planner.plan(cfg)
+    except planner.NothingFits as err:
+        raise MemtrainError(str(err)) from None
+    print_plan(console, decided)
+    return decided.apply(cfg)
+
+
+def _predict(cfg: RunConfig) -> Estimate | None:
+    """The estimator's prediction of this run's step (for the report), or None if it cannot say."""
+    if cfg.distributed.processes > 1:
+        return None  # the report shows each process's measurement; sharding is not estimated
+    try:
+        return estimate(cfg)
+    except (MemtrainError, RuntimeError, ValueError, NotImplementedError) as err:
+        log.warning("no memory prediction for the report: %s", err)
+        return None
+
+
+def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None,
+            choices: list[tuple[int, int]] | None) -> TrainResult:
+    """Several processes: check the output folder here (before N processes start), run them,
+    return the result of this machine's first process (rank 0's on machine 0), with every
+    process's measured memory."""
+    if callbacks:
+        raise MemtrainError(f"`distributed.processes={cfg.distributed.processes}`: Trainer callbacks "
+                            "cannot be handed to other processes. Fix: run with one process, or launch "
+                            "your own script with torchrun and call `memtrain.run.train.train` in it.")
+    rundir.check_output_dir(cfg, out)
+    results = launch.launch(cfg, choices)
+    first = results[0]
+    first.process_memory = first.process_memory or [r.memory for r in results]
+    return first
+
+
+def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str, Any],
+                out: Path, report: Report | None, label_names: list[str] | None) -> None:
+    """Write adapter/model, tokenizer, resolved recipe, metrics, class names and report, then
+    move them in.
+
+    ``metrics.json`` (what marks the run finished) moves in last; a full disk removes the partial
+    files and names the checkpoint that is kept.
+    """
+    staging = out / ".final-tmp"
+    if not trainer.is_world_process_zero():  # several processes: rank 0 writes everything
+        if cfg.output.save_model:
+            trainer.save_model(str(staging))  # ... but every process helps gather sharded weights
+        return
+    shutil.rmtree(staging, ignore_errors=True)
+    estimate = checkpoints.checkpoint_bytes(trainer.model, None) if cfg.output.save_model else 0
+    checkpoints.check_disk_space(out, estimate, "the final model")
+    with checkpoints.disk_full_as_error(out, "the final model", staging):
+        staging.mkdir(parents=True)
+        if cfg.output.save_model:
+            trainer.save_model(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
+        (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
+        if label_names:  # an adapter folder does not keep the base config's id2label
+            (staging / LABELS_FILE).write_text(json.dumps(label_names), encoding="utf-8")
+        if report is not None:
+            save_report(report, staging)
+        checkpoints.sync_tree(staging)
+    for item in sorted(staging.iterdir(), key=lambda p: p.name == METRICS_FILE):
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        item.replace(target)
+    staging.rmdir()
+
+
+def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedData,
+                   batch: Batch, kept_pages: bool) -> None:
+    total, trainable = count_parameters(model)
+    table = Table(title="memtrain run", show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column()
+    m = cfg.model
+    table.add_row("model", f"{m.name or m.from_config.get('model_type')} ({m.task})")
+    table.add_row("parameters", f"{total:,} total, {trainable:,} trainable ({trainable / total:.2%})")
+    table.add_row("weights", f"{m.dtype}, quantization {m.quantization}")
+    unit = "packed rows" if data.fill is not None else "examples"
+    sizes = f"{len(data.train):,} train, {len(data.eval) if data.eval is not None else 0:,} eval {unit}"
+    if data.mix is None:
+        table.add_row("data", f"{cfg.data.source}: {sizes}")
+    else:
+        table.add_row("data", f"{len(data.mix)} datasets mixed ({cfg.data.mix_stopping}): {sizes}")
+        drawn, weights = sum(s.examples for s in data.mix), sum(s.weight for s in data.mix)
+        for share in data.mix:
+            table.add_row(f"  {share.path}", f"{share.source}: weight {share.weight:g} "
+                          f"({share.weight / weights:.1%}), {share.examples:,} training examples "
+                          f"({share.examples / max(drawn, 1):.1%})")
+    if data.fill is not None:
+        table.add_row("packing", f"real tokens fill {data.fill['packed']:.1%} of the "
+                      f"{cfg.data.max_length}-token rows ({data.fill['unpacked']:.1%} with one "
+                      "example per row)")
+    table.add_row("batch", str(batch))
+    t = cfg.training
+    length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epoch(s)"
+    table.add_row("optimizer", f"{t.optimizer}, lr {t.learning_rate:g} ({t.lr_scheduler}), {length}")
+    for record in patches.records(model):
+        table.add_row(f"patch: {record.name}", record.detail)
+    if kept_pages:
+        table.add_row("host memory", "freed pages kept for reuse (glibc: no page faults for tensors "
+                      "above 32 MiB; memtrain.memory.hostmem)")
+    table.add_row("output", cfg.output.dir)
+    console.print(table)
+
+
+def _summary(console: Console, metrics: dict[str, Any], out: Path) -> None:
+    keys = [k for k in ("train_loss", "eval_loss", "eval_accuracy", "eval_majority_baseline",
+                        "eval_perplexity", "train_runtime") if k in metrics]
+    table = Table(title="result", show_header=False, title_justify="left")
+    table.add_column(style="bold green")
+    table.add_column()
+    for key in keys:
+        table.add_row(key, f"{metrics[key]:.4f}")
+    table.add_row("saved to", str(out))
+    console.print(table)

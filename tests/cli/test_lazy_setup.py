@@ -1,0 +1,86 @@
+"""The libraries' import-time set-up that the ``memtrain`` command defers (memtrain/lazy_setup.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memtrain import lazy_setup
+
+
+def _run(code: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_deferred_compile_is_made_on_the_first_call_with_the_same_options():
+    made = []
+
+    def compile(fn, **options):
+        made.append(options)
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    def double(x):
+        return 2 * x
+
+    wrapped = lazy_setup._deferred_compile(compile, double, dynamic=False)
+    assert made == [] and wrapped.__name__ == "double"
+    assert wrapped(3) == ("compiled", 6) and wrapped(4) == ("compiled", 8)
+    assert made == [{"dynamic": False}]  # made once
+    decorated = lazy_setup._deferred_compile(compile, mode="max-autotune")(double)  # @torch.compile(...)
+    assert made == [{"dynamic": False}] and decorated(1) == ("compiled", 2)
+    assert made[-1] == {"mode": "max-autotune"}
+
+
+def test_a_compile_that_fails_raises_once_then_the_plain_function_runs():
+    def compile(fn, **options):
+        raise RuntimeError("no compiler here")
+
+    wrapped = lazy_setup._deferred_compile(compile, lambda x: x + 1)
+    with pytest.raises(RuntimeError, match="no compiler"):  # bitsandbytes falls back on it
+        wrapped(1)
+    assert wrapped(1) == 2
+
+
+def test_the_libraries_are_set_up_when_used_and_still_work():
+    found = _run("""
+        import json, sys
+        from memtrain import lazy_setup
+        lazy_setup.install()
+        import bitsandbytes, peft, transformers.trainer, memtrain.estimator.estimate, memtrain.trainer.trainer
+        out = {"inductor": "torch._inductor.compile_fx" in sys.modules,
+               "datasets": type(sys.modules["datasets"]).__name__}
+        import torch
+        import bitsandbytes.functional as F
+        w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        q, state = F.quantize_4bit(w, quant_type="nf4")
+        out["nf4_error"] = float((F.dequantize_4bit(q, state) - w).abs().mean())
+        from datasets import Dataset
+        from memtrain.data import prepare as data
+        out["rows"] = Dataset.from_dict({"text": ["a", "b", "c"]}).num_rows
+        out["datasets_after"] = type(sys.modules["datasets"]).__name__
+        print(json.dumps(out))
+    """)
+    # Without lazy_setup both are loaded by these imports (bitsandbytes' torch.compile calls,
+    # transformers.trainer's `import datasets`).
+    assert found["inductor"] is False
+    assert found["datasets"] == "_LazyModule"
+    assert found["datasets_after"] == "module" and found["rows"] == 3
+    assert 0 < found["nf4_error"] < 0.15  # a 4-bit round trip of N(0, 1) values
+
+
+def test_the_command_installs_it_before_anything_else():
+    found = _run("""
+        import json, sys
+        import memtrain.cli.main as cli
+        cli.app = lambda: print(json.dumps({"finders": [type(f).__name__ for f in sys.meta_path],
+                                            "torch": "torch" in sys.modules}))
+        cli.main()
+    """)
+    assert "_Finder" in found["finders"] and found["torch"] is False

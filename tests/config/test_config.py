@@ -1,0 +1,141 @@
+"""Recipe schema and loader: defaults, overrides, every error at once with its field path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import causal_recipe
+
+from memtrain.config import RecipeError, dump_recipe, load_recipe
+from memtrain.config.batch import Batch, resolve_batch
+from memtrain.units import format_bytes, parse_size
+
+
+def recipe(tmp_path: Path, **sections) -> dict:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    return causal_recipe(tmp_path, data, **sections)
+
+
+def problems(data: dict, overrides: list[str] | None = None) -> list[str]:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(data, overrides or [])
+    return [str(p) for p in info.value.problems]
+
+
+def test_minimal_recipe_fills_defaults(tmp_path: Path) -> None:
+    cfg = load_recipe(recipe(tmp_path))
+    assert cfg.training.optimizer == "adamw"
+    assert cfg.memory.checkpointing == "none"
+    assert cfg.adapter.target_modules == "all-linear"
+    again = load_recipe(yaml.safe_load(dump_recipe(cfg)))
+    assert again == cfg  # the dumped recipe is complete and reloads to the same config
+
+
+def test_overrides_parse_yaml_values(tmp_path: Path) -> None:
+    cfg = load_recipe(recipe(tmp_path), ["training.learning_rate=1e-4", "memory.checkpointing=2",
+                                         "adapter.target_modules=[q_proj, v_proj]",
+                                         "memory.randomized_linear.ratio=0.3"])
+    assert cfg.training.learning_rate == 1e-4
+    assert cfg.memory.checkpointing == 2
+    assert cfg.adapter.target_modules == ["q_proj", "v_proj"]
+    assert cfg.memory.randomized_linear is not None and cfg.memory.randomized_linear.ratio == 0.3
+
+
+def test_margin_auto_is_zero_only_against_a_simulated_budget_alone(tmp_path: Path) -> None:
+    margin = lambda *o: load_recipe(recipe(tmp_path), list(o)).memory.margin_fraction  # noqa: E731
+    assert margin() == 0.1
+    assert margin("memory.budget=2GiB") == 0.1
+    assert margin("memory.simulate_budget=1GiB") == 0.0  # exact: it counts what the estimate predicts
+    assert margin("memory.simulate_budget=1GiB", "memory.budget=2GiB") == 0.1
+    assert margin("memory.simulate_budget=1GiB", "memory.margin=0.2") == 0.2
+    found = problems(recipe(tmp_path), ["memory.margin=1.5"])
+    assert any("`memory.margin`" in p and "1.5" in p for p in found)
+
+
+def test_all_errors_reported_at_once(tmp_path: Path) -> None:
+    found = problems(recipe(tmp_path), [
+        "training.lerning_rate=1",          # unknown key
+        "training.epochs=many",             # wrong type
+        "data.max_length=0",                # out of range
+        "training.optimizer=adam",          # not an option
+        "memory.budget=24 gigs",            # bad size
+        "model.quantization=nf4",           # ...with full fine-tuning below
+        "adapter.method=full",
+    ])
+    joined = "\n".join(found)
+    assert len(found) == 6, joined
+    assert "`training.lerning_rate`: unknown key" in joined and "did you mean `learning_rate`" in joined
+    assert "`training.epochs`: expected a number, got 'many'" in joined
+    assert "`data.max_length`: must be greater than 0, got 0" in joined
+    assert "`training.optimizer`" in joined and "did you mean 'adamw'" in joined
+    assert "`memory.budget`" in joined and "24GiB" in joined
+    assert "`adapter.method`" in joined and "QLoRA" in joined
+
+
+def test_inconsistent_batch_sizes(tmp_path: Path) -> None:
+    found = problems(recipe(tmp_path, training={"effective_batch_size": 30, "micro_batch_size": 4,
+                                                "gradient_accumulation": 2}))
+    assert len(found) == 1 and "`training.effective_batch_size`" in found[0] and "4 × 2 × 1 = 8" in found[0]
+    found = problems(recipe(tmp_path, training={"effective_batch_size": 30, "micro_batch_size": 4,
+                                                "gradient_accumulation": None}))
+    assert "not a multiple of micro_batch_size × processes = 4" in found[0]
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"effective_batch_size": 32, "micro_batch_size": 4}, Batch(4, 8)),
+    ({"effective_batch_size": 32, "gradient_accumulation": 4}, Batch(8, 4)),
+    ({"micro_batch_size": 4, "gradient_accumulation": 3}, Batch(4, 3)),
+    ({"effective_batch_size": 16}, Batch(16, 1)),
+])
+def test_batch_derivation(tmp_path: Path, given: dict, expected: Batch) -> None:
+    base = {"micro_batch_size": None, "gradient_accumulation": None}
+    cfg = load_recipe(recipe(tmp_path, training={**base, **given}))
+    assert resolve_batch(cfg.training) == expected
+    assert resolve_batch(cfg.training).effective == given.get("effective_batch_size", expected.effective)
+
+
+def test_missing_files_and_sources(tmp_path: Path) -> None:
+    found = problems(recipe(tmp_path), ["data.source=./nope.jsonl", "model.tokenizer=pkg:no_such_pkg/x"])
+    assert any("`data.source`" in p and "nope.jsonl" in p for p in found)
+    assert any("`model.tokenizer`" in p and "no_such_pkg" in p for p in found)
+    found = problems(recipe(tmp_path), ["data.source=builtin:milton"])
+    assert "builtin:shakespeare-spelling" in found[0]
+
+
+def test_bad_overrides_and_yaml(tmp_path: Path) -> None:
+    assert "section.key=value" in problems(recipe(tmp_path), ["learning_rate"])[0]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: x\n bad-indent: [")
+    with pytest.raises(RecipeError, match="not valid YAML at line"):
+        load_recipe(bad)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="must be a mapping"):
+        load_recipe(listed)
+
+
+def test_output_dir_template(tmp_path: Path) -> None:
+    r = recipe(tmp_path)
+    r["output"]["dir"] = "runs/{recipe}"
+    path = tmp_path / "my-run.yaml"
+    path.write_text(yaml.safe_dump(r))
+    assert load_recipe(path).output.dir == "runs/my-run"
+
+
+def test_sizes() -> None:
+    assert parse_size("24GiB") == 24 * 2**30
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_size(512) == 512
+    with pytest.raises(ValueError, match="24GiB"):
+        parse_size("24 gigs")
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+
+
+def test_recipe_reference_is_generated_from_the_schema() -> None:
+    from memtrain.config.reference import render_reference
+
+    committed = (Path(__file__).parents[2] / "docs" / "RECIPES.md").read_text(encoding="utf-8")
+    assert committed == render_reference(), "run `python scripts/gen_docs.py` and commit docs/RECIPES.md"

@@ -1,0 +1,94 @@
+"""``memtrain calibrate``: speed rates anywhere, GPU overheads on a GPU, a profile the estimator reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memtrain.estimator import calibrate
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_cpu_calibration_measures_rates_and_explains_missing_gpu(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    profile = calibrate.calibrate(path, quick=True)
+    saved = json.loads(path.read_text())
+    assert saved["overheads"] is None
+    assert any("no CUDA device" in note for note in saved["notes"])
+    rates = saved["rates"]["cpu"]
+    assert rates["matmul_flops"]["fp32"] > 1e8 and rates["matmul_flops"]["bf16"] > 0
+    assert rates["memory_bandwidth"] > 1e8
+    assert profile["path"] == str(path)
+    # No GPU numbers were saved, so the estimator keeps its documented defaults.
+    defaults = calibrate.overheads(path)
+    assert defaults.cuda_context_bytes == calibrate.DEFAULT_CUDA_CONTEXT
+    assert defaults.fragmentation == calibrate.DEFAULT_FRAGMENTATION
+    assert "default" in defaults.cuda_context_source
+
+
+def test_profile_location_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
+    target = tmp_path / "elsewhere.json"
+    monkeypatch.setenv(calibrate.ENV_VAR, str(target))
+    assert calibrate.profile_path() == target
+    measured_on_gpu = {"device": "GPU X", "cuda_context_bytes": 123, "fragmentation": 0.3}
+    target.write_text(json.dumps({"overheads": measured_on_gpu}))
+    measured = calibrate.overheads()
+    assert (measured.cuda_context_bytes, measured.fragmentation) == (123, 0.3)
+    assert "GPU X" in measured.fragmentation_source
+    target.write_text("not json")
+    assert calibrate.overheads().cuda_context_bytes == calibrate.DEFAULT_CUDA_CONTEXT
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_cli_calibrate_exits_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from memtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["calibrate", "--output", str(tmp_path / "p.json"), "--quick"])
+    assert result.exit_code == 0, result.output
+    assert "cannot be measured" in result.stdout and "matmul fp32" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_calibration_measures_overheads(tmp_path: Path) -> None:
+    profile = calibrate.calibrate(tmp_path / "p.json", quick=True)
+    assert 0 <= profile["overheads"]["fragmentation"] < 2
+    assert profile["rates"]["cuda"]["host_to_device_bandwidth"] > 0
+
+
+def test_optimizer_rate_is_seconds_per_updated_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One optimizer step "takes" 1 s: the rate must divide it by every parameter the step updated.
+    counted = []
+
+    def one_second(fn: Any, device: torch.device, repeats: int = 5) -> float:
+        counted.append(sum(p.numel() for group in fn.__self__.param_groups for p in group["params"]))
+        return 1.0
+
+    monkeypatch.setattr(calibrate, "_best_time", one_second)
+    rates = calibrate._optimizer_rates(torch.device("cpu"), quick=True)
+    assert counted and rates["adamw"] == pytest.approx(1.0 / counted[0])
+    assert counted[0] == 2 * 2**20 * 4  # four tensors of 2 Mi elements each
+
+
+def test_profiles_saved_with_older_rates_are_measured_again(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrain.plan import costmodel
+
+    path = tmp_path / "p.json"
+    old = {"op_seconds": 1e-6, "threads": torch.get_num_threads(), "matmul_flops": {"fp32": 1.0}}
+    path.write_text(json.dumps({"version": 1, "rates": {"cpu": old}}))
+    monkeypatch.setenv(calibrate.ENV_VAR, str(path))
+    monkeypatch.setattr(calibrate, "measure_rates", lambda device, quick=False: {
+        "version": calibrate.RATES_VERSION, "threads": torch.get_num_threads(), "op_seconds": 2e-6})
+    costmodel.rates.cache_clear()
+    try:
+        assert costmodel.rates("cpu").values["op_seconds"] == 2e-6  # re-measured, not the old profile
+        assert json.loads(path.read_text())["rates"]["cpu"]["version"] == calibrate.RATES_VERSION
+    finally:
+        costmodel.rates.cache_clear()

@@ -1,0 +1,116 @@
+"""Traces side by side in forked processes: same results, the job's own errors, safe fallbacks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from memtrain.errors import MemtrainError
+from memtrain.estimator import pool as trace_pool
+from memtrain.estimator.estimate import estimate
+
+PARENT = os.getpid()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _fails_in_a_worker() -> str:
+    if os.getpid() != PARENT:
+        raise MemtrainError("`model.name`: the job's own error")
+    return "ran here"
+
+
+def _dies_in_a_worker() -> str:
+    if os.getpid() != PARENT:
+        os._exit(3)
+    return "ran here"
+
+
+def _hangs_in_a_worker() -> str:
+    if os.getpid() != PARENT:
+        time.sleep(3600)
+    return "ran here"
+
+
+def _parallel_op() -> tuple[int, float]:
+    return os.getpid(), float(torch.nn.functional.gelu(torch.ones(512, 4096)).sum())
+
+
+def _refuses() -> str:
+    raise MemtrainError("`model.name`: the job's own error")
+
+
+@pytest.fixture
+def two_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(trace_pool.ENV_VAR, "2")
+    if trace_pool.processes(2) < 2:
+        pytest.skip("forked trace workers need Linux")
+
+
+def test_jobs_run_in_forked_workers_and_come_back_in_order(two_processes: None) -> None:
+    pids = trace_pool.run_all([_pid] * 4)
+    assert pids[:2] == [PARENT, PARENT]  # this process takes the first share
+    assert PARENT not in pids[2:] and len(set(pids[2:])) == 1  # one worker, forked, for the rest
+
+
+def test_a_job_failing_or_dying_in_a_worker_is_run_here(two_processes: None) -> None:
+    jobs = [_pid, _pid, _fails_in_a_worker, _dies_in_a_worker]  # the worker takes the last two
+    assert trace_pool.run_all(jobs)[2:] == ["ran here"] * 2
+    with pytest.raises(MemtrainError, match="the job's own error"):
+        trace_pool.run_all([_pid, _refuses])
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_is_killed_and_its_jobs_run_here(two_processes: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_pool, "PATIENCE", (1.0, 2.0))  # 2 s after this process's own share
+    start = time.perf_counter()
+    assert trace_pool.run_all([_pid, _hangs_in_a_worker]) == [PARENT, "ran here"]
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_runs_real_ops_after_this_process_used_its_threads(two_processes: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """GNU OpenMP's thread pool does not survive a fork: a worker's first parallel op hung until
+    workers ran on one thread (found by a fresh-clone CI run, in the approximate-layer probe; now
+    a hang would also end, after PATIENCE, with the job run here: the result would be the same,
+    so the test also checks that it came from the worker)."""
+    monkeypatch.setattr(trace_pool, "PATIENCE", (1.0, 10.0))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, expected = _parallel_op()  # this process's OpenMP pool now exists
+        (_, here), (where, there) = trace_pool.run_all([_parallel_op, _parallel_op])
+        assert where != PARENT and here == there == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_process_when_forking_is_unsafe_or_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert trace_pool.processes(1) == 1
+    monkeypatch.setenv(trace_pool.ENV_VAR, "1")
+    assert trace_pool.run_all([_pid] * 3) == [PARENT] * 3
+    monkeypatch.setenv(trace_pool.ENV_VAR, "4")
+    assert trace_pool.processes(4, cuda=True) == 1  # fake CUDA tensors: a forked child cannot use CUDA
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert trace_pool.processes(4) == 1
+    monkeypatch.setenv(trace_pool.ENV_VAR, "two")
+    with pytest.raises(MemtrainError, match=r"`MEMTRAIN_TRACE_PROCESSES`: .* got 'two'\. Fix: set it"):
+        trace_pool.run_all([_pid] * 2)
+
+
+def test_an_estimate_is_the_same_traced_side_by_side(monkeypatch: pytest.MonkeyPatch,
+                                                     two_processes: None) -> None:
+    overrides = ["model.from_config.num_hidden_layers=8", "data.max_length=64", "training.micro_batch_size=2"]
+    pooled = estimate("recipes/tiny-llama-shakespeare.yaml", overrides, device="cpu")
+    monkeypatch.setenv(trace_pool.ENV_VAR, "1")
+    alone = estimate("recipes/tiny-llama-shakespeare.yaml", overrides, device="cpu")
+    assert pooled.method == alone.method == "traced 2 and 3 of 8 layers, extrapolated"
+    assert (pooled.peak_bytes, pooled.by_category, pooled.by_phase, pooled.parameters) == (
+        alone.peak_bytes, alone.by_category, alone.by_phase, alone.parameters)

@@ -1,0 +1,103 @@
+"""The memory meter: exact categories on CPU, phases, host bucket, fake tensors, Trainer logs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from memtrain.memory.meter import MemoryMeter, mark_host
+from memtrain.trainer.step import measure_step
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    values = copy.deepcopy(TINY_CONFIGS["llama"])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def batch(b: int = 4, t: int = 32) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 30522, (b, t), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_categories_add_up_and_repeat_exactly() -> None:
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = [measure_step(model, batch(), opt) for _ in range(3)]
+    for r in steps:
+        assert sum(r.peak_by_category.values()) == r.peak_bytes
+        assert r.peak_by_category["parameters"] == param_bytes(model)
+        assert set(r.peak_by_phase) == {"forward", "backward", "optimizer"}
+        assert max(r.peak_by_phase.values()) == r.peak_bytes
+    # steps 2 and 3 hold the same state: identical measurements, byte for byte
+    assert steps[1].to_dict() == steps[2].to_dict()
+
+
+def test_optimizer_state_is_adam_moments() -> None:
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    measure_step(model, batch(), opt)
+    r = measure_step(model, batch(), opt)
+    n_params = len(list(model.parameters()))
+    # exp_avg + exp_avg_sq per parameter, plus one 4-byte `step` scalar per parameter
+    assert r.max_by_category["optimizer_state"] >= 2 * param_bytes(model) + 4 * n_params
+
+
+def test_activations_grow_with_batch() -> None:
+    model = tiny_llama()
+    small = measure_step(model, batch(b=2)).max_by_category["activations"]
+    large = measure_step(model, batch(b=8)).max_by_category["activations"]
+    assert large > 3.5 * small
+
+
+def test_mark_host_moves_bytes_out_of_the_device_peak() -> None:
+    keep = []
+    with MemoryMeter(device="cpu") as meter:
+        x = torch.ones(1024, 1024)  # 4 MiB on the device
+        y = torch.ones(1024, 1024)
+        mark_host(y)  # counted as host from here on
+        keep += [x, y]
+        z = torch.ones(1024, 1024)  # the device now holds x and z; y is host
+        keep.append(z)
+    r = meter.result()
+    assert r.peak_bytes == 2 * 4 * 2**20  # both were on the device before the move
+    assert r.host_peak_bytes == 4 * 2**20
+
+
+def test_fake_step_measures_like_the_real_one() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real_model = tiny_llama()
+    real = measure_step(real_model, batch(), torch.optim.AdamW(real_model.parameters()))
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_model = tiny_llama()
+        fake_batch = {k: mode.from_tensor(v) for k, v in batch().items()}
+        fake = measure_step(fake_model, fake_batch, torch.optim.AdamW(fake_model.parameters()))
+    assert fake.peak_bytes == real.peak_bytes
+    assert fake.peak_by_category == real.peak_by_category
+
+
+@pytest.mark.slow
+def test_callback_logs_memory_with_gradient_accumulation(tmp_path) -> None:
+    from conftest import causal_recipe
+
+    from memtrain.config import load_recipe
+    from memtrain.run.train import train
+
+    data = tmp_path / "t.jsonl"
+    data.write_text("\n".join(f'{{"text": "to be or not to be {i}"}}' for i in range(32)))
+    cfg = load_recipe(causal_recipe(tmp_path, data, training={"gradient_accumulation": 2,
+                                                              "micro_batch_size": 2}))
+    result = train(cfg)
+    assert result.memory is not None and result.memory.peak_bytes > 0
+    logged = [h for h in result.log_history if "memory/peak_mib" in h]
+    assert logged and all(h["memory/peak_mib"] > 0 for h in logged)

@@ -1,0 +1,304 @@
+"""Activation offload and optimizer-state offload: same training, bytes moved to the host."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from memtrain.config import OffloadConfig, load_recipe
+from memtrain.errors import MemtrainError
+from memtrain.patches import activation_offload as offload
+from memtrain.patches import apply_patches, records
+from memtrain.patches import checkpointing as ckpt
+from memtrain.trainer.optimizer_offload import OffloadOptimizer, build, host_bytes_needed
+from scripts.memprobe import LiveBytes
+from tests.conftest import TINY_CONFIGS, causal_recipe
+from tests.patches.test_checkpointing import BATCH, SEQ, assert_same_grads, build_model, inputs
+
+HIDDEN = TINY_CONFIGS["llama"]["hidden_size"]
+ON = OffloadConfig(activations=True, min_tensor_bytes=1024)
+
+
+def offloaded(base: nn.Module, checkpointing: Any = "none", cfg: OffloadConfig = ON) -> nn.Module:
+    return offload.apply(ckpt.apply(copy.deepcopy(base), checkpointing), cfg)
+
+
+def measured_step(model: nn.Module) -> dict[str, Any]:
+    """Loss, grads, device bytes saved by forward, and host bytes (at peak, after backward)."""
+    ledger = offload.host_ledger(model)
+    host = (lambda: ledger.current_bytes) if ledger else (lambda: 0)
+    with LiveBytes(host) as tracker:
+        loss = model(**inputs()).loss
+        saved, host_after_forward = tracker.device_current, host()
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads, "saved": saved, "host": host_after_forward,
+            "host_left": host(), "device_peak": tracker.device_peak}
+
+
+# ------------------------------------------------------------------------- activation offload
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", 1, "selective"])
+def test_offload_keeps_gradients_and_moves_bytes_to_host(checkpointing: Any) -> None:
+    base = build_model(layers=2)
+    plain = measured_step(ckpt.apply(copy.deepcopy(base), checkpointing))
+    moved = measured_step(offloaded(base, checkpointing))
+    assert_same_grads(moved, plain)
+    assert moved["host"] > 0 and moved["host_left"] == 0  # host copies die with the graph
+    assert moved["saved"] <= plain["saved"] - moved["host"] // 2
+
+
+def test_offload_without_checkpointing_moves_most_saved_bytes() -> None:
+    base = build_model(layers=2)
+    plain, moved = measured_step(copy.deepcopy(base)), measured_step(offloaded(base))
+    assert moved["saved"] + moved["host"] >= plain["saved"] * 0.95
+    assert moved["saved"] < 0.5 * plain["saved"]
+
+
+def test_checkpointing_with_offload_is_flat_in_depth() -> None:
+    """Only layer inputs are saved, and they move: device activations do not grow with depth."""
+    two = measured_step(offloaded(build_model(layers=2), "full"))
+    four = measured_step(offloaded(build_model(layers=4), "full"))
+    hidden_state = BATCH * SEQ * HIDDEN * 4
+    assert two["host"] == 2 * hidden_state and four["host"] == 4 * hidden_state
+    assert four["saved"] == two["saved"]
+    # The device peak grows only by the gradients of the extra layers' weights.
+    model = build_model(layers=4)
+    layer_bytes = sum(p.numel() * 4 for p in ckpt.find_layers(model)[0][1].parameters())
+    assert four["device_peak"] - two["device_peak"] == 2 * layer_bytes
+    plain_two = measured_step(ckpt.apply(build_model(layers=2), "full"))
+    plain_four = measured_step(ckpt.apply(build_model(layers=4), "full"))
+    assert plain_four["saved"] - plain_two["saved"] == 2 * hidden_state
+
+
+def test_min_tensor_bytes_keeps_small_tensors() -> None:
+    base = build_model(layers=2)
+    huge = OffloadConfig(activations=True, min_tensor_bytes=2**30)
+    assert measured_step(offloaded(base, cfg=huge))["host"] == 0
+    hidden_state = BATCH * SEQ * HIDDEN * 4
+    just_above = OffloadConfig(activations=True, min_tensor_bytes=hidden_state + 1)
+    small = measured_step(offloaded(base, cfg=just_above))["host"]
+    assert 0 < small < measured_step(offloaded(base))["host"]
+
+
+def test_offload_with_lora_and_eval() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(build_model(), LoraConfig(r=4, target_modules="all-linear",
+                                                    lora_dropout=0.0))
+    plain = measured_step(copy.deepcopy(lora))
+    model = offloaded(lora, "full")
+    assert_same_grads(measured_step(model), plain)
+    model.eval()
+    with torch.no_grad():
+        model(**inputs())
+    assert offload.host_ledger(model).current_bytes == 0
+
+
+def test_dry_run_estimate_bounds_what_moves() -> None:
+    for checkpointing in ("none", "full"):
+        model = offloaded(build_model(layers=2), checkpointing)
+        estimate = offload.estimate_offloaded_bytes(model, BATCH, SEQ)
+        # Fake inputs cannot show that the attention mask is all ones, so the estimate also
+        # counts a 4-D mask: an upper bound, close to what really moves.
+        actual = measured_step(model)["host"]
+        assert actual <= estimate <= 1.1 * actual
+
+
+def test_host_ram_check_refuses_with_the_numbers() -> None:
+    model = offloaded(build_model(layers=2), "full")
+    needed = offload.check_host_ram(model, BATCH, SEQ, available=2**40)
+    assert needed == 2 * BATCH * SEQ * HIDDEN * 4
+    expected = r"memory\.offload\.activations.*32\.00 KiB.*16\.00 KiB"
+    with pytest.raises(MemtrainError, match=expected):
+        offload.check_host_ram(model, BATCH, SEQ, available=16 * 2**10)
+
+
+def test_recipe_hook_and_undo(tmp_path: Any, tiny_text_file: Any) -> None:
+    recipe = causal_recipe(tmp_path, tiny_text_file,
+                           memory={"checkpointing": "full", "offload": {"activations": True}})
+    model = apply_patches(build_model(), load_recipe(recipe), only=["checkpointing", "offload"])
+    assert [r.name for r in records(model)] == ["checkpointing", "offload"]
+    assert "inputs of 2 checkpointed layers" in records(model)[1].detail
+    offload.undo(model)
+    assert offload.offloader(model) is None
+    assert all(ckpt.is_checkpointed(layer) for _, layer in ckpt.find_layers(model))
+    auto = causal_recipe(tmp_path, tiny_text_file, memory={"offload": {"activations": "auto"}})
+    with pytest.raises(MemtrainError, match="auto"):
+        apply_patches(build_model(), load_recipe(auto), only=["offload"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_uses_pinned_memory_and_matches() -> None:
+    base = build_model(layers=2).cuda()
+    batch = {k: v.cuda() for k, v in inputs().items()}
+    plain = copy.deepcopy(base)
+    plain(**batch).loss.backward()
+    model = offloaded(base, "full")
+    loss = model(**batch).loss
+    hooks = offload.offloader(model)
+    assert hooks._handles and all(h.host.is_pinned() for h in hooks._handles.values())
+    loss.backward()
+    torch.cuda.synchronize()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# -------------------------------------------------------------------------- optimizer offload
+
+
+def _train(model: nn.Module, optimizer: Any, steps: int = 3, accumulate: int = 1,
+           clip: float | None = None) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        for _ in range(accumulate):
+            loss = model(**inputs()).loss
+            loss.backward()
+        losses.append(loss.item())
+        if clip is not None:
+            if isinstance(optimizer, OffloadOptimizer):
+                optimizer.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        model.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (2, None), (1, 1e-3)])
+def test_offloaded_adamw_trains_like_adamw(accumulate: int, clip: float | None) -> None:
+    base = build_model(layers=1)
+    plain, moved = copy.deepcopy(base), copy.deepcopy(base)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
+    reference = torch.optim.AdamW(plain.parameters(), fused=True, **kwargs)
+    optimizer = OffloadOptimizer(moved.parameters(), torch.optim.AdamW, **kwargs)
+    assert optimizer.d_opt is not None and optimizer.param_d2h_map  # both kinds exercised
+    expected = _train(plain, reference, accumulate=accumulate, clip=clip)
+    assert _train(moved, optimizer, accumulate=accumulate, clip=clip) == pytest.approx(expected,
+                                                                                      abs=1e-5)
+    for p, q in zip(moved.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+
+
+def test_optimizer_state_lives_on_the_host() -> None:
+    model = build_model(layers=1)
+    optimizer = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    _train(model, optimizer, steps=1)
+    moved = list(optimizer.param_d2h_map)
+    param_bytes = sum(p.numel() * p.element_size() for p in moved)
+    # a copy of each parameter and its gradient, AdamW's two moments and its step counters
+    steps = 4 * len(moved)
+    assert optimizer.host_bytes() == 4 * param_bytes + steps
+    assert optimizer.host_bytes() == host_bytes_needed(list(model.parameters()),
+                                                       torch.optim.AdamW) + steps
+    assert len(optimizer.state) == len(moved) + len(optimizer.d_opt.state)  # what trackers read
+    host_ids = {id(t.untyped_storage()) for t in optimizer.host_tensors()}
+    assert not host_ids & {id(p.untyped_storage()) for p in moved}
+    state = optimizer.state_dict()
+    fresh = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["offloaded"][0]["state"][0]["step"] == 1
+    # torchao's own param_groups go stale for on-device params after load_state_dict, so an LR
+    # scheduler would stop reaching them; memtrain's subclass returns the live groups.
+    assert any(g is fresh.d_opt.param_groups[0] for g in fresh.param_groups)
+
+
+def test_build_refuses_8bit_and_small_host_ram() -> None:
+    model = build_model(layers=1)
+    groups = [{"params": list(model.parameters())}]
+    with pytest.raises(MemtrainError, match=r"memory\.offload\.optimizer.*host RAM"):
+        build(groups, torch.optim.AdamW, {"lr": 1e-3}, available=2**20)
+    fake_bnb = type("AdamW8bit", (torch.optim.AdamW,), {"__module__": "bitsandbytes.optim"})
+    with pytest.raises(MemtrainError, match="bitsandbytes"):
+        build(groups, fake_bnb, {"lr": 1e-3})
+
+
+@pytest.mark.slow
+def test_trainer_with_offloaded_optimizer_keeps_the_loss_curve(tmp_path: Any,
+                                                               tiny_text_file: Any) -> None:
+    """Full fine-tuning with clipping: offloaded optimizer and activations = plain, per step."""
+    from transformers import TrainerCallback
+
+    from memtrain.run.train import train
+
+    class Logs(TrainerCallback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[float, float]] = []
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                self.seen.append((logs["loss"], logs["grad_norm"]))
+
+    def run(name: str, **memory: Any) -> list[tuple[float, float]]:
+        recipe = causal_recipe(tmp_path / name, tiny_text_file, memory=memory,
+                               adapter={"method": "full"},
+                               training={"max_grad_norm": 0.5, "max_steps": 4})
+        logs = Logs()
+        train(load_recipe(recipe), callbacks=[logs])
+        return logs.seen
+
+    plain = run("plain")
+    moved = run("offload", offload={"optimizer": True, "activations": True},
+                checkpointing="full")
+    assert len(plain) == 4 and all(norm > 0.5 for _, norm in plain)  # clipping is active
+    assert [loss for loss, _ in moved] == pytest.approx([loss for loss, _ in plain], abs=1e-4)
+
+
+def test_qlora_offload_keeps_gradients_and_estimates() -> None:
+    pytest.importorskip("bitsandbytes")
+    from memtrain.config import AdapterConfig, ModelConfig
+    from memtrain.model import load_model
+    from memtrain.patches import lora
+
+    cfg = ModelConfig(from_config={**TINY_CONFIGS["llama"], "vocab_size": 256},
+                      tokenizer="x", quantization="nf4", dtype="fp32")
+    model = lora.apply(load_model(cfg), AdapterConfig(r=4, dropout=0.0)).train()
+    plain = measured_step(model)
+    model.zero_grad()
+    patched = offload.apply(ckpt.apply(model, "full"), ON)
+    assert offload.estimate_offloaded_bytes(patched, BATCH, SEQ) == 2 * BATCH * SEQ * HIDDEN * 4
+    moved = measured_step(patched)
+    assert_same_grads(moved, plain, atol=1e-5)
+    assert moved["host"] == 2 * BATCH * SEQ * HIDDEN * 4
+
+
+def test_memory_meter_files_offloaded_bytes_as_host() -> None:
+    """memtrain's MemoryMeter: moved activations and the offloaded optimizer count as host."""
+    from memtrain.trainer.step import measure_step
+
+    base = build_model(layers=2)
+    plain = measure_step(ckpt.apply(copy.deepcopy(base), "full"), inputs())
+    model = offloaded(base, "full")
+    moved = measure_step(model, inputs())
+    hidden_states = 2 * BATCH * SEQ * HIDDEN * 4
+    assert moved.host_peak_bytes == offload.host_ledger(model).peak_bytes == hidden_states
+    activations = plain.max_by_category["activations"] - moved.max_by_category["activations"]
+    assert activations == hidden_states
+    assert plain.peak_by_phase["forward"] - moved.peak_by_phase["forward"] == hidden_states
+
+    model = build_model(layers=1)
+    optimizer = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    measure_step(model, inputs(), optimizer)  # creates the state
+    steady = measure_step(model, inputs(), optimizer)
+    assert steady.host_peak_bytes == optimizer.host_bytes()
+    device_state = sum(v.numel() * v.element_size() for s in optimizer.d_opt.state.values()
+                       for v in s.values())
+    assert steady.peak_by_category["optimizer_state"] == device_state
+    assert device_state < 0.1 * optimizer.host_bytes()
+
+
+def test_dropped_gradients_skip_the_step() -> None:
+    """The NaN guard drops a step's gradients before the step: host copies must not be used."""
+    model = build_model(layers=1)
+    optimizer = OffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(**inputs()).loss.backward()
+    model.zero_grad(set_to_none=True)
+    optimizer.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

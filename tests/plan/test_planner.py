@@ -1,0 +1,182 @@
+"""The planner: decides only `auto` fields, keeps the effective batch, fits the budget, explains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import causal_recipe
+from typer.testing import CliRunner
+
+from memtrain.cli.main import app
+from memtrain.config import load_recipe
+from memtrain.estimator.estimate import estimate
+from memtrain.plan import costmodel, planner
+from memtrain.units import parse_size
+
+
+@pytest.fixture(autouse=True)
+def _rates(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # quick CPU rates, measured once per test session into a private profile
+    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path_factory.getbasetemp() / "calibration.json"))
+
+
+@pytest.fixture
+def corpus(tiny_text_file: Path) -> Path:
+    return tiny_text_file
+
+
+def _recipe(tmp_path: Path, corpus: Path, **training: object) -> dict:
+    return causal_recipe(tmp_path, corpus, data={"max_length": 64},
+                         training={"effective_batch_size": 16, "micro_batch_size": "auto",
+                                   "gradient_accumulation": "auto", **training})
+
+
+@pytest.mark.slow
+def test_micro_batch_is_the_largest_that_fits_and_keeps_the_effective_batch(tmp_path: Path,
+                                                                           corpus: Path) -> None:
+    cfg = load_recipe(_recipe(tmp_path, corpus))
+    peaks = {m: estimate(planner.with_values(cfg, {"training.micro_batch_size": m,
+                                                   "training.gradient_accumulation": 16 // m})).peak_bytes
+             for m in (1, 2, 4, 8, 16)}
+    budget = int((peaks[4] + peaks[8]) / 2 / 0.9)  # fits 4, not 8 (10% margin)
+    decided = planner.plan(cfg, budget)
+    assert (decided.chosen.micro, decided.chosen.accumulation) == (4, 4)
+    assert decided.chosen.peak == peaks[4]
+    resolved = decided.apply(cfg)
+    assert resolved.training.micro_batch_size * resolved.training.gradient_accumulation == 16
+    assert planner.fit_micro_batch(cfg, int(budget * 0.9))[:2] == (4, 4)
+
+
+def test_user_fixed_fields_are_never_overridden(tmp_path: Path, corpus: Path) -> None:
+    recipe = _recipe(tmp_path, corpus, optimizer="adamw")
+    recipe["memory"] = {"checkpointing": "auto"}
+    cfg = load_recipe(recipe)
+    decided = planner.plan(cfg, "200MiB")
+    assert set(decided.settings()) == {"memory.checkpointing", "training.micro_batch_size",
+                                       "training.gradient_accumulation"}
+    resolved = decided.apply(cfg)
+    assert resolved.training.optimizer == "adamw" and resolved.adapter.method == "lora"
+    assert resolved.training.learning_rate == cfg.training.learning_rate
+    assert resolved.training.effective_batch_size == 16
+
+
+@pytest.mark.slow
+def test_a_tight_budget_turns_on_the_technique_that_saves_memory(tmp_path: Path, corpus: Path) -> None:
+    recipe = _recipe(tmp_path, corpus)
+    recipe["training"].update(micro_batch_size=16, gradient_accumulation=1)
+    recipe["memory"] = {"checkpointing": "auto"}
+    cfg = load_recipe(recipe)
+    plain = estimate(planner.with_values(cfg, {"memory.checkpointing": "none"})).total_bytes
+    full = estimate(planner.with_values(cfg, {"memory.checkpointing": "full"})).total_bytes
+    assert full < plain
+    generous = planner.plan(cfg, int(plain / 0.9) + 1)
+    assert generous.chosen.values["memory.checkpointing"] == "none"  # no recompute when it fits
+    tight = planner.plan(cfg, int(full / 0.9) + 1)
+    assert tight.chosen.values["memory.checkpointing"] != "none"
+    assert tight.chosen.peak <= tight.usable
+
+
+def test_predicted_ties_go_to_fewer_techniques_then_the_smaller_peak(tmp_path: Path, corpus: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = _recipe(tmp_path, corpus, optimizer="auto")
+    recipe["memory"] = {"checkpointing": "auto"}
+    cfg = load_recipe(recipe)
+    predicted = {("none", "adamw"): 1.04, ("selective", "adamw"): 1.00, ("none", "adamw_8bit"): 1.01}
+    peaks = {("selective", "adamw"): 300}
+
+    def evaluate(self: planner._Search, cand: planner.Candidate) -> None:  # the cost model's verdicts
+        key = (cand.values["memory.checkpointing"], cand.values["training.optimizer"])
+        cand.micro, cand.accumulation, cand.seconds = 4, 4, predicted.get(key, 2.0)
+        cand.peak = peaks.get(key, 200)
+        self.done.append(cand)
+
+    monkeypatch.setattr(planner._Search, "evaluate", evaluate)
+    monkeypatch.setattr(planner._Search, "lower_bound", lambda self, cand: 0.0)
+    monkeypatch.setattr(costmodel, "rates", lambda device: None)
+    choose = lambda: planner._Search(cfg, "cpu", 2**40).run()  # noqa: E731
+    # 4% slower predicted is within the cost model's error: no recompute, no 8-bit state
+    assert choose().values == {"training.optimizer": "adamw", "memory.checkpointing": "none"}
+    predicted[("none", "adamw")] = 1.06  # beyond it: one technique each, the smaller peak wins
+    assert choose().values == {"training.optimizer": "adamw_8bit", "memory.checkpointing": "none"}
+    predicted[("none", "adamw_8bit")] = 1.06  # and beyond it again, the faster prediction
+    assert choose().values == {"training.optimizer": "adamw", "memory.checkpointing": "selective"}
+
+
+def test_tuning_times_the_fastest_predicted_and_keeps_the_fastest_measured(
+        tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrain.estimator import real_step
+
+    cfg = load_recipe(_recipe(tmp_path, corpus))
+    untuned = planner.plan(cfg, "4GiB")
+    assert untuned.chosen.micro == 16 and untuned.chosen.measured is None
+    timed: list[int] = []
+    real = real_step.time_recipe_step
+
+    def time_step(c: object, steps: int = 3) -> float:  # a real step, then this machine's "verdict"
+        timed.append(c.training.micro_batch_size)  # type: ignore[attr-defined]
+        assert real(c, 1) > 0  # type: ignore[arg-type]
+        return {4: 0.5}.get(c.training.micro_batch_size, 1.0)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(real_step, "time_recipe_step", time_step)
+    tuned = planner.plan(cfg, "4GiB", tune=1)
+    assert timed == [16, 8, 4, 2]  # the settings at each micro-batch that fits (1 needs its own trace)
+    assert (tuned.chosen.micro, tuned.chosen.accumulation, tuned.chosen.measured) == (4, 4, 0.5)
+    assert [c.measured for c in tuned.alternatives] == [1.0, 1.0, 1.0]
+    assert "measured 1 s per step vs 0.5 s" in tuned.alternatives[0].reason
+
+
+def test_an_impossible_budget_exits_2_with_the_numbers(tmp_path: Path, corpus: Path) -> None:
+    path = tmp_path / "recipe.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, corpus)))
+    result = CliRunner().invoke(app, ["plan", str(path), "--budget", "1MiB"])
+    assert result.exit_code == 2
+    assert "Nothing fits the budget" in result.output and "smallest reachable peak" in result.output
+    assert "Traceback" not in result.output
+    needed = result.output.split("at least ")[1].split(",")[0].replace("\n", "").replace(" ", "")
+    assert parse_size(needed) > parse_size("1MiB")
+
+
+def test_plan_command_prints_the_choice_and_a_train_command(tmp_path: Path, corpus: Path) -> None:
+    import yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, corpus)))
+    result = CliRunner().invoke(app, ["plan", str(path), "--budget", "4GiB"])
+    assert result.exit_code == 0, result.output
+    assert "chosen" in result.output and "training.micro_batch_size=16" in result.output
+
+
+@pytest.mark.slow
+def test_train_plans_auto_fields_and_saves_the_decision(tmp_path: Path, corpus: Path) -> None:
+    from memtrain.run.train import train
+
+    recipe = _recipe(tmp_path, corpus, max_steps=2)
+    recipe["memory"] = {"budget": "4GiB"}
+    result = train(load_recipe(recipe))
+    assert result.batch.effective == 16 and result.batch.micro == 16
+    saved = load_recipe(str(result.output_dir / "recipe.yaml"))
+    assert saved.training.micro_batch_size == 16
+
+
+def test_on_a_cpu_offloading_to_the_host_does_not_fit_a_ram_budget(tmp_path: Path, corpus: Path) -> None:
+    # On a CPU "device" and "host" are one RAM: offloaded bytes count against the same budget.
+    recipe = causal_recipe(tmp_path, corpus, data={"max_length": 64}, adapter={"method": "full"},
+                           training={"effective_batch_size": 8, "micro_batch_size": 8,
+                                     "gradient_accumulation": 1},
+                           memory={"offload": {"activations": "auto", "optimizer": "auto"}})
+    cfg = load_recipe(recipe)
+    plain = estimate(planner.with_values(cfg, {"memory.offload.activations": False,
+                                               "memory.offload.optimizer": False}), device="cpu")
+    moved = estimate(planner.with_values(cfg, {"memory.offload.activations": False,
+                                               "memory.offload.optimizer": True}), device="cpu")
+    assert moved.peak_bytes < plain.peak_bytes and moved.host_peak_bytes > 0  # fewer "device" bytes
+    assert moved.total_bytes >= plain.total_bytes - 2**10  # but not less RAM
+    assert moved.overheads["host_offload"] > 0
+    budget = int((moved.peak_bytes + plain.total_bytes) / 2 / 0.9)  # fits offload's device bytes only
+    with pytest.raises(planner.NothingFits):
+        planner.plan(cfg, budget, device="cpu")
+    enough = planner.plan(cfg, int(plain.total_bytes / 0.9) + 2**12, device="cpu")
+    assert enough.chosen.peak <= enough.usable

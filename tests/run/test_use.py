@@ -1,0 +1,174 @@
+"""Using a trained run: merge (logits unchanged), generate (prompt written like the data), predict."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MINILM, TINY_CONFIGS, causal_recipe
+from typer.testing import CliRunner
+
+from memtrain.cli.main import app
+from memtrain.config import load_recipe
+from memtrain.run.inference import format_prompt, load_run
+from memtrain.run.train import train
+
+cli = CliRunner()
+
+
+def _chat_file(path: Path) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"count to {i}"},
+                          {"role": "assistant", "content": " ".join(str(k) for k in range(i))}]}
+            for i in range(2, 18)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+IDS = torch.randint(0, 30522, (2, 24), generator=torch.Generator().manual_seed(0))
+TRAINED_LOGITS: dict[str, torch.Tensor] = {}  # run folder -> the trained model's logits on IDS
+
+
+def _logits(model, ids: torch.Tensor = IDS) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    model.train(was_training)
+    return out
+
+
+def _train(tmp: Path, data_file: Path, **sections) -> Path:
+    result = train(load_recipe(causal_recipe(tmp, data_file, **sections)))
+    TRAINED_LOGITS[str(tmp / "run")] = _logits(result.model)
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("chat")
+    return _train(tmp, _chat_file(tmp / "c.jsonl"), data={"format": "messages", "max_length": 64},
+                  training={"max_steps": 3, "learning_rate": 1e-2})
+
+
+def test_merge_gives_the_adapter_models_logits(chat_run: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    result = cli.invoke(app, ["merge", str(chat_run), "--out", str(tmp_path / "merged")])
+    assert result.exit_code == 0, result.output
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    adapted = load_run(chat_run).model
+    delta = adapted.get_base_model().model.layers[0].self_attn.q_proj.lora_B["default"].weight
+    assert delta.abs().max() > 0  # the adapter trained: merging changes the weights
+    # the reloaded adapter model is the trained one (same seeded base), and merging keeps it
+    torch.testing.assert_close(_logits(adapted), TRAINED_LOGITS[str(chat_run)], atol=1e-5, rtol=0)
+    torch.testing.assert_close(_logits(merged), _logits(adapted), atol=1e-4, rtol=0)
+
+
+def test_merge_dequantizes_a_4bit_base(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    run_dir = _train(tmp_path, _chat_file(tmp_path / "c.jsonl"),
+                     model={"quantization": "nf4", "dtype": "fp32"},
+                     data={"format": "messages", "max_length": 64},
+                     training={"max_steps": 2, "learning_rate": 1e-2})
+    result = cli.invoke(app, ["merge", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged").eval()
+    assert "quantization_config" not in json.loads((run_dir / "merged" / "config.json").read_text())
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    torch.testing.assert_close(_logits(merged), TRAINED_LOGITS[str(run_dir)], atol=1e-4, rtol=0)
+
+
+def test_merge_refuses_a_full_model_and_a_non_run(tmp_path: Path) -> None:
+    result = cli.invoke(app, ["merge", str(tmp_path)])
+    assert result.exit_code == 2 and "not a finished run" in result.output
+
+
+def test_generate_uses_the_chat_template(chat_run: Path) -> None:
+    run = load_run(chat_run)
+    prompt = run.tokenizer.decode(format_prompt(run, "count to 3"))
+    assert prompt.startswith("< | im _ start | > user count to 3") and prompt.endswith("assistant")
+    result = cli.invoke(app, ["generate", str(chat_run), "count to 3", "--max-new-tokens", "4"])
+    assert result.exit_code == 0 and result.output.strip(), result.output
+    chat = cli.invoke(app, ["generate", str(chat_run), "--max-new-tokens", "3"], input="hi\nagain\n")
+    assert chat.exit_code == 0 and chat.output.count("> ") == 2, chat.output
+
+
+def test_generate_writes_alpaca_prompts_like_training(tmp_path: Path) -> None:
+    rows = [{"instruction": f"say {w}", "output": w} for w in ("yes", "no", "maybe", "never")] * 3
+    f = tmp_path / "a.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    run_dir = _train(tmp_path, f, data={"format": "alpaca", "max_length": 64},
+                     training={"max_steps": 1})
+    run = load_run(run_dir)
+    text = run.tokenizer.decode(format_prompt(run, "say yes"))
+    assert text.startswith("[CLS] below is an instruction") and text.endswith("# # # response :")
+
+
+@pytest.fixture(scope="module")
+def classifier_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("cls")
+    f = tmp / "cls.csv"
+    f.write_text("text,label\n" + "".join(f"the {a} number {i},{a}\n" for i in range(32)
+                                           for a in ("cat", "dog")))
+    cfg = {"model": {"from_config": dict(TINY_CONFIGS["bert"]), "tokenizer": MINILM,
+                     "task": "sequence-classification"},
+           "data": {"source": str(f), "format": "classification", "max_length": 16,
+                    "eval_split": 0.0},
+           "adapter": {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+           "training": {"micro_batch_size": 8, "gradient_accumulation": 1, "max_steps": 2,
+                        "save_strategy": "no"},
+           "output": {"dir": str(tmp / "run"), "report": False}}
+    train(load_recipe(cfg))
+    return tmp / "run"
+
+
+def test_predict_writes_labels_and_scores(classifier_run: Path, tmp_path: Path) -> None:
+    texts = tmp_path / "new.jsonl"
+    texts.write_text("\n".join(json.dumps({"text": t}) for t in ["a cat", "a dog", "a bird"]))
+    assert json.loads((classifier_run / "labels.json").read_text()) == ["cat", "dog"]
+    result = cli.invoke(app, ["predict", str(classifier_run), str(texts), "--out",
+                              str(tmp_path / "p.csv")])
+    assert result.exit_code == 0, result.output
+    with (tmp_path / "p.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["text"] for r in rows] == ["a cat", "a dog", "a bird"]
+    for r in rows:
+        assert r["label"] in ("cat", "dog")
+        assert float(r["score_cat"]) + float(r["score_dog"]) == pytest.approx(1, abs=1e-5)
+        assert float(r["score"]) == max(float(r["score_cat"]), float(r["score_dog"]))
+    printed = cli.invoke(app, ["predict", str(classifier_run), str(texts)])
+    assert printed.exit_code == 0 and len(printed.output.strip().splitlines()) == 3
+
+
+def test_predict_and_generate_refuse_the_wrong_kind_of_run(chat_run: Path, classifier_run: Path,
+                                                            tmp_path: Path) -> None:
+    texts = tmp_path / "t.jsonl"
+    texts.write_text(json.dumps({"text": "x"}))
+    result = cli.invoke(app, ["predict", str(chat_run), str(texts)])
+    assert result.exit_code == 2 and "needs a classifier run" in result.output
+    result = cli.invoke(app, ["generate", str(classifier_run), "hi"])
+    assert result.exit_code == 2 and "use `memtrain predict`" in result.output
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["alpaca", "sharegpt"])
+def test_the_documented_examples_train_and_generate(kind: str, tmp_path: Path) -> None:
+    """docs/DATA.md's alpaca and ShareGPT examples, end to end through the CLI."""
+    recipe = EXAMPLES / f"{kind}.yaml"
+    assert recipe.read_text().splitlines()[0] == f"# memtrain train docs/examples/{kind}.yaml"
+    run_dir = tmp_path / "run"
+    result = cli.invoke(app, ["train", str(recipe), f"data.source={EXAMPLES / f'{kind}.jsonl'}",
+                              f"output.dir={run_dir}"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run_dir / "metrics.json").read_text())["eval_loss"] > 0
+    result = cli.invoke(app, ["generate", str(run_dir), "Who wrote Hamlet?", "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
