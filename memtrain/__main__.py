@@ -1,5 +1,5 @@
 """``python -m memtrain`` is the ``memtrain`` command."""
 
-from memtrain.cli.main import main
+from memtrain.cli.app import main
 
 main()

@@ -119,7 +119,7 @@ def test_the_cycle_finder_finds_function_level_cycles() -> None:
 
 def test_the_command_line_starts_without_heavy_libraries() -> None:
     """`memtrain --help` and `memtrain validate` import no torch, transformers, datasets or peft."""
-    code = ("import sys; import memtrain.cli.main; import memtrain.config; "
+    code = ("import sys; import memtrain.cli.app; import memtrain.config; "
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'peft') if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

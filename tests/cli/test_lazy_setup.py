@@ -78,7 +78,7 @@ def test_the_libraries_are_set_up_when_used_and_still_work():
 def test_the_command_installs_it_before_anything_else():
     found = _run("""
         import json, sys
-        import memtrain.cli.main as cli
+        import memtrain.cli.app as cli
         cli.app = lambda: print(json.dumps({"finders": [type(f).__name__ for f in sys.meta_path],
                                             "torch": "torch" in sys.modules}))
         cli.main()

@@ -17,7 +17,7 @@ import yaml
 from conftest import TINY_CONFIGS, causal_recipe
 from typer.testing import CliRunner
 
-from memtrain.cli.main import app
+from memtrain.cli.app import app
 from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
 
@@ -164,7 +164,7 @@ def test_a_real_process_exits_2_without_a_traceback(tmp_path: Path, corpus: Path
 
 
 def test_the_command_skips_teardown_but_keeps_its_output_and_status() -> None:
-    """`memtrain` leaves with os._exit once its work is done (memtrain.cli.main._end_without_teardown):
+    """`memtrain` leaves with os._exit once its work is done (memtrain.cli.app._end_without_teardown):
     what it wrote into pipes (block-buffered) still arrives, with the command's exit status."""
     listing = subprocess.run([sys.executable, "-m", "memtrain", "recipes"], capture_output=True,
                              text=True, timeout=120, check=False)

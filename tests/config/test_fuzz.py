@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from memtrain.cli.main import app
+from memtrain.cli.app import app
 from memtrain.config.schema import RunConfig
 
 runner = CliRunner()

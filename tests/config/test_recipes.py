@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from memtrain.cli.main import app
+from memtrain.cli.app import app
 from memtrain.config import load_recipe, shipped_recipes_dir
 
 SHIPPED = sorted(shipped_recipes_dir().glob("*.yaml"))

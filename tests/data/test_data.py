@@ -196,7 +196,7 @@ def test_bad_row_exits_2_without_traceback(tmp_path: Path) -> None:
     import yaml
     from typer.testing import CliRunner
 
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
 
     f = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user"}]}])
     path = tmp_path / "r.yaml"

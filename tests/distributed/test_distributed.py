@@ -198,7 +198,7 @@ def test_cli_nproc_sets_the_number_of_processes(tmp_path: Path, text_file: Path,
     from typer.testing import CliRunner
 
     import memtrain.run.train
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
 
     seen = []
     monkeypatch.setattr(memtrain.run.train, "train", lambda cfg, console: seen.append(cfg))
@@ -445,7 +445,7 @@ def test_a_failing_worker_fails_the_command_and_leaves_no_process(tmp_path: Path
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
 
     data = tmp_path / "no_text.jsonl"  # the `text` column is missing: only the workers read the data
     data.write_text("\n".join(json.dumps({"body": f"row {i}"}) for i in range(8)), encoding="utf-8")
@@ -479,7 +479,7 @@ def test_plan_picks_sharding_under_a_budget_and_every_rank_stays_under_it(tmp_pa
     """docs/planner.md, "Several processes": a budget below one replica's step, above one shard's."""
     from typer.testing import CliRunner
 
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
     from memtrain.estimator.real_step import measure_recipe_step
     from memtrain.model import build_config
     from memtrain.run.train import train

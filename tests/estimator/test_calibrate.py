@@ -47,7 +47,7 @@ def test_profile_location_follows_the_environment(tmp_path: Path, monkeypatch) -
 def test_cli_calibrate_exits_cleanly_without_a_gpu(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
 
     result = CliRunner().invoke(app, ["calibrate", "--output", str(tmp_path / "p.json"), "--quick"])
     assert result.exit_code == 0, result.output

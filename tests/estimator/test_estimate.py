@@ -261,7 +261,7 @@ def test_cli_estimate_prints_json_and_tables(tmp_path: Path, tiny_text_file: Pat
     import yaml
     from typer.testing import CliRunner
 
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
 
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(recipe(tmp_path, tiny_text_file)))
@@ -285,7 +285,7 @@ def test_cli_sweep_prints_curves_and_plots(tmp_path: Path, tiny_text_file: Path)
     import yaml
     from typer.testing import CliRunner
 
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
 
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(recipe(tmp_path, tiny_text_file, data={"max_length": 16})))

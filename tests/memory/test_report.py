@@ -9,7 +9,7 @@ import pytest
 from conftest import causal_recipe
 from typer.testing import CliRunner
 
-from memtrain.cli.main import app
+from memtrain.cli.app import app
 from memtrain.config import load_recipe
 from memtrain.memory.report import REPORT_JSON, REPORT_PNG, load_report, summary_rows
 from memtrain.memory.trackers import CATEGORY_NAMES

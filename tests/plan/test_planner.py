@@ -8,7 +8,7 @@ import pytest
 from conftest import causal_recipe
 from typer.testing import CliRunner
 
-from memtrain.cli.main import app
+from memtrain.cli.app import app
 from memtrain.config import load_recipe
 from memtrain.estimator.estimate import estimate
 from memtrain.plan import costmodel, planner

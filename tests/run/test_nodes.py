@@ -89,7 +89,7 @@ def test_recipe_checks_name_each_field(tmp_path: Path) -> None:
 def test_bad_node_rank_exits_2_without_a_traceback(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from memtrain.cli.main import app
+    from memtrain.cli.app import app
 
     data = tmp_path / "t.jsonl"
     data.write_text('{"text": "a b c"}\n', encoding="utf-8")

@@ -11,7 +11,7 @@ import torch
 from conftest import MINILM, TINY_CONFIGS, causal_recipe
 from typer.testing import CliRunner
 
-from memtrain.cli.main import app
+from memtrain.cli.app import app
 from memtrain.config import load_recipe
 from memtrain.run.inference import format_prompt, load_run
 from memtrain.run.train import train
