@@ -27,6 +27,7 @@ from memtrain.data import mixing, packing
 from memtrain.data.chat import IGNORE_INDEX, resolve_chat_template
 from memtrain.data.encoders import _ENCODERS, _cut, _drop_unlabelled
 from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW
+from memtrain.data.rows import Rows, rows_of
 from memtrain.errors import MemtrainError
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,17 @@ class PreparedData:
     @property
     def num_labels(self) -> int | None:
         return len(self.label_names) if self.label_names else None
+
+    def rows(self, cfg: RunConfig) -> Rows:
+        """The longest batch these training rows make (what the estimate and auto-fit use)."""
+        return rows_of(cfg, token_counts(self.train))
+
+
+def token_counts(dataset: Dataset) -> list[int]:
+    """The number of tokens of every row, read from the Arrow column without decoding the rows."""
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
 
 
 def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:

@@ -29,6 +29,7 @@ import numpy as np
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import resolve_batch
+from memtrain.data.rows import Rows
 from memtrain.estimator import calibrate
 from memtrain.estimator.pool import run_all
 from memtrain.estimator.setup import TraceSetup, trace_setup
@@ -92,7 +93,7 @@ class Sweep:
 
 
 def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
-             device: str | None = None, exact: bool = False) -> Estimate:
+             device: str | None = None, exact: bool = False, rows: Rows | None = None) -> Estimate:
     """Predict the peak memory of one training step of ``recipe``, by category and phase.
 
     Args:
@@ -102,13 +103,15 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
             has it). On a machine without CUDA, a CUDA run is traced on CPU fake tensors with
             CUDA's optimizer kernels.
         exact: trace every layer instead of extrapolating from 2 and 3 (slower; for checks).
+        rows: the longest batch of the data at hand (:meth:`memtrain.data.prepare.PreparedData.rows`);
+            default: the recipe's worst case, every row ``data.max_length`` tokens.
 
     Raises:
         MemtrainError: a setting the estimator needs is ``auto``, the model is unknown offline,
             or the recipe cannot be built; the message names the field.
     """
     start = time.perf_counter()
-    plan = trace_setup(recipe, overrides, device)
+    plan = trace_setup(recipe, overrides, device, rows)
     candidates, counts, method = trace_candidates(plan, plan.micro_batch, plan.seq_len, exact)
     return summarize(plan, candidates, counts, method, time.perf_counter() - start)
 
@@ -196,7 +199,7 @@ def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int) -> Trac
     # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
     foreach = plan.device == "cuda"
     return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
-                      device=plan.trace_device, foreach=foreach)
+                      device=plan.trace_device, foreach=foreach, padded=plan.padded)
 
 
 # --------------------------------------------------------------------------------- reporting

@@ -18,6 +18,11 @@ and restores everything it touched afterwards:
   brings an attention mask unless the recipe packs its rows, so the question comes up for a packed
   recipe, where the answer is yes (the block-diagonal mask a real packed row gets), or for rows of
   one token, where it is no. ``fake_tensor_mode(packed=...)`` answers it.
+- transformers asks of a 2D attention mask whether it is all ones before building a 4D mask for
+  SDPA; on a real batch without padding (a batch of one row, rows all as long: see
+  :mod:`memtrain.data.rows`) the answer is yes and attention takes the unmasked, causal-only path
+  (no 4D mask, no keys and values repeated per head). On fake tensors it cannot ask and builds the
+  mask. ``fake_tensor_mode(padded=False)`` answers yes for the traced (unpadded) batch.
 - bitsandbytes builds its 8-bit quantization map with ``.tolist()``, a data-dependent call that
   fake tensors cannot answer. The map is built once for real (256 floats) and handed in as a
   fake constant. bitsandbytes caches maps in module globals; the cache is restored on exit so that
@@ -65,11 +70,12 @@ from memtrain.trainer.build import apply_patches, recipe_stage
 
 
 @contextmanager
-def fake_tensor_mode(packed: bool = False) -> Iterator[FakeTensorMode]:
+def fake_tensor_mode(packed: bool = False, padded: bool = True) -> Iterator[FakeTensorMode]:
     """Enter a ``FakeTensorMode`` with the fixes above; yields the mode (for ``from_tensor``).
 
     Args:
         packed: the traced batches pack several examples per row (``data.packing``).
+        padded: the traced batches carry padding; False: their attention masks are all ones.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     with ExitStack() as stack:
@@ -77,6 +83,8 @@ def fake_tensor_mode(packed: bool = False) -> Iterator[FakeTensorMode]:
         stack.enter_context(_deepcopyable_fakes())
         if not packed:
             stack.enter_context(_unpacked_positions())
+        if not padded:
+            stack.enter_context(_unpadded_masks())
         stack.enter_context(_bnb_on_fakes(mode))
         stack.enter_context(_dtensor_propagation_apart())
         stack.enter_context(_grouped_mm_any_float())
@@ -138,6 +146,30 @@ def _unpacked_positions() -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = original
+
+
+@contextmanager
+def _unpadded_masks() -> Iterator[None]:
+    """transformers' "can the SDPA mask be skipped?" checks see no padding mask for a fake one: the
+    traced batch has none, so the real check (``padding_mask.all()``) would say the same."""
+    from transformers import masking_utils
+
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+    originals = {name: getattr(masking_utils, name) for name in names}
+
+    def without_fake_mask(check: Callable[..., bool]) -> Callable[..., bool]:
+        def wrapped(padding_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> bool:
+            return check(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
+
+        return wrapped
+
+    for name, check in originals.items():
+        setattr(masking_utils, name, without_fake_mask(check))
+    try:
+        yield
+    finally:
+        for name, check in originals.items():
+            setattr(masking_utils, name, check)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from memtrain.config import ModelConfig, RunConfig, load_recipe
 from memtrain.config.batch import resolve_batch
+from memtrain.data.rows import Rows, worst_case
 from memtrain.device import cuda_available, device_type
 from memtrain.errors import MemtrainError
 from memtrain.estimator import catalog
@@ -35,6 +36,13 @@ class TraceSetup:
     device: str
     trace_device: str
     notes: list[str]
+    rows: Rows  # the longest batch: from the data, or the recipe's worst case
+
+    @property
+    def padded(self) -> bool:
+        """Whether the traced batches carry padding (the recipe's micro-batch decides it; traces at
+        other micro-batches keep the same layout, so that they extrapolate in batch size)."""
+        return self.rows.padded(self.micro_batch)
 
 
 NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
@@ -44,7 +52,9 @@ NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "tr
 
 
 def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
-                device: str | None) -> TraceSetup:
+                device: str | None, rows: Rows | None = None) -> TraceSetup:
+    """What to trace for ``recipe``; ``rows`` is the data's longest batch (default: the recipe's
+    worst case, every row ``data.max_length`` tokens)."""
     cfg = recipe if isinstance(recipe, RunConfig) else load_recipe(recipe, overrides)
     if isinstance(recipe, RunConfig) and overrides:
         raise ValueError("pass overrides with a recipe file or dict, not with a RunConfig")
@@ -59,10 +69,11 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
         raise MemtrainError(f"`--device` must be `cuda` or `cpu`, got {target!r}.")
     config, label = resolve_config(cfg.model)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
-    seq_len = cfg.data.max_length
+    rows = rows or worst_case(cfg)
+    seq_len = rows.longest
     _check_positions(config, seq_len)
     trace_device = "cuda" if target == "cuda" and cuda_available() else "cpu"
-    notes = [f"every example is data.max_length = {seq_len} tokens (the worst case; data is not read)"]
+    notes = [rows.describe(batch.micro)]
     if cfg.model.task == "sequence-classification" and cfg.model.num_labels is None:
         notes.append("classification head sized for 2 labels (model.num_labels unset, data not read)")
     if target == "cuda" and trace_device == "cpu":
@@ -78,7 +89,7 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
     if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
         notes.append("paged optimizer state counted as device memory (all pages resident)")
     depth = int(config.num_hidden_layers)
-    return TraceSetup(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes)
+    return TraceSetup(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes, rows)
 
 
 def _process_notes(cfg: RunConfig) -> list[str]:

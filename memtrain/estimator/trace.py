@@ -119,7 +119,7 @@ def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
 
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
-               device: torch.device | str = "cpu", foreach: bool = False) -> Trace:
+               device: torch.device | str = "cpu", foreach: bool = False, padded: bool = True) -> Trace:
     """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
 
     With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
@@ -135,10 +135,12 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         device: the device the fake tensors claim to be on.
         foreach: make torch optimizers use their multi-tensor (foreach) kernels, as they do for
             real CUDA tensors (fake tensors never get them by default).
+        padded: the batch carries padding (masked attention); False: every row is ``seq_len``
+            tokens (:func:`memtrain.trainer.build.example_batch`).
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
-    fake = fake_tensor_mode(packed=cfg.data.packing)
+    fake = fake_tensor_mode(packed=cfg.data.packing, padded=padded)
     with _process_group(cfg, device) as mesh, fake, _default_device(device), _quiet():
         model = build_fake_model(cfg, config)
         total, trainable = count_parameters(model)  # before sharding: 4-bit weights lose their marks
@@ -151,7 +153,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             for group in optimizer.param_groups:
                 if "foreach" in group and not group.get("fused"):
                     group["foreach"] = True
-        batch = example_batch(cfg, config, batch_size, seq_len, device)
+        batch = example_batch(cfg, config, batch_size, seq_len, device, padded=padded)
         step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])
         _create_optimizer_state(model, optimizer)
         # With accumulation, the first micro-batch's gradients are put in place before the meter

@@ -129,7 +129,7 @@ def build_optimizer(cfg: RunConfig, model: nn.Module,
 
 
 def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
-                  device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                  device: torch.device | str = "cpu", padded: bool = True) -> dict[str, torch.Tensor]:
     """A worst-case batch: every row ``seq_len`` tokens long, laid out as memtrain's collators lay
     out real batches, so that attention takes the path a real step takes.
 
@@ -141,6 +141,10 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
     for every head (transformers' ``repeat_kv``), both kept for backward. So the longest batch has
     one padded token (the last of the last row; a one-token row has none to spare), and a packed
     row holds two examples.
+
+    ``padded=False`` is a batch whose rows all have ``seq_len`` tokens (:mod:`memtrain.data.rows`:
+    a batch of one row, or data whose rows are all as long): the collator's attention mask is all
+    ones, and transformers takes the unmasked (causal-only) attention path.
     """
     generator = torch.Generator().manual_seed(0) if torch.device(device).type == "cpu" else None
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator,
@@ -158,10 +162,11 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
         labels[:, half] = -100  # no example is trained to predict the next one's first token
     elif seq_len > 1:
         mask = torch.ones_like(ids)
-        mask[-1, -1] = 0
+        if padded:
+            mask[-1, -1] = 0
+            if labels.dim() == 2:
+                labels[-1, -1] = -100
         batch["attention_mask"] = mask
-        if labels.dim() == 2:
-            labels[-1, -1] = -100
     return batch
 
 
