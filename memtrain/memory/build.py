@@ -40,7 +40,7 @@ __all__ = ["BuildError", "apply_patches", "build_fake_model", "build_model", "bu
 # The recipe field each patch reads, for error messages.
 PATCH_FIELDS = {"lora": "adapter", "chunked_loss": "memory.loss", "checkpointing": "memory.checkpointing",
                 "offload": "memory.offload", "fewbit": "memory.activation_bits",
-                "randomized_linear": "memory.randomized_linear"}
+                "randomized_linear": "memory.randomized_linear", "tiled_mlp": "memory.tiled_mlp"}
 
 
 class BuildError(MemtrainError):
