@@ -11,8 +11,11 @@ transient peak of the MLP shrinks by the number of tiles. Under full checkpointi
 remains of a long sequence's activation peak besides attention and the loss (ALST's "floor").
 
 Costs: the MLP's forward runs once more, in backward (about two thirds of a Llama layer's matmul
-FLOPs are the MLP's, so roughly +20% of the step's FLOPs; more under checkpointing, which runs it
-a third time). On 4-bit layers bitsandbytes dequantizes each weight once per tile and pass.
+FLOPs are the MLP's, so roughly +20% of the step's FLOPs). Under full checkpointing add the down
+projection, which the layer's recompute would otherwise skip (torch's early stop ends a recompute
+after its last saved tensor; the Function saves its input only after all tiles ran); under
+selective checkpointing a second MLP forward (see Order). On 4-bit layers bitsandbytes
+dequantizes each weight once per tile and pass.
 
 Exact: the tiles are row blocks of the flattened tokens and an MLP treats every token alone, so
 outputs and gradients equal the untiled MLP's up to summation order (input gradients are copied
@@ -36,7 +39,8 @@ decoder layer's checkpoint then wraps the tiled MLP. Under full checkpointing th
 input, its recompute runs the tiled forward (keeping the MLP input), and the MLP's backward
 recomputes per tile. Under selective checkpointing the tiles run inside
 :func:`memtrain.patches.checkpointing.never_saved`, or the policy would keep every tile's matmul
-outputs, the whole intermediate, until backward.
+outputs, the whole intermediate, until backward; the layer's recompute then runs the tiles again,
+so the MLP runs three times a step: full checkpointing is the cheaper partner.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class _TiledMLP(torch.autograd.Function):
         ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
                         torch.get_autocast_dtype(device.type))
         ctx.save_for_backward(x)
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.detach().reshape(-1, x.shape[-1])  # tiles that look like no-grad tensors to hooks
         out = None
         with never_saved():
             for start, stop in ctx.spans:
@@ -135,7 +139,9 @@ class _TiledMLP(torch.autograd.Function):
               torch.autocast(device_type, dtype=amp_dtype, enabled=amp)):
             for start, stop in ctx.spans:
                 piece = flat_x[start:stop].detach().requires_grad_(need_x)
-                y = ctx.run(piece)
+                # The MLP gets a view, not the leaf: module hooks that watch input gradients
+                # (FlopCounterMode's ModuleTracker) cannot take a leaf inside autograd.grad.
+                y = ctx.run(piece.view_as(piece) if need_x else piece)
                 inputs = ([piece] if need_x else []) + [ctx.params[i] for i in wanted]
                 grads = list(torch.autograd.grad(y, inputs, flat_g[start:stop], allow_unused=True))
                 if grad_x is not None:
