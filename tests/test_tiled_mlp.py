@@ -162,6 +162,31 @@ def test_the_intermediate_is_gone_and_one_mlp_forward_is_added(checkpointing: st
     assert tiled_flops - plain_flops == 2 * 2 * TOKENS * matmuls * 64 * 1024
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_gradients_match_with_lora_dropout_and_the_allocator_peak_drops() -> None:
+    """CUDA's generator state is replayed too (one tile: the untiled masks); the allocator's own
+    peak drops by more than the saved intermediates of both layers."""
+    base = _lora(tiny_model("llama", **WIDE).to("cuda", torch.bfloat16).train(), dropout=0.2)
+    batch = {k: v.cuda() for k, v in _batch().items()}
+    reference = _loss_and_grads(base, batch)
+    _assert_same(_loss_and_grads(tiled_mlp.apply(copy.deepcopy(base), 1), batch), reference, BF16)
+
+    def peak(model: nn.Module) -> int:
+        ids = torch.randint(0, 512, (1, TOKENS), device="cuda")
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    plain = tiny_model("llama", **WIDE).to("cuda", torch.bfloat16).train()
+    plain_peak = peak(plain)
+    assert plain_peak - peak(tiled_mlp.apply(plain, 8)) > 3 * 2 * TOKENS * 1024 * 2
+
+
 def test_estimate_equals_the_measured_step_and_an_independent_count(tmp_path: Path,
                                                                     tiny_text_file: Path) -> None:
     recipe = causal_recipe(tmp_path, tiny_text_file, data={"max_length": 128},
@@ -266,3 +291,25 @@ def test_bad_switch_values_are_rejected_and_auto_needs_the_planner(tmp_path: Pat
     cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, memory={"tiled_mlp": "auto"}))
     with pytest.raises(MemtrainError, match=r"memory.tiled_mlp.*auto"):
         estimate(cfg, device="cpu")
+
+
+# --------------------------------------------------------------------------------- planner
+
+
+@pytest.mark.slow  # measures this machine's rates once (about 10 s)
+def test_the_planner_tiles_only_when_the_budget_needs_it(tmp_path: Path, tiny_text_file: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from memtrain import planner
+
+    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path / "calibration.json"))
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, data={"max_length": 128},
+                                    model={"from_config": {**TINY_CONFIGS["llama"], **WIDE}},
+                                    training={"micro_batch_size": 2}, memory={"tiled_mlp": "auto"}))
+    peaks = {on: estimate(planner.with_values(cfg, {"memory.tiled_mlp": on}), device="cpu").total_bytes
+             for on in (False, True)}
+    assert peaks[True] < peaks[False]
+    generous = planner.plan(cfg, int(peaks[False] / 0.9) + 1, device="cpu")
+    assert generous.chosen.values["memory.tiled_mlp"] is False  # no recompute when it fits
+    tight = planner.plan(cfg, int(peaks[True] / 0.9) + 1, device="cpu")
+    assert tight.chosen.values["memory.tiled_mlp"] is True
+    assert tight.apply(cfg).memory.tiled_mlp is True

@@ -40,7 +40,7 @@ class _Plan:
 _NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
                 "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
                 "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear",
-                "memory.loss", "training.optimizer_in_backward")
+                "memory.loss", "training.optimizer_in_backward", "memory.tiled_mlp")
 
 
 def _plan(recipe: RunConfig | str | Path | dict, overrides: Sequence[str], device: str | None) -> _Plan:
