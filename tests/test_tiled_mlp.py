@@ -127,6 +127,34 @@ def test_qlora_4bit_recipe_trains_the_same_gradients(tmp_path: Path, tiny_text_f
     _assert_same(grads(True), grads(False), BF16)
 
 
+def test_composes_with_checkpointing_and_activation_offload_in_the_recipe_order(
+        tmp_path: Path, tiny_text_file: Path) -> None:
+    def grads(tiled: bool) -> tuple:
+        memory = {"tiled_mlp": tiled, "checkpointing": "full",
+                  "offload": {"activations": True, "min_tensor_bytes": 0}}
+        model = build.build_model(load_recipe(causal_recipe(tmp_path, tiny_text_file, memory=memory))).train()
+        torch.manual_seed(5)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(param, std=0.05)
+        applied = [r.name for r in records(model)]
+        assert applied == ["lora", *(["tiled_mlp"] * tiled), "checkpointing", "offload"]
+        return _loss_and_grads(model, _batch(vocab=30522))
+
+    _assert_same(grads(True), grads(False), FP32)
+
+
+def test_gradient_hooks_fire_once_per_parameter() -> None:
+    """Gradients summed over tiles reach each parameter once (the optimizer step inside backward
+    steps in these hooks), not once per tile as with a per-tile ``backward``."""
+    model = tiled_mlp.apply(tiny_model("llama").train(), 4)
+    calls: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, n=name: calls.update({n: calls.get(n, 0) + 1}))
+    model(**_batch()).loss.backward()
+    assert len(calls) == len(list(model.parameters())) and set(calls.values()) == {1}
+
+
 # ----------------------------------------------------------------------------------- effect
 
 WIDE = {"hidden_size": 64, "intermediate_size": 1024, "num_hidden_layers": 2}
