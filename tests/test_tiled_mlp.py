@@ -110,6 +110,19 @@ def test_lora_dropout_masks_are_replayed_in_backward() -> None:
     _assert_same(_loss_and_grads(tiled_mlp.apply(copy.deepcopy(base), 1), batch), reference, FP32)
 
 
+def test_backward_recomputes_under_the_forwards_autocast() -> None:
+    """With one tile the bf16 autocast matmuls are the untiled ones, bit for bit, only when the
+    recompute runs under the same autocast state (outside it, it would recompute in fp32)."""
+    def run(model: nn.Module) -> tuple:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # backward outside, as the Trainer runs it
+            loss = model(**_batch()).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    base = tiny_model("llama").train()
+    _assert_same(run(tiled_mlp.apply(copy.deepcopy(base), 1)), run(base), FP32)
+
+
 def test_qlora_4bit_recipe_trains_the_same_gradients(tmp_path: Path, tiny_text_file: Path) -> None:
     """bitsandbytes 4-bit base layers inside the tiles, built from a recipe through the registry."""
     def grads(tiled: bool) -> tuple:

@@ -45,10 +45,10 @@ so the MLP runs three times a step: full checkpointing is the cheaper partner.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,7 @@ from torch.autograd.function import once_differentiable
 
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
-from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, register
+from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, records, register
 from memtrain.patches._targets import block_lists
 from memtrain.patches.checkpointing import never_saved, wrap_forward
 
@@ -79,7 +79,7 @@ def _spans(rows: int, tiles: int) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------- the Function
 
 
-@contextmanager
+@contextlib.contextmanager
 def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None,
                   device: torch.device) -> Iterator[None]:
     """Run with the generator state saved in forward (nothing to do when ``state`` is None)."""
@@ -111,8 +111,10 @@ class _TiledMLP(torch.autograd.Function):
         if random:
             ctx.rng = (torch.get_rng_state(),
                        torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
-                        torch.get_autocast_dtype(device.type))
+        ctx.autocast = None  # recomputed under the autocast state forward ran in
+        if torch.amp.is_autocast_available(device.type):  # not on meta
+            ctx.autocast = (device.type, torch.get_autocast_dtype(device.type),
+                            torch.is_autocast_enabled(device.type))
         ctx.save_for_backward(x)
         flat = x.detach().reshape(-1, x.shape[-1])  # tiles that look like no-grad tensors to hooks
         out = None
@@ -134,9 +136,8 @@ class _TiledMLP(torch.autograd.Function):
         flat_x, flat_g = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(flat_x) if need_x else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
-        device_type, amp, amp_dtype = ctx.autocast
-        with (_replayed_rng(ctx.rng, x.device), torch.enable_grad(),
-              torch.autocast(device_type, dtype=amp_dtype, enabled=amp)):
+        amp = torch.autocast(*ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
+        with _replayed_rng(ctx.rng, x.device), torch.enable_grad(), amp:
             for start, stop in ctx.spans:
                 piece = flat_x[start:stop].detach().requires_grad_(need_x)
                 # The MLP gets a view, not the leaf: module hooks that watch input gradients
@@ -307,13 +308,10 @@ def apply(model: nn.Module, tiles: int | None = None) -> nn.Module:
 
 def undo(model: nn.Module) -> nn.Module:
     """Remove the tiling this module applied to ``model``."""
-    kept = []
-    for record in model.__dict__.get("_memtrain_patch_records", []):
+    for record in records(model):
         if record.name == "tiled_mlp" and record.undo is not None:
             record.undo()
-        else:
-            kept.append(record)
-    model.__dict__["_memtrain_patch_records"] = kept
+    model.__dict__["_memtrain_patch_records"] = [r for r in records(model) if r.name != "tiled_mlp"]
     return model
 
 
