@@ -248,10 +248,11 @@ def _tiling(module: nn.Module, kind: Kind, tiles: int | None
     def make(forward: Callable[..., Any]) -> Callable[..., Any]:
         dropout: nn.Module | None = None
         run: Callable[[torch.Tensor], torch.Tensor] = forward
-        if kind.dropout_outside:  # looked up at each call: a later patch may replace a child
-            first, last = kind.projections
-            act = next(n for n, _ in module.named_children() if n in _ACTIVATIONS - {"dropout"})
-            dropout = module.dropout
+        act = next((n for n, _ in module.named_children() if n in _ACTIVATIONS - {"dropout"}), None)
+        outside = getattr(module, "dropout", None) if kind.dropout_outside else None
+        if act is not None and isinstance(outside, nn.Module):
+            first, last = kind.projections  # looked up at each call: a later patch may replace one
+            dropout = outside
             run = lambda t: getattr(module, last)(getattr(module, act)(getattr(module, first)(t)))  # noqa: E731
 
         @functools.wraps(forward)
