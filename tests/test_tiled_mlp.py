@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, causal_recipe, tiny_model
+from conftest import TINY_CONFIGS, causal_recipe, tiny_catalog_configs, tiny_model
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -85,9 +85,18 @@ def test_loss_and_every_gradient_equal_the_untiled_model(arch: str, lora: bool, 
         assert all("lora_" in n for n in reference[1])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_other_gated_families_and_the_default_tile_rule(arch: str) -> None:
-    base = _model(arch, lora=False)
+DECODERS = {t: c for t, c in tiny_catalog_configs().items() if t not in ("bert", "roberta")}
+
+
+@pytest.mark.parametrize("model_type", sorted(DECODERS))
+def test_every_catalog_decoder_with_the_default_tile_rule(model_type: str) -> None:
+    """Qwen3, Gemma 2 (GELU-tanh, soft-capping) and Phi-3 (fused gate and up projection) too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = copy.deepcopy(DECODERS[model_type])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).train()
     batch = _batch(tokens=70)  # 140 rows / hidden 64: 3 tiles by ALST's rule
     reference = _loss_and_grads(base, batch)
     _assert_same(_loss_and_grads(tiled_mlp.apply(copy.deepcopy(base)), batch), reference, FP32)
