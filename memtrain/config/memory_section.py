@@ -107,6 +107,17 @@ class MemoryConfig(Section):
         None, gt=0, description="Tokens per chunk of the chunked loss; null = about as many logits "
         "as hidden-state values (Liger-Kernel's rule)."
     )
+    tiled_mlp: bool | Auto = Field(
+        False,
+        description="Tiled MLP (ALST): every decoder MLP runs over tiles of tokens and recomputes "
+        "each tile in backward, so only its input is kept for backward and one tile's intermediate "
+        "exists at a time; same loss and gradients, one more MLP forward per step. `auto`: the "
+        "planner decides.",
+    )
+    tiled_mlp_tiles: int | None = Field(
+        None, ge=1, description="Tiles per MLP call of the tiled MLP (row blocks of the batch's "
+        "tokens); null = ceil(tokens / hidden_size), ALST's rule (tiles of about hidden_size tokens)."
+    )
     lean_kbit: bool = Field(
         True,
         description="QLoRA/int8: keep frozen embeddings, output head and norms in the compute dtype "

@@ -2,9 +2,9 @@
 
 Each technique module exposes ``Config`` and ``apply(model, cfg) -> model`` for Python users, and
 registers a recipe hook with :func:`register` that reads its settings from a :class:`RunConfig`.
-:func:`apply_patches` runs the hooks in order: adapter -> loss -> approximate layers ->
+:func:`apply_patches` runs the hooks in order: adapter -> loss -> approximate layers -> tiled MLP ->
 checkpointing -> offload (an adapter changes module names and which weights need gradients; checkpointing must
-wrap layers whose contents are final; offload hooks see what checkpointing saves).
+wrap layers whose contents are final, the tiled MLP included; offload hooks see what checkpointing saves).
 
 Patches record what they touched (:class:`PatchRecord`, read back with :func:`records`) and
 raise :class:`NoMatchError` when a name pattern matches nothing.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from memtrain.config import RunConfig
 
 # Stages, in the order they are applied.
-ADAPTER, LOSS, APPROXIMATE, CHECKPOINTING, OFFLOAD = 10, 15, 20, 30, 40
+ADAPTER, LOSS, APPROXIMATE, TILING, CHECKPOINTING, OFFLOAD = 10, 15, 20, 25, 30, 40
 
 RecipeHook = Callable[[nn.Module, "RunConfig"], nn.Module | None]
 

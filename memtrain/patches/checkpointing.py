@@ -28,8 +28,10 @@ count nor a selective policy, and differs between architectures.
 
 from __future__ import annotations
 
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -65,8 +67,27 @@ SAVED_OPS: frozenset[Any] = frozenset(
 )
 
 
+# Set inside regions that keep nothing for backward by design and recompute themselves (the tiled
+# MLP's forward): selective checkpointing caches the outputs of the ops it keeps whatever the grad
+# mode, so it would otherwise hold every tile's matmul outputs from forward to backward.
+_NEVER_SAVED: contextvars.ContextVar[bool] = contextvars.ContextVar("memtrain_never_saved", default=False)
+
+
+@contextmanager
+def never_saved() -> Iterator[None]:
+    """Ops run inside are recomputed, never kept, by selective checkpointing."""
+    token = _NEVER_SAVED.set(True)
+    try:
+        yield
+    finally:
+        _NEVER_SAVED.reset(token)
+
+
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Keep matmul and fused-attention outputs; recompute everything else."""
+    """Keep matmul and fused-attention outputs; recompute everything else (and everything inside
+    :func:`never_saved`)."""
+    if _NEVER_SAVED.get():
+        return CheckpointPolicy.PREFER_RECOMPUTE
     packet = getattr(op, "overloadpacket", op)
     return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 

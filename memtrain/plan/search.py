@@ -196,7 +196,8 @@ class _Search:
         plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
                  "memory.offload.activations": False, "memory.offload.optimizer": False,
                  "memory.activation_bits": None, "memory.randomized_linear": None,
-                 "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False}
+                 "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False,
+                 "memory.tiled_mlp": False}
         return {f: v for f, v in plain.items() if f in self.fields}
 
     def evaluate(self, cand: Candidate) -> None:

@@ -85,6 +85,7 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "distributed.sharding": ["none", "grad_op", "full"] if cfg.distributed.processes > 1 else ["none"],
         "memory.loss": ["standard", "chunked"] if cfg.model.task == "causal-lm" else ["standard"],
         "training.optimizer_in_backward": [False, True],
+        "memory.tiled_mlp": [False, True],  # keeps only each MLP's input; one more MLP forward
     }[path]
 
 

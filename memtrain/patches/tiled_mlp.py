@@ -1,0 +1,326 @@
+"""Tiled MLP: run each decoder MLP over tiles of tokens, recompute each tile in backward.
+
+Saves: a transformer MLP keeps its per-token intermediates for backward, several tensors of
+tokens × intermediate (a gated MLP keeps the gate and up projections, the activation and their
+product: about 4 × 14,336 values per token and layer on Llama-3.1-8B, 3.5 times as wide as the
+hidden state). Here the MLP runs inside one ``torch.autograd.Function``: forward runs the MLP
+tile by tile without grad and keeps only the MLP input; backward runs each tile's forward again
+with grad and back-propagates it at once, so the intermediates of one tile exist at a time, in
+forward and in backward. What is left per layer is the MLP input (one hidden state), and the
+transient peak of the MLP shrinks by the number of tiles. Under full checkpointing this is what
+remains of a long sequence's activation peak besides attention and the loss (ALST's "floor").
+
+Costs: the MLP's forward runs once more, in backward (about two thirds of a Llama layer's matmul
+FLOPs are the MLP's, so roughly +20% of the step's FLOPs). Under full checkpointing add the down
+projection, which the layer's recompute would otherwise skip (torch's early stop ends a recompute
+after its last saved tensor; the Function saves its input only after all tiles ran); under
+selective checkpointing a second MLP forward (see Order). On 4-bit layers bitsandbytes
+dequantizes each weight once per tile and pass.
+
+Exact: the tiles are row blocks of the flattened tokens and an MLP treats every token alone, so
+outputs and gradients equal the untiled MLP's up to summation order (input gradients are copied
+per tile; parameter gradients are the sum over tiles, in the parameter's dtype). Random ops inside
+(LoRA dropout) replay the generator state saved in forward; GPT-2's output dropout runs on the
+whole output, outside the tiles, so its mask is the untiled one.
+
+Follows ALST (Bekman et al., 2025, arXiv 2506.13996: DeepSpeed's ``TiledMLP``, also in
+Liger-Kernel and Unsloth), including its default tile count: ``ceil(tokens / hidden_size)`` tiles,
+so one tile's intermediate is about hidden × intermediate values whatever the length. Written
+here rather than imported because those libraries accumulate parameter gradients by calling
+``backward`` per tile, which fires gradient hooks once per tile (memtrain's optimizer step
+inside backward, FSDP's reduce-scatter); this Function returns the summed gradients, so hooks
+fire once. The MLP is found by structure (children that are its projections, an activation and
+a dropout), patched in place (module names, LoRA targets and state dicts are unchanged), and any
+layer inside it (peft LoRA, bitsandbytes 4-bit, few-bit or randomized layers) is simply called.
+
+Order (stage ``TILING``, after the adapter and approximate layers, before checkpointing): the
+tiles call whatever layers the MLP holds when it runs, so the adapter must exist first; the
+decoder layer's checkpoint then wraps the tiled MLP. Under full checkpointing the layer keeps its
+input, its recompute runs the tiled forward (keeping the MLP input), and the MLP's backward
+recomputes per tile. Under selective checkpointing the tiles run inside
+:func:`memtrain.patches.checkpointing.never_saved`, or the policy would keep every tile's matmul
+outputs, the whole intermediate, until backward; the layer's recompute then runs the tiles again,
+so the MLP runs three times a step: full checkpointing is the cheaper partner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from memtrain.config import RunConfig
+from memtrain.errors import MemtrainError
+from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, records, register
+from memtrain.patches._targets import block_lists
+from memtrain.patches.checkpointing import never_saved, wrap_forward
+
+_MARK = "__memtrain_tiled_mlp__"
+_ACTIVATIONS = frozenset({"act", "act_fn", "activation_fn", "activation", "dropout"})
+
+
+def default_tiles(tokens: int, hidden: int) -> int:
+    """ALST's rule: ``ceil(tokens / hidden)`` tiles (each about ``hidden`` tokens), at least 1."""
+    return max(1, math.ceil(tokens / max(1, hidden)))
+
+
+def _spans(rows: int, tiles: int) -> list[tuple[int, int]]:
+    size = math.ceil(rows / max(1, min(tiles, rows)))
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+# ------------------------------------------------------------------------- the Function
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None,
+                  device: torch.device) -> Iterator[None]:
+    """Run with the generator state saved in forward (nothing to do when ``state`` is None)."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+class _TiledMLP(torch.autograd.Function):
+    """``run(x)`` computed over row tiles of ``x``; only ``x`` is kept for backward.
+
+    ``params`` are the trainable tensors ``run`` uses: they are inputs so that autograd asks for
+    their gradients, which backward returns summed over tiles. They are kept on ``ctx`` rather
+    than saved: they live anyway, and saving them would pass them through saved-tensor hooks
+    (offload would copy the weights to the host).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                tiles: int, random: bool, *params: torch.Tensor) -> torch.Tensor:
+        device = x.device
+        ctx.run, ctx.params, ctx.spans = run, params, _spans(x.numel() // x.shape[-1], tiles)
+        ctx.rng = None
+        if random:
+            ctx.rng = (torch.get_rng_state(),
+                       torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        ctx.autocast = None  # recomputed under the autocast state forward ran in
+        if torch.amp.is_autocast_available(device.type):  # not on meta
+            ctx.autocast = (device.type, torch.get_autocast_dtype(device.type),
+                            torch.is_autocast_enabled(device.type))
+        ctx.save_for_backward(x)
+        flat = x.detach().reshape(-1, x.shape[-1])  # tiles that look like no-grad tensors to hooks
+        out = None
+        with never_saved():
+            for start, stop in ctx.spans:
+                y = run(flat[start:stop])
+                if out is None:
+                    out = y.new_empty((flat.shape[0], y.shape[-1]))
+                out[start:stop] = y
+        assert out is not None  # at least one tile: x has at least one row
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[1]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        flat_x, flat_g = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = torch.empty_like(flat_x) if need_x else None
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        amp = torch.autocast(*ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
+        with _replayed_rng(ctx.rng, x.device), torch.enable_grad(), amp:
+            for start, stop in ctx.spans:
+                piece = flat_x[start:stop].detach().requires_grad_(need_x)
+                # The MLP gets a view, not the leaf: module hooks that watch input gradients
+                # (FlopCounterMode's ModuleTracker) cannot take a leaf inside autograd.grad.
+                y = ctx.run(piece.view_as(piece) if need_x else piece)
+                inputs = ([piece] if need_x else []) + [ctx.params[i] for i in wanted]
+                grads = list(torch.autograd.grad(y, inputs, flat_g[start:stop], allow_unused=True))
+                if grad_x is not None:
+                    grad_x[start:stop] = grads.pop(0)
+                for k, grad in enumerate(grads):
+                    if grad is not None:
+                        sums[k] = grad if sums[k] is None else sums[k].add_(grad)  # type: ignore[union-attr]
+        param_grads: list[torch.Tensor | None] = [None] * len(ctx.params)
+        for k, i in enumerate(wanted):
+            param_grads[i] = sums[k]
+        return (None, None if grad_x is None else grad_x.view(x.shape), None, None, *param_grads)
+
+
+def tiled(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
+          tiles: int | None = None, random: bool = False) -> torch.Tensor:
+    """``run(x)`` for a per-token ``run``, computed tile by tile (see the module docstring).
+
+    Args:
+        run: a function of one tensor that treats each row (token) alone.
+        x: its input, ``(..., hidden)``.
+        params: the trainable tensors ``run`` uses (their gradients are returned to autograd).
+        tiles: number of row tiles (default: :func:`default_tiles`).
+        random: ``run`` draws random numbers (dropout): save the generator state to replay.
+    """
+    count = tiles or default_tiles(x.numel() // x.shape[-1], x.shape[-1])
+    return _TiledMLP.apply(run, x, count, random, *params)
+
+
+# ------------------------------------------------------------------- which modules tile
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one family of MLP module is tiled: the projections that identify it, and whether its
+    last child (dropout) runs on the whole output instead of per tile."""
+
+    name: str
+    projections: tuple[str, ...]
+    dropout_outside: bool = False
+
+
+# First match wins; a module matches when these projections are modules and every other child
+# is an activation or a dropout (so a decoder layer that holds fc1/fc2 itself, as OPT's does,
+# never matches: its attention would be tiled over tokens).
+KINDS: tuple[Kind, ...] = (
+    Kind("gated", ("gate_proj", "up_proj", "down_proj")),  # Llama, Mistral, Qwen2, Gemma, ...
+    Kind("gated-fused", ("gate_up_proj", "down_proj")),  # Phi-3
+    Kind("gpt2", ("c_fc", "c_proj"), dropout_outside=True),
+    Kind("two-layer", ("fc1", "fc2")),  # Phi
+    Kind("two-layer", ("dense_h_to_4h", "dense_4h_to_h")),  # GPT-NeoX, Falcon
+)
+
+
+def kind_of(module: nn.Module) -> Kind | None:
+    """The first :data:`KINDS` entry ``module`` is an MLP of, or None."""
+    children = dict(module.named_children())
+    for kind in KINDS:
+        if all(isinstance(children.get(p), nn.Module) for p in kind.projections) \
+                and set(children) - set(kind.projections) <= _ACTIVATIONS:
+            return kind
+    return None
+
+
+def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module, Kind]]:
+    """The MLP modules inside the model's repeated blocks, outermost only, in model order.
+
+    Raises:
+        NoMatchError: none exists; the message names ``memory.tiled_mlp`` and the fix.
+    """
+    prefixes = tuple(f"{outer}." for outer in block_lists(model))
+    found: list[tuple[str, nn.Module, Kind]] = []
+    for name, module in model.named_modules():
+        if not name.startswith(prefixes) or any(name.startswith(f"{n}.") for n, _, _ in found):
+            continue
+        kind = kind_of(module)
+        if kind is not None:
+            found.append((name, module, kind))
+    if not found:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        where = ", ".join(p[:-1] for p in prefixes) or "none: the model has no nn.ModuleList of layers"
+        shapes = "; ".join("/".join(k.projections) for k in KINDS)
+        raise NoMatchError(
+            f"`memory.tiled_mlp`: got true, but {type(inner).__name__} has no MLP module this patch "
+            f"can tile inside its repeated blocks ({where}); it tiles modules whose children are "
+            f"the projections {shapes} plus an activation or dropout. "
+            "Fix: set `memory.tiled_mlp: false` for this architecture.")
+    return found
+
+
+# ----------------------------------------------------------------------------- patching
+
+
+def _random(module: nn.Module, skip: nn.Module | None) -> bool:
+    """Does ``module`` (except ``skip``) hold a dropout that is active now?"""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 and m.training
+               for m in module.modules() if m is not skip)
+
+
+def _tiling(module: nn.Module, kind: Kind, tiles: int | None
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The forward wrapper of one MLP: tiled while it trains with grad, its own forward otherwise."""
+
+    def make(forward: Callable[..., Any]) -> Callable[..., Any]:
+        dropout: nn.Module | None = None
+        run: Callable[[torch.Tensor], torch.Tensor] = forward
+        act = next((n for n, _ in module.named_children() if n in _ACTIVATIONS - {"dropout"}), None)
+        outside = getattr(module, "dropout", None) if kind.dropout_outside else None
+        if act is not None and isinstance(outside, nn.Module):
+            first, last = kind.projections  # looked up at each call: a later patch may replace one
+            dropout = outside
+            run = lambda t: getattr(module, last)(getattr(module, act)(getattr(module, first)(t)))  # noqa: E731
+
+        @functools.wraps(forward)
+        def tiled_forward(*args: Any, **kwargs: Any) -> Any:
+            values = [*args, *kwargs.values()]
+            x = values[0] if len(values) == 1 and isinstance(values[0], torch.Tensor) else None
+            if x is None or x.dim() < 2 or not (module.training and torch.is_grad_enabled()):
+                return forward(*args, **kwargs)
+            params = [p for p in module.parameters() if p.requires_grad]
+            if not (params or x.requires_grad):
+                return forward(*args, **kwargs)
+            out = tiled(run, x, params, tiles, _random(module, dropout))
+            return dropout(out) if dropout is not None else out
+
+        setattr(tiled_forward, _MARK, True)
+        return tiled_forward
+
+    return make
+
+
+def apply(model: nn.Module, tiles: int | None = None) -> nn.Module:
+    """Tile every MLP inside the model's repeated blocks (see the module docstring).
+
+    Args:
+        model: a transformers model, possibly wrapped by peft and/or quantized.
+        tiles: tiles per MLP call; None: ``ceil(tokens / hidden_size)`` at each call.
+
+    Returns:
+        The same model, patched in place; its record's ``undo`` (or :func:`undo`) reverts it.
+
+    Raises:
+        NoMatchError: the model has no MLP module this patch knows.
+        MemtrainError: ``tiles`` is not a positive integer.
+    """
+    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
+        raise MemtrainError(f"`memory.tiled_mlp_tiles` must be a positive integer or null, got "
+                            f"{tiles!r}. Fix: use e.g. 4, or null for ceil(tokens / hidden_size).")
+    mlps = [(n, m, k) for n, m, k in find_mlps(model)
+            if not getattr(m.__dict__.get("forward"), _MARK, False)]
+    if not mlps:
+        return model  # patched already (prepare_for_budget run twice on one model)
+    undos = [wrap_forward(module, _tiling(module, kind, tiles)) for _, module, kind in mlps]
+
+    def undo_all() -> None:
+        for fn in undos:
+            fn()
+
+    kinds = sorted({k.name for _, _, k in mlps})
+    detail = (f"tiled MLP: {len(mlps)} {'/'.join(kinds)} MLPs, "
+              f"{tiles if tiles is not None else 'ceil(tokens / hidden)'} tiles")
+    add_records(model, [PatchRecord("tiled_mlp", [n for n, _, _ in mlps], detail, undo=undo_all)])
+    return model
+
+
+def undo(model: nn.Module) -> nn.Module:
+    """Remove the tiling this module applied to ``model``."""
+    for record in records(model):
+        if record.name == "tiled_mlp" and record.undo is not None:
+            record.undo()
+    model.__dict__["_memtrain_patch_records"] = [r for r in records(model) if r.name != "tiled_mlp"]
+    return model
+
+
+@register("tiled_mlp", TILING, "memory.tiled_mlp")
+def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
+    if cfg.memory.tiled_mlp == "auto":
+        raise MemtrainError("`memory.tiled_mlp` is `auto`: run the planner first (`memtrain plan`), "
+                            "or set true or false.")
+    if not cfg.memory.tiled_mlp:
+        return None
+    return apply(model, cfg.memory.tiled_mlp_tiles)
