@@ -199,7 +199,7 @@ def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int) -> Trac
     # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
     foreach = plan.device == "cuda"
     return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
-                      device=plan.trace_device, foreach=foreach, padded=plan.padded)
+                      device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(micro_batch))
 
 
 # --------------------------------------------------------------------------------- reporting

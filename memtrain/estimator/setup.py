@@ -36,13 +36,7 @@ class TraceSetup:
     device: str
     trace_device: str
     notes: list[str]
-    rows: Rows  # the longest batch: from the data, or the recipe's worst case
-
-    @property
-    def padded(self) -> bool:
-        """Whether the traced batches carry padding (the recipe's micro-batch decides it; traces at
-        other micro-batches keep the same layout, so that they extrapolate in batch size)."""
-        return self.rows.padded(self.micro_batch)
+    rows: Rows  # the longest batch: from the data, or the recipe's worst case (padding per micro-batch)
 
 
 NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",

@@ -2,8 +2,9 @@
 
 The planner predicts the largest micro-batch whose step fits the budget, among those that keep
 effective = micro × accumulation × processes exact (:func:`predict`). Before training starts,
-:func:`confirm` runs one real probe step at that size with the worst case of the data — every
-example ``data.max_length`` tokens — on the real model with the Trainer's own optimizer, under the
+:func:`confirm` runs one real probe step at that size on the data's longest batch
+(:mod:`memtrain.data.rows`; without data, every example ``data.max_length`` tokens) on the real
+model with the Trainer's own optimizer, under the
 real or simulated budget. If it runs out of memory, the probe steps down to the next valid
 micro-batch (a divisor of the per-process effective batch) and tries again; the Trainer's batch
 arguments are then set to what fitted.
@@ -48,6 +49,7 @@ from torch import nn
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, valid_batches
+from memtrain.data.rows import Rows, worst_case
 from memtrain.distributed.together import drop_gradients, flagged_ranks, largest, smallest, world
 from memtrain.errors import MemtrainError, first_line
 from memtrain.reliability.budget import budget_guard, resolve_budget, usable_bytes
@@ -83,11 +85,13 @@ def budget_limit(cfg: RunConfig) -> int | None:
     return None if budget is None else usable_bytes(budget, cfg.memory.margin_fraction)
 
 
-def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch, int]:
+def predict(cfg: RunConfig, usable: int | None = None,
+            rows: Rows | None = None) -> tuple[RunConfig, Batch, int]:
     """The predicted largest micro-batch: the recipe with it filled in, the batch, the predicted peak.
 
     Uses the planner (:func:`memtrain.plan.planner.fit_micro_batch`: the estimator's traces, exact in
-    the micro-batch). ``usable`` defaults to the budget (or simulated budget) minus ``memory.margin``.
+    the micro-batch). ``usable`` defaults to the budget (or simulated budget) minus ``memory.margin``;
+    ``rows`` is the data's longest batch (default: the recipe's worst case, :mod:`memtrain.data.rows`).
 
     Raises:
         MemtrainError: no budget to fit into, or not even the smallest micro-batch fits.
@@ -101,7 +105,7 @@ def predict(cfg: RunConfig, usable: int | None = None) -> tuple[RunConfig, Batch
     from memtrain.plan.planner import fit_micro_batch
 
     pairs = valid_batches(cfg.training, cfg.distributed.processes)
-    micro, _accum, peak = fit_micro_batch(cfg, usable)
+    micro, _accum, peak = fit_micro_batch(cfg, usable, rows=rows)
     accum = dict(pairs)[micro]
     return with_batch(cfg, micro, accum), Batch(micro, accum, cfg.distributed.processes), peak
 
@@ -114,7 +118,7 @@ def with_batch(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
 
 
 def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[int, int]] | None = None,
-            limit: int | None = None, seq_len: int | None = None) -> Probe:
+            limit: int | None = None, rows: Rows | None = None) -> Probe:
     """Confirm ``batch`` with one real probe step, stepping down until a step fits; set the Trainer.
 
     Args:
@@ -127,14 +131,15 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
             divides ``batch``'s per-process effective batch.
         limit: bytes the step must stay under (default: :func:`budget_limit`); ``None`` runs the
             probe without a tracker, so only a real out-of-memory error stops it.
-        seq_len: tokens per example (default ``data.max_length``, the worst case).
+        rows: the data's longest batch, which the probe steps on (default: the recipe's worst
+            case, every row ``data.max_length`` tokens; :mod:`memtrain.data.rows`).
 
     Raises:
         MemtrainError: not even the smallest valid micro-batch fits (the message has the numbers).
     """
     start = time.perf_counter()
     limit = budget_limit(cfg) if limit is None else limit
-    seq_len = seq_len or cfg.data.max_length
+    rows = rows or worst_case(cfg)
     per_process = batch.micro * batch.accumulation
     if choices is None:
         choices = [(m, per_process // m) for m in range(1, per_process + 1) if per_process % m == 0]
@@ -149,7 +154,7 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
     probe = Probe(batch, limit_bytes=limit)
     with _probe_optimizer(trainer, cfg, model) as optimizer:
         for micro, accum in sorted(pairs, reverse=True):
-            fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), seq_len, limit)
+            fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), rows, limit)
             over = flagged_ranks(not fits, device)
             peak = largest([peak or 0], device)[0] or None  # the highest process's
             probe.tried.append((micro, not over))
@@ -162,11 +167,11 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
     if not probe.tried[-1][1]:
         raise MemtrainError(
             f"`training.micro_batch_size: auto`: not even micro-batch {probe.tried[-1][0]} of "
-            f"{seq_len} tokens fits {_limit_text(limit)} (probe step on the real model"
+            f"{rows.longest} tokens fits {_limit_text(limit)} (probe step on the real model"
             f"{_where(probe, probe.tried[-1][0])}). Fix: raise `memory.budget`, shorten "
             "`data.max_length`, or save memory (`memtrain plan`).")
     set_batch(trainer, probe.batch)
-    log.info(describe(probe, seq_len))
+    log.info(describe(probe, rows.longest))
     return probe
 
 
@@ -215,7 +220,7 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
 
 
 def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, micro: int,
-              micro_batches: int, seq_len: int, limit: int | None) -> tuple[bool, int | None]:
+              micro_batches: int, rows: Rows, limit: int | None) -> tuple[bool, int | None]:
     """Run the probe step: whether it fitted in this process, and its peak (None when untracked).
 
     With several processes the budget defers (:mod:`memtrain.reliability.budget`): the step runs to
@@ -234,7 +239,8 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
                            defer=several) if limit is not None else contextlib.nullcontext())
     try:
         with budget:
-            inputs = example_batch(cfg, model.config, micro, seq_len, _device(model))  # padded, as real ones
+            inputs = example_batch(cfg, model.config, micro, rows.longest, _device(model),
+                                   padded=rows.padded(micro))  # laid out as the real longest batch
             training_step(model, inputs if held or micro_batches == 1 else [inputs] * 2, optimizer,
                           micro_batches, cfg.training.max_grad_norm, held_gradients=held,
                           skip_non_finite=True)
@@ -250,7 +256,7 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     free_memory()
     reset_module_tracking()
     if failed:
-        log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, seq_len)
+        log.info("auto-fit probe: micro-batch %d of %d tokens ran out of memory", micro, rows.longest)
         return False, None
     return True, getattr(budget, "peak_bytes", None)
 

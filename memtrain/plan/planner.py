@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memtrain.config import RunConfig
+from memtrain.data.rows import Rows
 from memtrain.errors import MemtrainError
 from memtrain.plan.search import _Search
 from memtrain.plan.space import Candidate, auto_fields, with_values
@@ -96,7 +97,7 @@ def budget_bytes(cfg: RunConfig, budget: str | int | None = None, device: str | 
 
 
 def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None = None,
-         tune: int = 0) -> Plan:
+         tune: int = 0, rows: Rows | None = None) -> Plan:
     """Decide every ``auto`` field of ``cfg`` (see the module docstring).
 
     Args:
@@ -107,6 +108,8 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
         tune: time this many of the fastest-predicted settings, each at up to four micro-batches
             that fit, with real steps on this machine and choose the fastest measured
             (:func:`tune_choice`). Builds the real model; 0 (default) decides from predictions.
+        rows: the longest batch of the data at hand (:mod:`memtrain.data.rows`); default: the
+            recipe's worst case, every row ``data.max_length`` tokens.
 
     Raises:
         NothingFits: no candidate fits; the message gives the smallest peak and its settings.
@@ -115,7 +118,7 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     target = device or ("cuda" if _cuda() else "cpu")
     total = budget_bytes(cfg, budget, target)
     usable = usable_bytes(total, cfg.memory.margin_fraction)
-    search = _Search(cfg, target, usable)
+    search = _Search(cfg, target, usable, rows=rows)
     chosen = search.run()
     fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
                   key=lambda c: c.seconds)
@@ -167,7 +170,8 @@ def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: i
     return best, sorted(rest, key=lambda c: (c.measured is None, c.measured or c.seconds))
 
 
-def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None) -> tuple[int, int, int]:
+def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None,
+                    rows: Rows | None = None) -> tuple[int, int, int]:
     """The largest micro-batch (and its accumulation) whose predicted peak fits ``usable`` bytes.
 
     Every other field must be decided. Returns ``(micro, accumulation, predicted peak bytes)``;
@@ -177,7 +181,8 @@ def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None) -
         NothingFits: not even the smallest micro-batch fits.
     """
     target = device or ("cuda" if _cuda() else "cpu")
-    search = _Search(with_values(cfg, {"training.micro_batch_size": "auto"}), target, usable, fields=[])
+    search = _Search(with_values(cfg, {"training.micro_batch_size": "auto"}), target, usable, fields=[],
+                     rows=rows)
     cand = Candidate({})
     search.evaluate(cand)
     if cand.seconds == math.inf:

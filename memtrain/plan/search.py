@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memtrain.config import RunConfig
+from memtrain.data.rows import Rows
 from memtrain.distributed import sharding
 from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
@@ -49,8 +50,10 @@ _TRACES: dict[str, _Traced] = {}
 class _Search:
     """Enumerate, bound and evaluate candidates (see the module docstring)."""
 
-    def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None) -> None:
+    def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None,
+                 rows: Rows | None = None) -> None:
         self.cfg, self.device, self.usable = cfg, device, usable
+        self.rows = rows  # the data's longest batch (None: the recipe's worst case)
         config, _ = resolve_config(cfg.model)
         self.depth = int(config.num_hidden_layers)
         self.fields = [f for f in auto_fields(cfg) if not f.startswith("training.micro")
@@ -287,11 +290,11 @@ class _Search:
         key = cfg.model_dump_json(include={"model", "data", "adapter", "training", "memory", "distributed"},
                                   exclude={"training": {"micro_batch_size", "gradient_accumulation",
                                                         "effective_batch_size"}})
-        key += f"|{min(accumulation, 2)}|{self.device}"
+        key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}"
         if key not in self._traces:
             one = {"training.micro_batch_size": 1, "training.effective_batch_size": None,
                    "training.gradient_accumulation": min(accumulation, 2)}
-            plan = trace_setup(with_values(cfg, one), (), self.device)
+            plan = trace_setup(with_values(cfg, one), (), self.device, self.rows)
             (c2, counts2, _), (c3, counts3, _) = est.trace_candidates_at(
                 plan, [(2, plan.seq_len), (3, plan.seq_len)], False)
             self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)

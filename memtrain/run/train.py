@@ -24,6 +24,7 @@ from memtrain import patches
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
 from memtrain.data.prepare import PreparedData, prepare_data
+from memtrain.data.rows import Rows
 from memtrain.device import cuda_available
 from memtrain.distributed import fsdp as distributed
 from memtrain.errors import MemtrainError, first_line
@@ -84,8 +85,16 @@ def train(cfg: RunConfig, console: Console | None = None,
             "`memory.budget`, and no budget is set (it would plan against all of this machine's "
             "memory). Fix: set `memory.budget` (e.g. `memory.budget=8GiB`, or `auto` for the free "
             "memory), or give `training.micro_batch_size` a number.")
-    if planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ):
-        cfg = _plan(cfg, console)  # once, before any process starts: every process gets the decision
+    planning = planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ)
+    if planning or not launch.launch_needed(cfg):
+        # the data before the plan: the plan, the prediction and the auto-fit probe are for the
+        # longest batch these rows make, not for rows of data.max_length (memtrain.data.rows)
+        set_seed(cfg.training.seed)
+        tokenizer = load_tokenizer(cfg.model)
+        data = prepare_data(cfg, tokenizer)
+        rows = data.rows(cfg)
+    if planning:
+        cfg = _plan(cfg, console, rows)  # once, before any process starts: every process gets the decision
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
         return _launch(cfg, out, callbacks, choices)
     launch.bind_device()
@@ -93,15 +102,13 @@ def train(cfg: RunConfig, console: Console | None = None,
     kept_pages = not cuda_available() and hostmem.keep_freed_pages()
     resume_from = rundir.check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
-    tokenizer = load_tokenizer(cfg.model)
-    data = prepare_data(cfg, tokenizer)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
     rundir.clear_old_run(cfg, out)  # only now: a data or model mistake leaves the old run whole
     rundir.claim(out)
     _startup_table(console, cfg, model, data, batch, kept_pages)
-    predicted = _predict(cfg) if cfg.output.report else None
+    predicted = _predict(cfg, rows) if cfg.output.report else None
     meter = MemoryMeterCallback(every=cfg.training.logging_steps,
                                 predicted_bytes=predicted.peak_bytes if predicted else None)
     guards: list[TrainerCallback] = [meter]
@@ -114,7 +121,7 @@ def train(cfg: RunConfig, console: Console | None = None,
                                 fsdp_plugin=distributed.fsdp_plugin(model, cfg))
         meter.attach(trainer)  # ahead of the reporting integrations: they log its memory entries
         if choices:
-            batch = _confirm_batch(trainer, cfg, batch, choices, console)
+            batch = _confirm_batch(trainer, cfg, batch, choices, console, rows)
             cfg = planner.with_values(cfg, {"training.micro_batch_size": batch.micro,
                                             "training.gradient_accumulation": batch.accumulation})
         resumed_at, trainer.runtime_before = checkpoints.progress(resume_from) if resume_from else (0, 0.0)
@@ -186,31 +193,31 @@ def _out_of_memory(err: BaseException, step: int, out: Path) -> MemtrainError:
 
 
 def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],
-                   console: Console) -> Batch:
+                   console: Console, rows: Rows) -> Batch:
     """``micro_batch_size: auto``: one real probe step confirms (or steps down) the predicted batch."""
-    probe = autofit.confirm(trainer, cfg, batch, choices=choices)
-    console.print(autofit.describe(probe, cfg.data.max_length))
+    probe = autofit.confirm(trainer, cfg, batch, choices=choices, rows=rows)
+    console.print(autofit.describe(probe, rows.longest))
     return probe.batch
 
 
-def _plan(cfg: RunConfig, console: Console) -> RunConfig:
+def _plan(cfg: RunConfig, console: Console, rows: Rows) -> RunConfig:
     """Decide the recipe's `auto` fields (or check the fixed ones fit its budget) and say why."""
     from memtrain.plan.view import print_plan
 
     try:
-        decided = planner.plan(cfg)
+        decided = planner.plan(cfg, rows=rows)
     except planner.NothingFits as err:
         raise MemtrainError(str(err)) from None
     print_plan(console, decided)
     return decided.apply(cfg)
 
 
-def _predict(cfg: RunConfig) -> Estimate | None:
-    """The estimator's prediction of this run's step (for the report), or None if it cannot say."""
+def _predict(cfg: RunConfig, rows: Rows) -> Estimate | None:
+    """The estimator's prediction of this run's longest step (for the report), or None if it cannot say."""
     if cfg.distributed.processes > 1:
         return None  # the report shows each process's measurement; sharding is not estimated
     try:
-        return estimate(cfg)
+        return estimate(cfg, rows=rows)
     except (MemtrainError, RuntimeError, ValueError, NotImplementedError) as err:
         log.warning("no memory prediction for the report: %s", err)
         return None
