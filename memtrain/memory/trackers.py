@@ -1,18 +1,32 @@
 """The trackers behind :class:`memtrain.memory.meter.MemoryMeter`: torch's ``MemTracker`` (one
 process) and ``FSDPMemTracker`` (FSDP2), with what memtrain adds to both (``_MeterMixin``): phase
 peaks, category maxima, a host bucket, a timeline. See :mod:`memtrain.memory.meter`.
+
+Both track modules with :class:`ReleasableModTracker`, torch's ``ModTracker`` plus a way to let go
+of a forward or backward that failed (:meth:`ReleasableModTracker.release`): torch's tracker hooks
+every module's input tensors with ``register_multi_grad_hook``, whose closure holds the autograd
+nodes of those tensors while the nodes hold the closure, a reference cycle through C++ that
+Python's garbage collector cannot see. A pass whose backward never ran therefore keeps its whole
+autograd graph, and every activation saved in it, alive for good (a tiny Llama's failed forward:
+6.6 MiB kept after ``gc.collect()``; none once the hooks are removed). Out-of-memory recovery
+calls :meth:`~ReleasableModTracker.release` through
+:func:`memtrain.reliability.recovery.reset_module_tracking`.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _RefType, _UpdateType
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._pytree import tree_leaves
 
 CATEGORIES: dict[_MemRefType, str] = {
     _MemRefType.PARAM: "parameters",
@@ -44,6 +58,60 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 # The key host bytes are filed under while the meter runs. On a CPU-only machine "cpu" is the
 # compute device, so host copies get a distinct (otherwise unused) CPU index.
 _HOST_ON_CPU = torch.device("cpu", 1)
+
+
+class ReleasableModTracker(ModTracker):
+    """torch's ``ModTracker`` that keeps (weakly) the backward hooks it adds during a forward, so
+    that a pass that failed can be let go of (:meth:`release`; see the module docstring).
+
+    The hooks are found by the keys torch's tracker adds to each tensor's ``_backward_hooks``; the
+    list is forgotten (not removed: a retained graph may run backward again) when a backward ends.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._added: list[tuple[weakref.ref[OrderedDict], int]] = []
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        tensors, before = _hook_keys(input)
+        super()._fw_pre_hook(mod, input)
+        self._keep(tensors, before)
+
+    def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+        tensors, before = _hook_keys(output)
+        super()._fw_post_hook(mod, input, output)
+        self._keep(tensors, before)
+
+    def _keep(self, tensors: list[torch.Tensor], before: list[set[int]]) -> None:
+        for tensor, keys in zip(tensors, before, strict=True):
+            hooks = tensor._backward_hooks
+            if hooks:
+                self._added.extend((weakref.ref(hooks), key) for key in hooks if key not in keys)
+
+    def _maybe_set_engine_callback(self) -> None:
+        if self._has_callback:
+            return
+        super()._maybe_set_engine_callback()
+        Variable._execution_engine.queue_callback(self._added.clear)  # the backward went through
+
+    def release(self) -> None:
+        """Remove the hooks of the pass that failed (the cycle that kept its graph alive) and forget
+        the modules it left "running", so that the next pass starts from a clean state."""
+        for ref, key in self._added:
+            hooks = ref()
+            if hooks is not None:
+                hooks.pop(key, None)
+        self._added.clear()
+        self.parents = {"Global"}
+        self._active_module_cnt.clear()
+        self._post_bw_callbacks_to_enqueue.clear()
+        self._has_callback = False
+
+
+def _hook_keys(obj: Any) -> tuple[list[torch.Tensor], list[set[int]]]:
+    """The tensors of a module's inputs or outputs that ModTracker hooks, and their hook keys now."""
+    tensors = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return tensors, [set(t._backward_hooks or ()) for t in tensors]
 
 
 class _MeterMixin:
@@ -130,6 +198,7 @@ class _Tracker(_MeterMixin, MemTracker):
 
     def __init__(self, device: torch.device, host: torch.device, timeline: bool) -> None:
         super().__init__()
+        self._mod_tracker = ReleasableModTracker()
         self._setup_meter(device, host, timeline)
         self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -182,6 +251,7 @@ class _FSDPTracker(_MeterMixin, FSDPMemTracker):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
                  host: torch.device, timeline: bool) -> None:
         super().__init__(model, optimizer)
+        self._mod_tracker = ReleasableModTracker()
         self._setup_meter(device, host, timeline)
 
     def track_external(self, *external: Any) -> None:

@@ -45,13 +45,23 @@ from memtrain.memory import hostmem
 from memtrain.plugin.describe import BudgetPlan, budget_plan, nothing_fits, recipe_for
 from memtrain.reliability.budget import SimulatedBudget, resolve_budget, usable_bytes
 from memtrain.reliability.eval_recovery import EvalBatchRecovery
-from memtrain.reliability.recovery import MicroBatchRecovery
+from memtrain.reliability.recovery import Fixes, MicroBatchRecovery
 from memtrain.trainer.callbacks import MemoryMeterCallback
 from memtrain.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
 
 MiB = 2**20
+
+# What recovery's messages tell a plugin user to change: their own arguments, not recipe fields.
+PLUGIN_FIXES = Fixes(
+    one_example=("a larger `budget=` (prepare_for_budget, attach; or a larger GPU), "
+                 "`gradient_checkpointing=True` in your TrainingArguments (prepare_for_budget turns it into "
+                 "memtrain's full checkpointing), shorter examples (your trainer's `max_length`), or a LoRA "
+                 "adapter (`peft_config=`)"),
+    micro_batch=("a smaller `per_device_train_batch_size` with a larger `gradient_accumulation_steps` in "
+                 "your TrainingArguments (same effective batch), or "
+                 "`memtrain.prepare_for_budget(model, args, budget)`, which picks them"))
 
 
 class MemoryBudgetCallback(MemoryMeterCallback):
@@ -112,7 +122,8 @@ class MemoryBudgetCallback(MemoryMeterCallback):
             # that prepare_for_budget raises. Same fix as memtrain.trainer.trainer.build_trainer.
             trainer.loss_is_scaled_for_ga = False
         if self.recover and getattr(trainer, "oom_recovery", None) is None and self.recovery is None:
-            self.recovery = MicroBatchRecovery(trainer, budget_bytes=self.limit or self.budget).install()
+            self.recovery = MicroBatchRecovery(trainer, budget_bytes=self.limit or self.budget,
+                                               fixes=PLUGIN_FIXES).install()
             self.eval_recovery = EvalBatchRecovery(trainer).install()
         if self.limit is not None and not self._evaluate_paused:
             stock = trainer.evaluate
@@ -123,6 +134,17 @@ class MemoryBudgetCallback(MemoryMeterCallback):
 
             trainer.evaluate = evaluate
             self._evaluate_paused = True
+        if getattr(trainer.train, "_memtrain_closes", None) is not self:
+            stock_train = trainer.train
+
+            def train(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return stock_train(*args, **kwargs)
+                finally:  # an error (recovery gave up) must not leave the budget or meter running
+                    self.close()
+
+            train._memtrain_closes = self  # type: ignore[attr-defined]
+            trainer.train = train
         return self
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

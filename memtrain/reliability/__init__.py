@@ -7,6 +7,10 @@
   CPU (out-of-memory errors on purpose, for tests and benchmarks);
 - :mod:`~memtrain.reliability.recovery` — out-of-memory in training: halve the micro-batch, redo
   the same step with the same effective batch;
+- :mod:`~memtrain.reliability.layouts` — where a batch may be cut (rows, preference pairs, packed
+  sequences) and which batches must not be;
+- :mod:`~memtrain.reliability.replay` — what a replayed step must not do twice (metric side
+  effects), and the mid-step log entry;
 - :mod:`~memtrain.reliability.eval_recovery` — out-of-memory in evaluation: split the batch;
 - :mod:`~memtrain.reliability.guards` — SIGINT/SIGTERM stop at a step boundary, NaN-step guard.
 """

@@ -26,6 +26,26 @@ found once, on the first split, by computing a piece's loss (no gradient) with t
 ``num_items_in_batch``. The Trainer's own scaling for gradient accumulation is left as it is.
 With dropout, a replayed micro-batch draws new masks: the same distribution, not the same bits.
 
+Where a batch may be cut is its layout's business (:mod:`memtrain.reliability.layouts`, an ordered
+list of detectors): rows for a plain batch; whole preference pairs for TRL's stacked
+``[chosen; rejected]`` batches (with per-pair extras such as ``ref_chosen_logps`` split with their
+pairs); sequence boundaries for a padding-free packed row. A batch whose loss or tensors couple its
+examples is refused with :class:`UnsplittableBatch`, naming the trainer and what to change
+(:class:`Fixes`: in recipe terms for ``memtrain train``, in ``TrainingArguments`` terms for the
+plugin). Micro-batch sizes in the log and the events are in the layout's units (examples,
+preference pairs, packed sequences).
+
+What a replay must not do twice. The failed attempt is let go of completely: its gradients are
+dropped, and the backward hooks memtrain's trackers (meter, simulated budget) put on its graph are
+removed (:meth:`memtrain.memory.trackers.ReleasableModTracker.release`; without that, a failed
+forward kept its whole graph alive and every smaller retry failed at the same limit). The
+trainer's own metric side effects of a step (TRL's ``_metrics`` lists and its ``num_tokens``
+count, :data:`memtrain.reliability.replay.SIDE_EFFECTS`) are put back as they were when the
+optimizer step began before the step is replayed, so every micro-batch is counted once; the loss
+returned to the Trainer's loop is that of the current micro-batch only. The recovery's own log
+entry bypasses the trainer's ``log`` (TRL's flushes its metrics there) and is stamped with the
+optimizer step being redone.
+
 Evaluation batches are split the same way by :class:`memtrain.reliability.eval_recovery.EvalBatchRecovery`.
 
 Several processes redo the step together. After every micro-batch each process says whether it
@@ -49,6 +69,7 @@ import gc
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +78,8 @@ from torch import nn
 from memtrain.device import cuda_available
 from memtrain.distributed.together import drop_gradients, flagged_ranks, world
 from memtrain.errors import MemtrainError
+from memtrain.reliability.layouts import Layout, count_items, layout_of
+from memtrain.reliability.replay import log_entry, restore_effects, snapshot_effects
 from memtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -68,8 +91,22 @@ class MicroBatchTooLarge(torch.OutOfMemoryError, MemtrainError):
     """Out of memory with one example per forward: no split can help. Says what is needed."""
 
 
+class UnsplittableBatch(MicroBatchTooLarge):
+    """Out of memory with a batch whose layout may not be cut (:mod:`memtrain.reliability.layouts`)."""
+
+
 class OutOfMemoryInOneProcess(torch.OutOfMemoryError, MemtrainError):
     """An allocation failed in one of several processes in the middle of a step (not recoverable)."""
+
+
+@dataclass(frozen=True)
+class Fixes:
+    """What the messages tell a user to change, in the terms of how they run memtrain."""
+
+    one_example: str = ("a larger `memory.budget` (or a larger GPU), `memory.checkpointing: full`, a shorter "
+                        "`data.max_length`, LoRA or quantization")
+    micro_batch: str = ("`training.micro_batch_size: auto` with `memory.budget` (it probes what fits), or a "
+                        "smaller `training.micro_batch_size`, or the memory savings of `memtrain plan`")
 
 
 class MicroBatchRecovery:
@@ -80,12 +117,15 @@ class MicroBatchRecovery:
         step_fn: the step to run on each piece, ``(model, inputs, num_items_in_batch) -> loss``
             (default: the trainer's ``training_step`` as it is when this object is created).
         budget_bytes: the budget the run has, for the message when nothing fits (optional).
+        fixes: what the messages suggest changing (default: recipe fields of ``memtrain train``).
     """
 
-    def __init__(self, trainer: Any, step_fn: StepFn | None = None, budget_bytes: int | None = None) -> None:
+    def __init__(self, trainer: Any, step_fn: StepFn | None = None, budget_bytes: int | None = None,
+                 fixes: Fixes | None = None) -> None:
         self.trainer = trainer
         self.step_fn: StepFn = step_fn or trainer.training_step
         self.budget_bytes = budget_bytes
+        self.fixes = fixes or Fixes()
         self.parts = 1  # pieces each micro-batch from the data loader is split into
         self.events: list[dict[str, Any]] = []  # one per recovery, for reports and tests
         self._loss_is_mean: bool | None = None  # found on the first split
@@ -93,6 +133,7 @@ class MicroBatchRecovery:
         self._step: int | None = None
         self._state: Any = None
         self._done: list[dict[str, Any]] = []  # inputs of this optimizer step's finished micro-batches
+        self._effects: dict[str, Any] = {}  # SIDE_EFFECTS as they were when this optimizer step began
 
     def install(self) -> MicroBatchRecovery:
         """Make the trainer run its steps through :meth:`training_step` (an instance attribute)."""
@@ -108,10 +149,12 @@ class MicroBatchRecovery:
         step = state.global_step
         if step != self._step or state is not self._state:  # a new optimizer step: forget the last one's
             self._state, self._step, self._done = state, step, []
+            self._effects = snapshot_effects(self.trainer)
         replay = False
         while True:
             try:
                 if replay:
+                    restore_effects(self.trainer, self._effects)  # each micro-batch counted once
                     for earlier in self._done:  # their losses were already counted by the Trainer
                         self._run_pieces(model, earlier, num_items_in_batch)
                 loss = self._run_pieces(model, inputs, num_items_in_batch)
@@ -151,22 +194,21 @@ class MicroBatchRecovery:
         return OutOfMemoryInOneProcess(
             f"Out of memory in process {rank} of {size} in the middle of optimizer step {step}: "
             f"{message.splitlines()[0] if message else ''} The processes cannot redo the step together: "
-            "the others wait in a collective this one left behind. Fix: `training.micro_batch_size: "
-            "auto` with `memory.budget` (every process probes, they agree on the micro-batch), or a "
-            "smaller `training.micro_batch_size`, or the memory savings of `memtrain plan`.")
+            f"the others wait in a collective this one left behind. Fix: {self.fixes.micro_batch}.")
 
-    def micro_batch(self, rows: int) -> int:
-        """The largest piece a micro-batch of ``rows`` examples is split into now."""
-        return math.ceil(rows / min(self.parts, rows))
+    def micro_batch(self, units: int) -> int:
+        """The largest piece a micro-batch of ``units`` (examples, pairs, ...) is split into now."""
+        return math.ceil(units / min(self.parts, units))
 
     def _run_pieces(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
-        if self.parts == 1:
+        layout = layout_of(self.trainer, inputs) if self.parts > 1 else None
+        if layout is None or layout.refusal or layout.count <= 1:  # whole: refused only if it fails
             return self.step_fn(model, inputs, num_items_in_batch)
-        pieces = split_batch(inputs, self.parts)
+        pieces = layout.split(self.parts)
         if self._loss_is_mean is None:
             self._loss_is_mean = self._detect_mean_loss(model, pieces[0], num_items_in_batch)
         # A mean over no items is NaN split or not: then run the pieces unweighted.
-        total_items = (count_items(self.trainer, inputs) or None) if self._loss_is_mean else None
+        total_items = (count_items(self.trainer, inputs, layout) or None) if self._loss_is_mean else None
         loss: torch.Tensor | None = None
         for piece in pieces:
             weight = 1.0
@@ -207,43 +249,48 @@ class MicroBatchRecovery:
     # -------------------------------------------------------------------------- on failure
 
     def _shrink(self, model: nn.Module, inputs: dict[str, Any], message: str) -> None:
-        """Free memory, double the split, and say so; raise when one example does not fit."""
-        drop_gradients(model)  # a failed backward may have added into some of them
-        free_memory()
-        reset_module_tracking()
-        rows = batch_rows(inputs)
-        before = self.micro_batch(rows)
+        """Free memory, double the split, and say so; raise when the batch cannot be split further."""
+        release_failed_attempt(model)
+        layout = layout_of(self.trainer, inputs)
+        before = self.micro_batch(layout.count)
         if before <= 1:
-            raise MicroBatchTooLarge(self._too_large(inputs, message))
-        self.parts *= 2
-        if self.parts > rows:
-            self.parts = rows
-        after = self.micro_batch(rows)
+            raise MicroBatchTooLarge(self._too_large(inputs, layout, message))
+        if layout.refusal:
+            raise self._unsplittable(layout, before, message)
+        self.parts = min(self.parts * 2, layout.count)
+        after = self.micro_batch(layout.count)
         accumulation = self.trainer.args.gradient_accumulation_steps * self.parts
         step = self.trainer.state.global_step + 1
-        log.warning("Out of memory in optimizer step %d with micro-batch %d: freed memory, redoing the "
+        log.warning("Out of memory in optimizer step %d with micro-batch %d (%ss): freed memory, redoing the "
                     "same step with micro-batch %d and %d accumulated (effective batch unchanged; "
                     "optimizer and scheduler state untouched). First line of the error: %s", step, before,
-                    after, accumulation, message.splitlines()[0] if message else "")
+                    layout.unit, after, accumulation, message.splitlines()[0] if message else "")
         event: dict[str, Any] = {"step": step, "micro_batch_before": before, "micro_batch": after,
-                                 "accumulation": accumulation}
+                                 "accumulation": accumulation, "unit": layout.unit}
         if self._over:  # several processes: which of them went over the budget
             event["processes_over_budget"] = list(self._over)
         self.events.append(event)
-        self.trainer.log({"memory/recovered_micro_batch": float(after),
-                          "memory/recovered_accumulation": float(accumulation)})
+        log_entry(self.trainer, {"memory/recovered_micro_batch": float(after),
+                                 "memory/recovered_accumulation": float(accumulation)})
 
-    def _too_large(self, inputs: dict[str, Any], message: str) -> str:
+    def _unsplittable(self, layout: Layout, before: int, message: str) -> UnsplittableBatch:
+        name = type(self.trainer).__name__
+        step = self.trainer.state.global_step + 1
+        text = (f"Out of memory in optimizer step {step} with a micro-batch of {before} {layout.unit}s, "
+                f"and {name}'s batch cannot be split for recovery: {layout.refusal}. "
+                f"Fix: {self.fixes.micro_batch}.\nThe error was: {message}")
+        log.warning("%s", text.splitlines()[0])
+        return UnsplittableBatch(text)
+
+    def _too_large(self, inputs: dict[str, Any], layout: Layout, message: str) -> str:
         ids = inputs.get("input_ids")
         length = f" of {ids.shape[-1]} tokens" if isinstance(ids, torch.Tensor) else ""
         have = (f"the budget of {format_bytes(self.budget_bytes)}" if self.budget_bytes
                 else "the memory there is")
         peak = device_peak_bytes(inputs)
         needed = f" (the step had reached {format_bytes(peak)} when it failed)" if peak else ""
-        return (f"Out of memory with a micro-batch of 1 example{length}: one example's step needs more than "
-                f"{have}{needed}. Fix: a larger `memory.budget` (or a larger GPU), "
-                "`memory.checkpointing: full`, a shorter `data.max_length`, LoRA or quantization.\n"
-                f"The error was: {message}")
+        return (f"Out of memory with a micro-batch of 1 {layout.unit}{length}: one {layout.unit}'s step "
+                f"needs more than {have}{needed}. Fix: {self.fixes.one_example}.\nThe error was: {message}")
 
     def _detect_mean_loss(self, model: nn.Module, piece: dict[str, Any], num_items_in_batch: Any) -> bool:
         """Whether the loss is a mean over its own micro-batch (True) or normalized by the step's items."""
@@ -251,6 +298,7 @@ class MicroBatchRecovery:
             return True
         trainer = self.trainer
         was_training = model.training
+        effects = snapshot_effects(trainer)  # these two extra losses are not part of training
         model.eval()  # no dropout: the two losses differ only by their normalization
         try:
             with torch.no_grad():
@@ -259,6 +307,7 @@ class MicroBatchRecovery:
                 two = trainer.compute_loss(model, dict(prepared), num_items_in_batch=2 * num_items_in_batch)
         finally:
             model.train(was_training)
+            restore_effects(trainer, effects)
         one, two = float(one.detach().float().mean()), float(two.detach().float().mean())
         if math.isclose(one, two, rel_tol=1e-4, abs_tol=1e-12):
             return True
@@ -267,7 +316,7 @@ class MicroBatchRecovery:
         raise MemtrainError(
             "Out-of-memory recovery cannot split this micro-batch exactly: the loss is neither a mean over "
             f"the micro-batch nor normalized by `num_items_in_batch` ({one:.6g} vs {two:.6g} with twice the "
-            "items). Fix: a smaller `per_device_train_batch_size`, or a loss of one of those two kinds.")
+            f"items). Fix: {self.fixes.micro_batch}, or a loss of one of those two kinds.")
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -285,50 +334,13 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(text in str(err) for text in OOM_TEXTS)
 
 
-
-def split_batch(inputs: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Split a collated batch into ``parts`` pieces along the first dimension (rows).
-
-    Tensors whose first dimension is the batch are split (pieces differ by at most one row);
-    everything else is shared by all pieces.
-    """
-    rows = batch_rows(inputs)
-    count = min(parts, rows)
-    pieces: list[dict[str, Any]] = [{} for _ in range(count)]
-    for key, value in inputs.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            for piece, chunk in zip(pieces, torch.tensor_split(value, count), strict=True):
-                piece[key] = chunk
-        else:
-            for piece in pieces:
-                piece[key] = value
-    return pieces
-
-
-def batch_rows(inputs: dict[str, Any]) -> int:
-    """Examples in a collated batch (the first dimension of ``input_ids``, else of the first tensor)."""
-    ids = inputs.get("input_ids")
-    if isinstance(ids, torch.Tensor):
-        return int(ids.shape[0])
-    for value in inputs.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise MemtrainError("Out-of-memory recovery: the batch holds no tensor to split. Fix: a data collator "
-                        "that returns tensors.")
-
-
-def count_items(trainer: Any, inputs: dict[str, Any]) -> int:
-    """What a mean loss averages over, counted as the Trainer counts ``num_items_in_batch``.
-
-    Labels other than -100 (from position 1 on for causal-LM losses, which shift labels); rows
-    when the batch has no labels.
-    """
-    labels = inputs.get("shift_labels", inputs.get("labels"))
-    if not isinstance(labels, torch.Tensor):
-        return batch_rows(inputs)
-    if "shift_labels" not in inputs and getattr(trainer, "_loss_shifts_labels", False):
-        labels = labels[..., 1:]
-    return int(labels.ne(-100).sum())
+def release_failed_attempt(model: nn.Module) -> None:
+    """Let go of all a failed forward or backward held: the gradients it may have added into, the
+    backward hooks memtrain's trackers put on its graph (they kept the graph, and every activation
+    saved in it, alive), then garbage and the device's cached blocks."""
+    drop_gradients(model)
+    reset_module_tracking()
+    free_memory()
 
 
 def free_memory() -> None:
@@ -339,11 +351,14 @@ def free_memory() -> None:
 
 
 def reset_module_tracking() -> None:
-    """Forget the modules a failed forward or backward left "running" in active memory trackers.
+    """Let go of a failed forward or backward in the active memory trackers.
 
-    torch's ``ModTracker`` (under memtrain's meter and simulated budget) pops a module when its
-    forward or backward ends; one interrupted by an exception stays on its stack, and the next
-    step's phases (forward / backward / optimizer) and recompute regions would be misread.
+    memtrain's trackers (meter, simulated budget) remove the backward hooks they put on the failed
+    pass's graph, which otherwise keep the graph and its activations alive
+    (:meth:`memtrain.memory.trackers.ReleasableModTracker.release`). In every tracker, the modules
+    the pass left "running" are forgotten: torch's ``ModTracker`` pops a module when its forward or
+    backward ends, and one interrupted by an exception would make the next step's phases (forward /
+    backward / optimizer) and recompute regions be misread.
     """
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -351,6 +366,8 @@ def reset_module_tracking() -> None:
         modules = getattr(mode, "_mod_tracker", None)
         if modules is None:
             continue
+        if callable(getattr(modules, "release", None)):
+            modules.release()
         modules.parents = {"Global"}
         modules._active_module_cnt.clear()
         modules._post_bw_callbacks_to_enqueue.clear()

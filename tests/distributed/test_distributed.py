@@ -434,7 +434,7 @@ def test_one_process_short_of_memory_sets_the_micro_batch_and_splits_the_step_of
     # training: process 1 went over in step 2; both split to 1 example x 4 and redid the step
     recovered = [h for h in result.log_history if "memory/recovered_micro_batch" in h]
     assert [(h["step"], h["memory/recovered_micro_batch"], h["memory/recovered_accumulation"])
-            for h in recovered] == [(1, 1.0, 4.0)]
+            for h in recovered] == [(2, 1.0, 4.0)]  # stamped with the step being redone
     assert "process(es) [1] of 2 went over the budget" in shown
     # the effective batch never changed: the loss curve is the one of 1 process with 8 examples
     assert losses(result) == pytest.approx(losses(full_runs[1]), rel=1e-5)

@@ -17,14 +17,8 @@ from conftest import causal_recipe
 from plain_trainer import GradCapture, arguments, collate, max_grad_difference, tiny_model, token_dataset
 
 from memtrain.config import load_recipe
-from memtrain.reliability.recovery import (
-    MicroBatchRecovery,
-    MicroBatchTooLarge,
-    OutOfMemoryInOneProcess,
-    batch_rows,
-    count_items,
-    split_batch,
-)
+from memtrain.reliability.layouts import Rows, batch_rows, count_items
+from memtrain.reliability.recovery import MicroBatchRecovery, MicroBatchTooLarge, OutOfMemoryInOneProcess
 from memtrain.trainer.trainer import MemtrainTrainer
 
 # 16 examples, micro-batch 4, accumulation 2: optimizer step 1 = rows 0-7. Row 5 is long, so the
@@ -78,7 +72,7 @@ def test_recovered_step_equals_the_unsplit_step(tmp_path: Path, task: str, cpu_a
     rec, rec_grads, raised = run(tmp_path / "rec", task, rows_over=2, cpu_allocation=cpu_allocation)
     assert raised == [4]  # the long micro-batch failed once, at 4 rows; halves of 2 fit
     assert rec.oom_recovery.events == [{"step": 1, "micro_batch_before": 4, "micro_batch": 2,
-                                        "accumulation": 4}]
+                                        "accumulation": 4, "unit": "example"}]
     # causal LM: loss normalized by the step's token count; BERT classification: a per-batch mean
     assert rec.oom_recovery._loss_is_mean is (task == "classification")
     assert len(rec_grads.grads) == len(ref_grads.grads) == 2  # no extra or lost optimizer step
@@ -162,10 +156,10 @@ def test_an_evaluation_batch_out_of_memory_is_split_and_gives_the_same_results(
 
 def test_split_batch_and_item_counts() -> None:
     batch = collate(token_dataset("causal-lm", [5, 3, 4, 2, 6]))
-    pieces = split_batch({**batch, "flag": True}, 2)
-    assert [p["input_ids"].shape for p in pieces] == [(3, 6), (2, 6)]
+    pieces = Rows({**batch, "flag": True}, 5).split(2)
+    assert [p["input_ids"].shape for p in pieces] == [(2, 6), (3, 6)]
     assert all(p["flag"] is True for p in pieces)
-    assert len(split_batch(batch, 8)) == 5  # never more pieces than rows
+    assert len(Rows(batch, 5).split(8)) == 5  # never more pieces than rows
 
     class Shifted:
         _loss_shifts_labels = True
@@ -226,13 +220,10 @@ class _Trainer:
     def __init__(self, callbacks: list[Any]) -> None:
         from types import SimpleNamespace
 
-        self.state = SimpleNamespace(global_step=0)
+        self.state = SimpleNamespace(global_step=0, epoch=None, log_history=[])
         self.args = SimpleNamespace(gradient_accumulation_steps=1)
-        self.callback_handler = SimpleNamespace(callbacks=callbacks)
-        self.logged: list[dict] = []
-
-    def log(self, logs: dict) -> None:
-        self.logged.append(logs)
+        self.control = None
+        self.callback_handler = SimpleNamespace(callbacks=callbacks, on_log=lambda *args: None)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:  # swapped for weighted pieces
         raise AssertionError("not called by the step functions here")
@@ -267,7 +258,7 @@ def test_process_0_redoes_the_step_split_when_process_1_went_over(monkeypatch: p
     assert rows == [4, 2, 2]  # whole, then both halves: the same collectives as process 1
     assert flags == [False, False]  # this process had nothing to report, after either attempt
     assert rec.events == [{"step": 1, "micro_batch_before": 4, "micro_batch": 2, "accumulation": 2,
-                           "processes_over_budget": [1]}]
+                           "unit": "example", "processes_over_budget": [1]}]
 
 
 def test_a_real_allocation_failure_in_one_of_several_processes_is_a_clear_error(

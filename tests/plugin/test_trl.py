@@ -1,0 +1,153 @@
+"""The plugin's out-of-memory recovery in TRL's trainers (trl 1.16): DPO with LoRA and SFT with
+padding-free packing, under a simulated budget that forces a split, train exactly as without it;
+DPO's evaluation pieces put back together give the whole batch's metrics; a loss that couples the
+batch is refused with a message in the plugin user's terms.
+
+Offline: tiny Llama from its config, the MiniLM tokenizer, preference pairs and texts generated
+here. Every TRL config sets ``bf16=False``: TRL defaults to bf16 autocast, which on a CPU rounds
+a half-batch differently from a whole one (about 1e-3 of DPO's gradient, whose chosen and rejected
+terms nearly cancel at the start) and would hide what recovery does.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from plain_trainer import tiny_model
+
+import memtrain
+from memtrain.reliability.recovery import UnsplittableBatch
+
+pytestmark = pytest.mark.slow
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+WORDS = ["cat", "dog", "sun", "moon", "tree", "river", "stone", "bird", "fish", "cloud", "rain", "wind"]
+COMMON = {"learning_rate": 1e-3, "logging_steps": 1, "report_to": "none", "use_cpu": True,
+          "save_strategy": "no", "seed": 0, "bf16": False, "disable_tqdm": True,
+          "train_sampling_strategy": "sequential"}
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer: Any) -> Any:
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token = tok.sep_token  # TRL appends EOS to every completion
+    return tok
+
+
+def phrase(rnd: random.Random, low: int, high: int) -> str:
+    return " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(low, high)))
+
+
+def preference_pairs(count: int = 32) -> Any:
+    rnd = random.Random(0)
+    return datasets.Dataset.from_list([{"prompt": f"question {i}: {phrase(rnd, 3, 8)}",
+                                        "chosen": phrase(rnd, 2, 10), "rejected": phrase(rnd, 2, 10)}
+                                       for i in range(count)])
+
+
+def dpo(tmp_path: Path, tok: Any, steps: int = 4, **config: Any) -> Any:
+    from peft import LoraConfig
+
+    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=steps,
+                         per_device_eval_batch_size=8, **{**COMMON, **config})
+    return trl.DPOTrainer(model=tiny_model(), args=args, train_dataset=preference_pairs(),
+                          eval_dataset=preference_pairs(16), processing_class=tok,
+                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+
+
+def logged(trainer: Any, key: str) -> list[float]:
+    return [e[key] for e in trainer.state.log_history if key in e and "loss" in e]
+
+
+def train_measured(trainer: Any, budget: int | None = None) -> Any:
+    callback = memtrain.attach(trainer, simulate_budget=budget, every=1)
+    trainer.train()
+    return callback
+
+
+@pytest.mark.parametrize("precompute", [False, True], ids=["reference-forward", "precomputed-reference"])
+def test_dpo_under_a_budget_that_forces_a_split_trains_as_without_it(tmp_path: Path, tok: Any,
+                                                                     precompute: bool) -> None:
+    ref = dpo(tmp_path / "ref", tok, precompute_ref_log_probs=precompute)
+    peaks = [m.peak_bytes for m in train_measured(ref).steps.values()]
+    budget = int(0.7 * max(peaks))  # 8 pairs do not fit; 4 do
+    run = dpo(tmp_path / "run", tok, precompute_ref_log_probs=precompute)
+    callback = train_measured(run, budget)
+    assert [(e["micro_batch_before"], e["micro_batch"], e["unit"]) for e in callback.recovery.events] == [
+        (8, 4, "preference pair")]  # the user's 8 pairs, not the collator's 16 rows
+    assert run.state.global_step == ref.state.global_step == 4
+    for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+        assert logged(run, key) == pytest.approx(logged(ref, key), rel=1e-4, abs=1e-7), key
+    assert logged(run, "num_tokens") == logged(ref, "num_tokens")  # each micro-batch counted once
+    assert max(m.peak_bytes for m in callback.steps.values()) <= budget
+    recovered = [e for e in run.state.log_history if "memory/recovered_micro_batch" in e]
+    assert [(e["step"], e["memory/recovered_micro_batch"]) for e in recovered] == [(1, 4.0)]
+
+
+def test_dpo_evaluation_in_pieces_gives_the_whole_batch_metrics(tmp_path: Path, tok: Any) -> None:
+    trainer = dpo(tmp_path, tok)
+    expected = trainer.evaluate()
+    whole = trainer.predict(trainer.eval_dataset)  # logits and labels: 16 rows per batch, [chosen; rejected]
+    raised: list[int] = []
+
+    def fail(module: Any, args: Any, out: torch.Tensor) -> None:
+        if out.shape[0] > 8:  # 16 rows: 8 chosen + 8 rejected sequences
+            raised.append(int(out.shape[0]))
+            raise torch.OutOfMemoryError("injected: 8 pairs do not fit")
+
+    trainer.model.get_base_model().model.layers[0].mlp.register_forward_hook(fail)
+    callback = memtrain.attach(trainer)
+    got = trainer.evaluate()
+    assert raised == [16] and callback.eval_recovery.events == [{"eval_batch_before": 8, "eval_batch": 4}]
+    for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/rejected"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    pieces = trainer.predict(trainer.eval_dataset)  # put back in the batch's order, not piece by piece
+    assert (pieces.label_ids == whole.label_ids).all()
+    assert abs(pieces.predictions - whole.predictions).max() < 1e-4
+
+
+def test_a_dpo_loss_that_couples_the_batch_stops_cleanly_in_plugin_terms(tmp_path: Path, tok: Any) -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    trainer = dpo(tmp_path, tok, steps=1, loss_type=["sigmoid", "sft"])
+    with pytest.raises(UnsplittableBatch) as err:
+        train_measured(trainer, 150 * MiB)
+    message = str(err.value)
+    assert "micro-batch of 8 preference pairs" in message and "DPOTrainer" in message
+    assert "['sft']" in message and "`per_device_train_batch_size`" in message
+    assert "memory." not in message.split("The error was")[0]  # no recipe fields for a plugin user
+    assert trainer.state.global_step == 0
+    assert not _get_current_dispatch_mode_stack()  # the simulated budget and the meter were left
+
+
+def test_sft_with_padding_free_packing_under_a_budget_splits_between_sequences(tmp_path: Path,
+                                                                              tok: Any) -> None:
+    rnd = random.Random(0)
+    texts = datasets.Dataset.from_list([{"text": phrase(rnd, 4, 40)} for _ in range(64)])
+
+    def sft(folder: str) -> Any:
+        args = trl.SFTConfig(output_dir=str(tmp_path / folder), per_device_train_batch_size=2, max_steps=3,
+                             packing=True, max_length=128, **COMMON)
+        return trl.SFTTrainer(model=tiny_model(), args=args, train_dataset=texts, processing_class=tok)
+
+    ref = sft("ref")
+    assert ref.padding_free  # BFD packing: one row per batch, sequences told apart by position_ids
+    peaks = [m.peak_bytes for m in train_measured(ref).steps.values()]
+    budget = int(0.7 * max(peaks))
+    run = sft("run")
+    callback = train_measured(run, budget)
+    events = callback.recovery.events
+    assert events and events[0]["unit"] == "packed sequence" and events[0]["micro_batch"] < events[0][
+        "micro_batch_before"]
+    for key in ("loss", "grad_norm"):
+        assert logged(run, key) == pytest.approx(logged(ref, key), rel=1e-4), key
+    assert logged(run, "num_tokens") == logged(ref, "num_tokens")
+    assert max(m.peak_bytes for m in callback.steps.values()) <= budget
