@@ -1,10 +1,11 @@
 """Benchmark activation checkpointing and offload modes on a mid-size Llama-shaped model.
 
 For each mode, one full fine-tuning step (forward, backward, AdamW step) is measured for exact
-live tensor bytes (device and host, split by memtrain's offload ledgers), the activations saved
-by forward, the FLOPs recomputed in backward (``FlopCounterMode``), and the median step time over
-a few steps run round-robin across modes (so that machine noise hits them all alike). Writes
-docs/bench/memory_modes.md.
+live tensor bytes (device and host, counted by ``memprobe``: host bytes are what saved-tensor
+pack hooks create and an offloading optimizer's copies; memtrain's offload ledgers are not read),
+the activations saved by forward, the FLOPs recomputed in backward (``FlopCounterMode``), and the
+median step time over a few steps run round-robin across modes (so that machine noise hits them
+all alike). Writes docs/bench/memory_modes.md.
 
     PYTHONPATH=$PWD python scripts/bench_memory_modes.py            # the table in docs/
     PYTHONPATH=$PWD python scripts/bench_memory_modes.py --quick    # a tiny smoke run
@@ -35,7 +36,7 @@ from memtrain.patches import checkpointing
 from memtrain.trainer.optimizer_offload import OffloadOptimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memprobe import LiveBytes
+from memprobe import LiveBytes, host_resident, resident
 
 MiB = 2**20
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "memory_modes.md"
@@ -84,30 +85,21 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) 
     return loss.item()
 
 
-def device_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state on the device (for the offloaded optimizer: its small params')."""
-    inner = opt.d_opt if isinstance(opt, OffloadOptimizer) else opt
-    if inner is None:
-        return 0
-    return sum(v.untyped_storage().nbytes() for state in inner.state.values()
-               for v in state.values() if isinstance(v, torch.Tensor))
-
-
 def measure(model: nn.Module, opt: torch.optim.Optimizer, mode: Mode, ids: torch.Tensor) -> None:
-    """Exact bytes and backward FLOPs of a steady-state step (optimizer state already exists)."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    resident = params + device_state_bytes(opt)
-    host_resident = opt.host_bytes() if isinstance(opt, OffloadOptimizer) else 0
-    ledger = offload.host_ledger(model)
-    with LiveBytes(lambda: ledger.current_bytes if ledger else 0) as tracker:
+    """Exact bytes and backward FLOPs of a steady-state step (optimizer state already exists),
+    counted by memprobe alone: what the step finds (parameters, buffers, optimizer state; an
+    offloading optimizer's copies are host bytes) and what it creates (host: what saved-tensor
+    pack hooks make)."""
+    held, host_held = resident(model, opt, {}), host_resident(model, opt)
+    with LiveBytes() as tracker:
         loss = model(input_ids=ids, labels=ids).loss
         saved = tracker.device_current
         loss.backward()
         opt.step()
         model.zero_grad(set_to_none=True)
     mode.results.update(
-        loss=loss.item(), peak=resident + tracker.device_peak, saved=saved,
-        host_peak=host_resident + tracker.host_peak)
+        loss=loss.item(), peak=held + tracker.device_peak, saved=saved,
+        host_peak=host_held + tracker.host_peak)
 
 
 def warm_up(model: nn.Module, opt: torch.optim.Optimizer, mode: Mode, ids: torch.Tensor) -> None:
@@ -231,8 +223,7 @@ def depth_check(args: argparse.Namespace, ids: torch.Tensor) -> list[tuple[Mode,
             mode = Mode(name, "full", activations=activations, layers=layers)
             model = prepare(build(args, layers), mode, args.min_bytes)
             grads = sum(p.numel() * p.element_size() for p in model.parameters())
-            ledger = offload.host_ledger(model)
-            with LiveBytes(lambda ledger=ledger: ledger.current_bytes if ledger else 0) as tracker:
+            with LiveBytes() as tracker:
                 loss = model(input_ids=ids, labels=ids).loss
                 saved = tracker.device_current
                 loss.backward()
@@ -263,8 +254,10 @@ def report(args: argparse.Namespace, modes: list[Mode], pairs: list[tuple[Mode, 
         f"jobs). torch {torch.__version__}, transformers {transformers.__version__}, Python "
         f"{platform.python_version()}.", "",
         "Memory figures are exact live tensor bytes of one steady-state training step on CPU "
-        "(device = tensors the step computes with; host = copies held by memtrain's offload "
-        "code, which on a CPU-only machine is the same RAM). Peak device includes parameters, "
+        "(device = tensors the step computes with; host = copies held by the offload code: what "
+        "saved-tensor pack hooks create, and an offloading optimizer's copies of parameters, "
+        "gradients and state, counted by `scripts/memprobe.py`, not by memtrain; on a CPU-only "
+        "machine the same RAM). Peak device includes parameters, buffers, "
         "gradients and AdamW state (on the host with optimizer offload). *Saved activations* "
         "are the device bytes forward leaves alive for backward. "
         "*Recompute* is backward FLOPs minus those of `none` (matmul and attention FLOPs, as "

@@ -48,6 +48,11 @@ def _encode_classification(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenize
                 for j, i in enumerate(long):
                     out[key][i] = cut[key][j]
         long_set = set(long)
+        if not any(any(types) for types in out.get("token_type_ids", [])):
+            # One segment per row: all zeros, which BERT-style models use when none are given (a
+            # zero buffer). Collated they are one more int64 per token in every batch, which
+            # nothing needs and the estimate's batch does not have.
+            out.pop("token_type_ids", None)
         out["truncated"] = [i in long_set for i in range(len(texts))]
         out["labels"] = [y if is_class else index[str(y)] for y in batch[cfg.label_column]]
         return out

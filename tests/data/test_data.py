@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import MINILM, causal_recipe, write_jsonl
+from conftest import MINILM, causal_recipe, tiny_model, write_jsonl
 
 from memtrain.config import RecipeError, load_recipe
 from memtrain.data.prepare import IGNORE_INDEX, prepare_data
@@ -58,6 +58,9 @@ def test_classification_maps_string_labels(tmp_path: Path, tokenizer, tiny_class
     data = prepare_data(cfg, tokenizer)
     assert data.label_names == ["cat", "dog"] and data.num_labels == 2
     assert set(data.train["labels"]) == {0, 1} and data.eval is not None and len(data.eval) == 16
+    # one segment a row: no all-zero token types in the batches (the model's own zeros stand in)
+    assert "token_type_ids" not in data.train.column_names
+    assert tokenizer(["a b"])["token_type_ids"] == [[0, 0, 0, 0]]
 
 
 def test_missing_column_lists_the_columns(tmp_path: Path, tokenizer) -> None:
@@ -222,3 +225,16 @@ def test_which_play_builtin_is_balanced_alpaca() -> None:
     counts = Counter(ds["output"])
     assert set(counts) == set(PLAYS.values()) and len(set(counts.values())) == 1
     assert set(ds["instruction"]) == {WHICH_PLAY} and all(len(t.split()) >= 5 for t in ds["input"])
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_a_classifier_without_token_types_computes_what_zeros_give(arch: str) -> None:
+    """Why classification rows drop all-zero ``token_type_ids``: the model's own zeros stand in."""
+    import torch
+
+    model = tiny_model(arch).eval()
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        given = model(input_ids=ids, token_type_ids=torch.zeros_like(ids)).logits
+        left_out = model(input_ids=ids).logits
+    assert torch.equal(given, left_out)

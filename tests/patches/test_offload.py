@@ -28,16 +28,15 @@ def offloaded(base: nn.Module, checkpointing: Any = "none", cfg: OffloadConfig =
 
 
 def measured_step(model: nn.Module) -> dict[str, Any]:
-    """Loss, grads, device bytes saved by forward, and host bytes (at peak, after backward)."""
-    ledger = offload.host_ledger(model)
-    host = (lambda: ledger.current_bytes) if ledger else (lambda: 0)
-    with LiveBytes(host) as tracker:
+    """Loss, grads, device bytes saved by forward, and host bytes (at peak, after backward), counted
+    by memprobe (host: what saved-tensor pack hooks made), not by the offload ledger."""
+    with LiveBytes() as tracker:
         loss = model(**inputs()).loss
-        saved, host_after_forward = tracker.device_current, host()
+        saved, host_after_forward = tracker.device_current, tracker.host_current
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": loss.item(), "grads": grads, "saved": saved, "host": host_after_forward,
-            "host_left": host(), "device_peak": tracker.device_peak}
+            "host_left": tracker.host_current, "device_peak": tracker.device_peak}
 
 
 # ------------------------------------------------------------------------- activation offload
