@@ -1,0 +1,138 @@
+"""Bugs that were planted one at a time and that the rest of the suite let pass (issue 26, point 5).
+
+Each test names the bug it guards in its docstring; each was checked by planting that bug, seeing
+the test fail (the failure is quoted), and reverting. Tolerances live beside each case.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from memtrain.patches import chunked_loss
+
+# ---------------------------------------------------------------------------- chunked loss
+
+
+def _lm_batch(vocab: int = 512, rows: int = 3, tokens: int = 24) -> dict[str, torch.Tensor]:
+    """Token ids with a padded row and a masked prompt (as tests/test_chunked_loss.py's batch)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (rows, tokens), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[0, :5] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """The targets a causal LM's loss takes: labels shifted left by one, -100 appended."""
+    return nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+
+
+def _loss_and_grads(model: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Frobenius-norm error of ``a`` relative to ``b``, in fp32."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("chunk", [None, 7])  # one chunk, and 11 chunks of 7 that do not divide 72
+def test_chunked_loss_of_a_bf16_model_is_computed_in_fp32(chunk: int | None) -> None:
+    """Guards: the chunked loss without its fp32 upcast (``transform(head(h))`` for
+    ``transform(head(h).float())``). A bf16 Llama's loss became 6.25 instead of 6.2776; every other
+    exactness test runs in fp32, where the upcast changes nothing.
+
+    With the bug planted: ``Scalars are not close! Expected 6.288996219... but got 6.28125.
+    Relative difference: 0.00123... (up to 1e-05 allowed)`` (chunks of 7; 0.0037 with one chunk).
+    """
+    model = tiny_model("llama").to(torch.bfloat16)
+    batch = _lm_batch()
+    with torch.no_grad():  # the standard loss, in fp32 from the model's own bf16 logits (HF upcasts)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        assert logits.dtype == torch.bfloat16
+        reference = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                _shifted(batch["labels"]), ignore_index=-100)
+        torch.testing.assert_close(model(**batch).loss, reference, rtol=1e-6, atol=0)  # HF's own
+        loss = chunked_loss.apply(copy.deepcopy(model), chunk)(**batch).loss
+    # measured 1.5e-7 relative (fp32 sums in another order); a bf16 loss is off by ~1e-3 (bf16
+    # values near 6 are 2^-5 = 0.031 apart, 0.5%)
+    torch.testing.assert_close(loss.float(), reference, rtol=1e-5, atol=0)
+    assert loss.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("chunk", "tolerance"), [
+    (None, 0.003),  # one chunk: bit-equal to the standard path, measured 0.17% from fp32
+    (7, 0.008),  # 11 chunks: measured 0.43% (each chunk's bf16 weight gradient summed in bf16)
+])
+def test_chunked_head_gradient_of_a_bf16_model_is_as_close_to_fp32_as_bf16_allows(
+        chunk: int | None, tolerance: float) -> None:
+    """The bf16 ``lm_head`` gradient, chunked and standard, against the same gradient computed in
+    fp32 from the bf16 model's hidden states and head weight (the exact gradient of the bf16
+    model's loss). Chunked and standard differ from each other by up to 0.8% (max) because each
+    rounds to bf16 in other places: comparing them directly would need a tolerance that hides
+    real errors, so each is held to its distance from the fp32 reference. A chunk dropped, counted
+    twice or scaled wrongly moves the gradient by far more than 1%.
+    """
+    model = tiny_model("llama").to(torch.bfloat16)
+    batch = _lm_batch()
+    _, standard = _loss_and_grads(model, batch)
+    _, chunked = _loss_and_grads(chunked_loss.apply(copy.deepcopy(model), chunk), batch)
+
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
+    weight = model.lm_head.weight.detach().float().requires_grad_()
+    logits = hidden.detach().float().reshape(-1, hidden.shape[-1]) @ weight.T
+    nn.functional.cross_entropy(logits, _shifted(batch["labels"]), ignore_index=-100).backward()
+    exact = weight.grad
+
+    assert chunked["lm_head.weight"].dtype == torch.bfloat16
+    assert _relative(standard["lm_head.weight"], exact) < 0.003  # the reference is the right one
+    error = _relative(chunked["lm_head.weight"], exact)
+    assert error < tolerance, f"chunked lm_head gradient {error:.2%} from fp32 (allowed {tolerance:.1%})"
+
+
+def _scaled_model(model_type: str, **scaling: float) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                  max_position_embeddings=256, **scaling)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+@pytest.mark.parametrize(("model_type", "scaling"), [
+    ("granite", {"logits_scaling": 8.0}),  # divides (its default 1.0 would hide an inversion)
+    ("cohere", {"logit_scale": 4.0}),  # multiplies (default 0.0625)
+])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_logit_scaling_of_granite_and_cohere_matches_the_models_own_loss(
+        model_type: str, scaling: dict, chunk: int | None) -> None:
+    """Guards: Granite's ``logits_scaling`` applied the wrong way round (multiplied, not divided),
+    and Cohere's ``logit_scale`` dropped or inverted: the module docstring claims both, and no test
+    had a model that scales its logits. Loss and every gradient equal the model's own (fp32).
+
+    With Granite's scaling inverted: ``Expected 6.2431... but got 7.3320... Relative difference:
+    0.174... (up to 1e-05 allowed)``; with Cohere's dropped: ``Expected 6.6486... but got 6.2816...
+    Relative difference: 0.0552...``.
+    """
+    model = _scaled_model(model_type, **scaling)
+    batch = _lm_batch()
+    loss, grads = _loss_and_grads(model, batch)
+    patched_loss, patched_grads = _loss_and_grads(chunked_loss.apply(copy.deepcopy(model), chunk), batch)
+    torch.testing.assert_close(patched_loss, loss, rtol=1e-5, atol=0)  # as tests/test_chunked_loss.py
+    assert patched_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        scale = grad.abs().max().clamp_min(1e-12)
+        err = float((patched_grads[name] - grad).abs().max() / scale)
+        assert err < 1e-5, f"{name}: relative gradient error {err:.2e}"
