@@ -7,13 +7,21 @@ the test fail (the failure is quoted), and reverting. Tolerances live beside eac
 from __future__ import annotations
 
 import copy
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import causal_recipe, tiny_model
 from torch import nn
 
+from memtrain.checkpoints import MANIFEST, STAGING, usable_checkpoint, verify
+from memtrain.config import load_recipe
 from memtrain.patches import chunked_loss
+from memtrain.runner import train
 
 # ---------------------------------------------------------------------------- chunked loss
 
@@ -136,3 +144,70 @@ def test_logit_scaling_of_granite_and_cohere_matches_the_models_own_loss(
         scale = grad.abs().max().clamp_min(1e-12)
         err = float((patched_grads[name] - grad).abs().max() / scale)
         assert err < 1e-5, f"{name}: relative gradient error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_the_manifest_is_written_and_synced_inside_the_staged_folder_before_it_is_published(
+        tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards: the checkpoint manifest written after the folder is published (renamed from
+    ``.staging``), without fsync. A power loss then leaves a published checkpoint without its
+    manifest, or with a manifest the disk never got; tests/test_reliability.py's sync test calls
+    :func:`publish` on a folder it staged itself, so it cannot see where the Trainer's save puts
+    the manifest. Here a real run saves, and every ``fsync`` and rename is recorded.
+
+    With the bug planted: ``AssertionError: checkpoint-2 was published without
+    memtrain_manifest.json in the staged folder``.
+    """
+    events: list[tuple] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd: int) -> None:
+        status = os.fstat(fd)
+        events.append(("fsync", (status.st_dev, status.st_ino), status.st_size))
+        real_fsync(fd)
+
+    def moving(real: Any) -> Any:
+        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            manifest = Path(src) / MANIFEST
+            found = manifest.stat() if manifest.is_file() else None
+            events.append(("publish", Path(src), Path(dst), _node(Path(src)),
+                           found and (found.st_dev, found.st_ino), found and found.st_size))
+            return real(src, dst, *args, **kwargs)
+        return move
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", moving(real_rename))  # Path.rename calls os.rename
+    monkeypatch.setattr(os, "replace", moving(real_replace))
+    recipe = causal_recipe(tmp_path, tiny_text_file,
+                           training={"max_steps": 2, "save_strategy": "steps", "save_steps": 2})
+    train(load_recipe(recipe))
+    monkeypatch.undo()
+
+    published = [(i, e) for i, e in enumerate(events)
+                 if e[0] == "publish" and re.fullmatch(r"checkpoint-\d+", e[2].name)]
+    assert [e[2].name for _, e in published] == ["checkpoint-2"]
+    for i, (_, staged, final, folder, manifest, size) in published:
+        assert STAGING in staged.parts, f"{final.name} was not written into {STAGING}"
+        assert manifest is not None, f"{final.name} was published without {MANIFEST} in the staged folder"
+        synced = [j for j, e in enumerate(events[:i]) if e[0] == "fsync" and e[1] == manifest]
+        assert synced, f"{final.name}: {MANIFEST} was never fsync'ed before the folder was published"
+        assert events[synced[-1]][2] == size, f"{final.name}: {MANIFEST} changed after its fsync"
+        assert any(e[0] == "fsync" and e[1] == folder for e in events[synced[-1]:i]), \
+            f"{final.name}: the staged folder (its entry for {MANIFEST}) was not fsync'ed after it"
+        assert any(e[0] == "fsync" and e[1] == _node(final.parent) for e in events[i:]), \
+            f"{final.name}: the parent folder was not fsync'ed after the rename"
+        written = json.loads((final / MANIFEST).read_text(encoding="utf-8"))
+        assert set(written["files"]) == {p.relative_to(final).as_posix() for p in final.rglob("*")
+                                         if p.is_file() and p.name != MANIFEST}
+        assert verify(final) is None
+    (final / MANIFEST).unlink()  # what a power loss leaves when the manifest comes after the rename
+    assert verify(final) == f"{MANIFEST} is missing or unreadable (not a complete memtrain save: it is " \
+                            "written before a checkpoint is published)"
+    assert usable_checkpoint(final.parent)[0] is None
+
+
+def _node(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_dev, status.st_ino
