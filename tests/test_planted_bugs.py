@@ -19,8 +19,8 @@ from conftest import causal_recipe, tiny_model
 from torch import nn
 
 from memtrain.checkpoints import MANIFEST, STAGING, usable_checkpoint, verify
-from memtrain.config import load_recipe
-from memtrain.patches import chunked_loss
+from memtrain.config import FewBitConfig, load_recipe
+from memtrain.patches import chunked_loss, fewbit
 from memtrain.runner import train
 
 # ---------------------------------------------------------------------------- chunked loss
@@ -211,3 +211,108 @@ def test_the_manifest_is_written_and_synced_inside_the_staged_folder_before_it_i
 def _node(path: Path) -> tuple[int, int]:
     status = path.stat()
     return status.st_dev, status.st_ino
+
+
+# ---------------------------------------------------------------------------- few-bit backward
+
+
+class _AliasingGelu(nn.Module):
+    """A GELU that writes its output over its input and returns it (the input's storage)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.copy_(nn.functional.gelu(x))
+
+
+@pytest.mark.parametrize(("inplace", "plain", "function"), [
+    (lambda: nn.SiLU(inplace=True), nn.SiLU, "silu"),
+    (_AliasingGelu, nn.GELU, "gelu"),
+])
+def test_an_activation_that_overwrites_its_input_gets_the_gradients_of_its_input(
+        inplace: Any, plain: Any, function: str) -> None:
+    """Guards: the few-bit code taken after an in-place activation ran, i.e. of its output instead
+    of its input (553 of 1,001 SiLU gradients wrong). The in-place test in tests/test_fewbit.py uses
+    ReLU, which maps every negative input to 0, the boundary its 1-bit table puts negatives under:
+    its codes are the same either way.
+
+    With the bug planted: ``AssertionError: 569 of 1001 gradients differ from the out-of-place
+    activation's`` (SiLU), ``562 of 1001 ...`` (the aliasing GELU).
+    """
+    from memtrain.patches.fewbit import FewBitActivation
+
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    weight = torch.linspace(-1, 1, 1001)  # a gradient that differs per element
+
+    def grad_of(act: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        x.grad = None
+        y = act(x * 1.0)  # a non-leaf input, as inside a model
+        (y * weight).sum().backward()
+        return y.detach(), x.grad.clone()
+
+    out, grad = grad_of(FewBitActivation(inplace(), function, 3))
+    expected_out, expected = grad_of(FewBitActivation(plain(), function, 3))
+    assert torch.equal(out, expected_out)
+    wrong = int((grad != expected).sum())
+    assert wrong == 0, f"{wrong} of {x.numel()} gradients differ from the out-of-place activation's"
+    # and through fewbit.apply, which identifies the in-place module as the activation it computes
+    model = fewbit.apply(nn.Sequential(nn.Identity(), inplace()), FewBitConfig(bits=3, targets=["1"]))
+    assert torch.equal(grad_of(model)[1], expected)
+
+
+def _used_tables(model: nn.Module, monkeypatch: pytest.MonkeyPatch,
+                 ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """The boundaries and levels the few-bit layers actually encode and decode with in one step,
+    and the step's gradients."""
+    boundaries: list[torch.Tensor] = []
+    levels: list[torch.Tensor] = []
+    real_encode, real_decode = fewbit.encode, fewbit.decode_mul
+
+    def encode(x: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
+        boundaries.append(b.clone())
+        return real_encode(x, b, bits)
+
+    def decode_mul(grad: torch.Tensor, packed: torch.Tensor, v: torch.Tensor, bits: int) -> torch.Tensor:
+        levels.append(v.clone())
+        return real_decode(grad, packed, v, bits)
+
+    monkeypatch.setattr(fewbit, "encode", encode)
+    monkeypatch.setattr(fewbit, "decode_mul", decode_mul)
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    monkeypatch.undo()
+    return boundaries, levels, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(("dtype", "cast"), [
+    (torch.bfloat16, lambda m: m.to(torch.bfloat16)),
+    (torch.float16, lambda m: m.half()),
+    (torch.bfloat16, lambda m: m.bfloat16()),
+])
+def test_casting_a_patched_model_leaves_its_few_bit_tables_alone(
+        dtype: torch.dtype, cast: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guards: the few-bit boundaries and levels kept as floating buffers, which ``model.to(bf16)``
+    (or ``.half()``) casts: the boundaries move (3-bit SiLU: 1.12 becomes 1.1171875 in bf16) and
+    inputs between the old and the new boundary get the neighbouring level.
+
+    After the cast, the tables used are the fp32 tables used before it, bit for bit, and the
+    gradients equal (exactly) those of a model cast first and patched after.
+
+    With the bug planted: ``AssertionError: the boundaries used changed with the cast`` (all three
+    casts).
+    """
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    config = FewBitConfig(bits=3)
+    patched = fewbit.apply(tiny_model("llama"), config)
+    before_b, before_l, _ = _used_tables(patched, monkeypatch, ids)
+    assert len(before_b) == 2 and all(b.dtype == torch.float32 for b in before_b)  # one per layer
+    after_b, after_l, grads = _used_tables(cast(patched), monkeypatch, ids)
+    assert all(torch.equal(a, b) for a, b in zip(after_b, before_b, strict=True)), \
+        "the boundaries used changed with the cast"
+    assert all(torch.equal(a, b) for a, b in zip(after_l, before_l, strict=True)), \
+        "the levels used changed with the cast"
+
+    fresh = fewbit.apply(cast(tiny_model("llama")), config)
+    _, _, expected = _used_tables(fresh, monkeypatch, ids)
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert grad.dtype == dtype
+        assert torch.equal(grads[name], grad), name
