@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +152,8 @@ def test_logit_scaling_of_granite_and_cohere_matches_the_models_own_loss(
 
 
 def test_the_manifest_is_written_and_synced_inside_the_staged_folder_before_it_is_published(
-        tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """Guards: the checkpoint manifest written after the folder is published (renamed from
     ``.staging``), without fsync. A power loss then leaves a published checkpoint without its
     manifest, or with a manifest the disk never got; tests/test_reliability.py's sync test calls
@@ -182,8 +185,12 @@ def test_the_manifest_is_written_and_synced_inside_the_staged_folder_before_it_i
     monkeypatch.setattr(os, "replace", moving(real_replace))
     recipe = causal_recipe(tmp_path, tiny_text_file,
                            training={"max_steps": 2, "save_strategy": "steps", "save_steps": 2})
-    train(load_recipe(recipe))
+    started = time.time()
+    with caplog.at_level(logging.WARNING):
+        train(load_recipe(recipe))
+    elapsed = time.time() - started
     monkeypatch.undo()
+    assert "NaN or infinite" not in caplog.text  # finite weights are not reported as NaN
 
     published = [(i, e) for i, e in enumerate(events)
                  if e[0] == "publish" and re.fullmatch(r"checkpoint-\d+", e[2].name)]
@@ -199,6 +206,8 @@ def test_the_manifest_is_written_and_synced_inside_the_staged_folder_before_it_i
         assert any(e[0] == "fsync" and e[1] == _node(final.parent) for e in events[i:]), \
             f"{final.name}: the parent folder was not fsync'ed after the rename"
         written = json.loads((final / MANIFEST).read_text(encoding="utf-8"))
+        assert written["step"] == 2 and written["finite"] is True
+        assert 0 < written["train_runtime"] < elapsed
         assert set(written["files"]) == {p.relative_to(final).as_posix() for p in final.rglob("*")
                                          if p.is_file() and p.name != MANIFEST}
         assert verify(final) is None
