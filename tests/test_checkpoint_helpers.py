@@ -105,6 +105,12 @@ def test_verify_names_what_is_missing_short_or_not_finite(tmp_path: Path) -> Non
     assert verify(_checkpoint(tmp_path / "d", finite=False)) == "its trained weights are NaN or infinite"
 
 
+def test_progress_reads_the_step_and_the_training_seconds_saved(tmp_path: Path) -> None:
+    """A resumed run's clock starts from the manifest's seconds (mutmut: its key was only caught
+    when the resumed half of a real run happened to be shorter than the first)."""
+    assert checkpoints.progress(_checkpoint(tmp_path / "checkpoint-3")) == (3, 12.5)
+
+
 def test_the_manifest_lists_every_file_and_only_files(tmp_path: Path) -> None:
     ckpt = tmp_path / "checkpoint-3"
     (ckpt / "sub").mkdir(parents=True)
