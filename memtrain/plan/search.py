@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,8 +19,9 @@ from memtrain.data.rows import Rows
 from memtrain.distributed import sharding
 from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
+from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
-from memtrain.estimator.trace import Work, in_batch
+from memtrain.estimator.trace import Work, _quiet, in_batch, with_depth
 from memtrain.patches import NoMatchError
 from memtrain.plan import costmodel
 from memtrain.plan.space import IN_BACKWARD, Candidate, _batches, _options, _rank, auto_fields, with_values
@@ -46,6 +48,11 @@ class _Traced:
 
 _TRACES: dict[str, _Traced] = {}
 
+# The fields whose techniques patch the model, so whose applicability a fake model shows before
+# any trace (see _Search.inapplicable); a field left out is still caught when traced.
+PATCHED_FIELDS = ("memory.checkpointing", "memory.loss", "memory.activation_bits",
+                  "memory.randomized_linear", "memory.offload.activations")
+
 
 class _Search:
     """Enumerate, bound and evaluate candidates (see the module docstring)."""
@@ -63,6 +70,7 @@ class _Search:
         self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates
         self.done: list[Candidate] = []
         self.pruned: list[Candidate] = []
+        self._patch_errors: dict[str, str | None] = {}  # applicability of one technique value
         self._traces = _TRACES  # shared by every search in this process: a trace depends only on
         # the settings in its key, never on the budget
 
@@ -84,6 +92,10 @@ class _Search:
         fits: list[Candidate] = []
         for bound, i in sorted(bounds):
             cand = cands[i]
+            if (why := self.inapplicable(cand)) is not None:  # before any ranking: true on any machine
+                cand.reason = "not applicable to this model: " + why
+                self.pruned.append(cand)
+                continue
             if fastest is not None and bound > fastest.seconds * (1 + TIE):
                 cand.reason = (f"slower: at least {bound:.3g} s per step, the fastest that fits needs "
                                f"{fastest.seconds:.3g} s")
@@ -195,6 +207,47 @@ class _Search:
             work = Work(1, work.flops * (1 + share / 3), work.ops, work.written, work.optimizer_ops)
         return self._cost(cfg, cand.values, work, traced.counts2, accumulation, 0).seconds
 
+    def inapplicable(self, cand: Candidate) -> str | None:
+        """Why one of ``cand``'s techniques cannot be applied to this model, or None.
+
+        Each technique value is checked on its own (the others plain, the candidate's adapter and
+        quantization kept) by applying the patches to a fake model, once per search; a technique
+        whose patch finds nothing to patch (checkpointing a model without a list of layers,
+        ALBERT) is named here, whatever the machine's speed would rank it. Errors only a trace
+        shows still come from :meth:`evaluate`.
+        """
+        base = {f: v for f, v in cand.values.items() if f in ("model.quantization", "adapter.method")}
+        plain = {**cand.values, **self._plain(cand), **base}
+        if self._patch_error(plain) is not None:
+            return None  # fails without any technique: not a technique's fault (evaluate reports it)
+        for path, value in cand.values.items():
+            if path in PATCHED_FIELDS and any(_rank(path, value, self.depth)):
+                why = self._patch_error({**plain, path: value})
+                if why is not None:
+                    return why
+        return None
+
+    def _patch_error(self, values: dict[str, Any]) -> str | None:
+        """The :class:`NoMatchError` (without its fix) of applying the patches of ``values``, cached.
+
+        Built with 2 layers first (cheap); a failure is confirmed at the model's depth.
+        """
+        key = json.dumps(values, sort_keys=True, default=str)
+        if key not in self._patch_errors:
+            try:
+                cfg = with_values(self.cfg, values)
+            except (ValueError, MemtrainError):
+                self._patch_errors[key] = None  # not a valid combination: candidates() skips those
+                return None
+            config, _ = est.resolve_config(cfg.model)
+            why = None
+            for depth in sorted({min(2, self.depth), self.depth}):
+                why = _patch_error(cfg, with_depth(config, depth))
+                if why is None:
+                    break
+            self._patch_errors[key] = why
+        return self._patch_errors[key]
+
     def _plain(self, cand: Candidate) -> dict[str, Any]:
         plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
                  "memory.offload.activations": False, "memory.offload.optimizer": False,
@@ -299,6 +352,18 @@ class _Search:
                 plan, [(2, plan.seq_len), (3, plan.seq_len)], False)
             self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
         return self._traces[key]
+
+
+def _patch_error(cfg: RunConfig, config: Any) -> str | None:
+    """Why the recipe's patches cannot be applied to a fake model of ``config`` (None: they can)."""
+    try:
+        with fake_tensor_mode(packed=cfg.data.packing), _quiet():
+            build_fake_model(cfg, config)
+    except NoMatchError as err:
+        return str(err).split(" Fix:")[0]
+    except Exception:  # any other failure is the trace's to report, naming its field
+        return None
+    return None
 
 
 def _gathers(cand: Candidate) -> int:

@@ -13,8 +13,8 @@ Writing (:func:`write_checkpoint`, also used for the final save through :func:`d
 - rotation (``training.save_total_limit``) never deletes the newest checkpoint with finite weights.
 
 Reading (:func:`usable_checkpoint`): checkpoints newest first; each is verified (:func:`verify`:
-complete against its manifest, every file readable, finite weights) and the first good one is
-used; the ones skipped are named, with the reason.
+complete against its manifest, every file readable, finite weights; no manifest, no resume) and
+the first good one is used; the ones skipped are named, with the reason.
 """
 
 from __future__ import annotations
@@ -69,11 +69,11 @@ def last_complete_checkpoint(folder: str | Path) -> Path | None:
 
 
 def newest_finite(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint whose manifest says its weights were finite (no manifest:
-    older memtrain, trusted when complete)."""
+    """The newest complete checkpoint whose manifest says its weights were finite (no manifest: not
+    a complete save, see :func:`verify`)."""
     for path in checkpoint_dirs(folder):
         manifest = read_manifest(path)
-        if (path / "trainer_state.json").is_file() and (manifest is None or manifest.get("finite", True)):
+        if (path / "trainer_state.json").is_file() and manifest is not None and manifest.get("finite", True):
             return path
     return None
 
@@ -97,29 +97,36 @@ def progress(checkpoint: str | Path) -> tuple[int, float]:
 
 
 def verify(checkpoint: Path) -> str | None:
-    """Why ``checkpoint`` cannot be resumed from (complete, readable, finite), or None if it can."""
+    """Why ``checkpoint`` cannot be resumed from (complete, readable, finite), or None if it can.
+
+    A folder without a manifest is refused: memtrain writes and syncs the manifest inside the
+    staged folder before publishing it, so a checkpoint without one is not a complete memtrain
+    save, and loading its files cannot tell whether one is missing.
+    """
     try:
         json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "trainer_state.json is missing or unreadable (an incomplete save)"
     manifest = read_manifest(checkpoint)
-    if manifest is not None:
-        for name, size in manifest.get("files", {}).items():
-            path = checkpoint / name
-            if not path.is_file():
-                return f"{name} is missing"
-            if path.stat().st_size != size:
-                return f"{name} has {path.stat().st_size} bytes, {size} were written (truncated or damaged)"
-        if not manifest.get("finite", True):
-            return "its trained weights are NaN or infinite"
+    if manifest is None:
+        return (f"{MANIFEST} is missing or unreadable (not a complete memtrain save: it is written "
+                "before a checkpoint is published)")
+    for name, size in manifest.get("files", {}).items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written (truncated or damaged)"
+    if not manifest.get("finite", True):
+        return "its trained weights are NaN or infinite"
     for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
-        problem = _unreadable(path, check_finite=manifest is None)
+        problem = _unreadable(path)
         if problem:
             return f"{path.relative_to(checkpoint)} {problem}"
     return None
 
 
-def _unreadable(path: Path, check_finite: bool) -> str | None:
+def _unreadable(path: Path) -> str | None:
     """Why a checkpoint file cannot be loaded, or None."""
     if path.stat().st_size == 0:
         return "is empty (0 bytes)"
@@ -131,7 +138,7 @@ def _unreadable(path: Path, check_finite: bool) -> str | None:
             return "is not a complete torch file"
         return f"is damaged (member {bad} fails its checksum)" if bad else None
     if path.suffix == ".safetensors":
-        return _unreadable_safetensors(path, check_finite)
+        return _unreadable_safetensors(path)
     if path.suffix == ".json":
         try:
             json.loads(path.read_text(encoding="utf-8"))
@@ -140,15 +147,12 @@ def _unreadable(path: Path, check_finite: bool) -> str | None:
     return None
 
 
-def _unreadable_safetensors(path: Path, check_finite: bool) -> str | None:
+def _unreadable_safetensors(path: Path) -> str | None:
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                tensor = f.get_tensor(key) if check_finite else None
-                if tensor is not None and tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    return "holds NaN or infinite weights"
+            f.keys()  # reads and checks the header (the manifest vouches for sizes and finiteness)
     except Exception as err:  # safetensors raises its own error types for every kind of damage
         return f"cannot be read ({err})"
     return None

@@ -25,12 +25,6 @@ from memtrain.plan import planner
 ARCH = {**copy.deepcopy(TINY_CONFIGS["llama"]), "tie_word_embeddings": False}
 
 
-@pytest.fixture(autouse=True)
-def _rates(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the planner's CPU rates, measured once per test session into a private profile (test_planner's)
-    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path_factory.getbasetemp() / "calibration.json"))
-
-
 def recipe(tmp: Path, data: Path, processes: int = 2, sharding: str = "full", **sections: Any) -> Any:
     base = causal_recipe(tmp, data, model={"from_config": ARCH}, adapter={"method": "full"},
                          data={"max_length": 32},

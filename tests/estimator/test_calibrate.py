@@ -92,3 +92,15 @@ def test_profiles_saved_with_older_rates_are_measured_again(tmp_path: Path,
         assert json.loads(path.read_text())["rates"]["cpu"]["version"] == calibrate.RATES_VERSION
     finally:
         costmodel.rates.cache_clear()
+
+
+def test_the_suite_plans_with_the_committed_rates_never_the_users_profile(fixed_calibration: Path) -> None:
+    """conftest's session fixture: no test depends on this machine's speed or a user's cache."""
+    from memtrain.plan import costmodel
+
+    assert calibrate.profile_path() == fixed_calibration
+    assert Path.home() / ".cache" not in fixed_calibration.parents
+    committed = json.loads((Path(__file__).parent / "assets" / "calibration.json").read_text())
+    costmodel.rates.cache_clear()
+    assert costmodel.rates("cpu").values["op_seconds"] == committed["rates"]["cpu"]["op_seconds"]
+    assert costmodel.rates("cpu").source == f"measured by `memtrain calibrate` ({fixed_calibration})"

@@ -195,3 +195,106 @@ def test_lean_lora_layers_match_peft_in_fp32_and_bf16(dropout: float) -> None:
         for name, grad in ref_grads.items():
             scale = grad.abs().max().clamp_min(1e-12)
             assert ((grads[name] - grad).abs().max() / scale).item() < tol, name
+
+
+# ------------------------------------------------ mutants that survived (docs/bench/mutation.md)
+
+
+def test_every_labelled_token_counts_and_a_left_padded_row_is_masked() -> None:
+    """Mutants that survived: the chunk loop starting at token 1 (the first token never trained)
+    and the attention mask not passed to the decoder. Every batch above masks its first tokens and
+    pads on the right, which a causal model never looks at; here every token is labelled and a row
+    is padded on the left."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 512, (3, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    reference = _loss_and_grads(model, batch)
+    _assert_same(_loss_and_grads(chunked_loss.apply(copy.deepcopy(model), 7), batch), reference)
+
+
+def test_decoder_arguments_and_outputs_pass_through() -> None:
+    """Mutants that survived: the decoder called without the caller's other arguments (packed
+    rows' position ids), the model's own forward (no labels) called without them, and the
+    output's hidden states, attentions and cache dropped."""
+    model = tiny_model("llama")
+    model.set_attn_implementation("eager")  # attention weights are returned by eager attention only
+    patched = chunked_loss.apply(copy.deepcopy(model), 7)
+    batch = _batch()
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).repeat(3, 1)  # two packed examples
+    extra = {"position_ids": positions, "output_hidden_states": True, "output_attentions": True}
+    _assert_same(_loss_and_grads(patched, batch, **extra), _loss_and_grads(model, batch, **extra))
+    with torch.no_grad():
+        ours, theirs = patched(**batch, **extra), model(**batch, **extra)
+        for name in ("hidden_states", "attentions"):
+            assert len(getattr(ours, name)) == len(getattr(theirs, name)) > 0, name
+            for a, b in zip(getattr(ours, name), getattr(theirs, name), strict=True):
+                torch.testing.assert_close(a, b, msg=name)
+        assert patched(**batch, use_cache=True).past_key_values is not None  # asked for, returned
+        assert patched(**batch).past_key_values is None  # never built for training otherwise
+        plain = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                 "position_ids": positions}
+        torch.testing.assert_close(patched(**plain).logits, model(**plain).logits)
+
+
+def test_a_mixture_of_experts_router_loss_is_refused_with_the_fix() -> None:
+    """Mutants that survived: the router-loss check and every word of the refusals, also for
+    modules that are not transformers models (no ``base_model_prefix``, no output head)."""
+    with pytest.raises(MemtrainError) as err:
+        chunked_loss.apply(tiny_model("mistral", model_type="mixtral", num_local_experts=2,
+                                      num_experts_per_tok=1, output_router_logits=True))
+    assert str(err.value) == ("`memory.loss`: this mixture-of-experts model adds its router loss to the "
+                              "loss, which the chunked loss does not compute. Fix: set `memory.loss: "
+                              "standard`.")
+    with pytest.raises(MemtrainError) as err:
+        chunked_loss.apply(tiny_model("bert"))
+    assert str(err.value) == ("`memory.loss`: chunked loss needs a causal LM with a decoder and an output "
+                              "head; BertForSequenceClassification has no output head. Fix: set "
+                              "`memory.loss: standard`.")
+
+    class HeadOnly(torch.nn.Module):  # an output head, and no decoder named by base_model_prefix
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return torch.nn.Linear(4, 8)
+
+    for module, has in ((HeadOnly(), "no separate decoder"), (torch.nn.Linear(4, 8), "no output head")):
+        with pytest.raises(MemtrainError) as err:
+            chunked_loss.apply(module)
+        assert str(err.value) == (f"`memory.loss`: chunked loss needs a causal LM with a decoder and an "
+                                  f"output head; {type(module).__name__} has {has}. Fix: set "
+                                  "`memory.loss: standard`.")
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_the_record_names_the_model_and_the_chunk(chunk: int | None) -> None:
+    """Mutants that survived: the record's module list and summary."""
+    (record,) = records(chunked_loss.apply(tiny_model("llama"), chunk))
+    assert record.modules == ["LlamaForCausalLM"]
+    assert record.detail == f"chunked loss ({chunk or 'auto'} tokens per chunk)"
+
+
+def test_chunks_follow_the_rule_for_tokens_hidden_and_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutants that survived: the chunk rule fed the hidden size for the token count, the token
+    count for the hidden size, or the head's input size for the vocabulary; the loss is the same
+    whatever the chunks, so only the number of head calls shows it."""
+    monkeypatch.setattr(chunked_loss, "MIN_CHUNK_BYTES", 0)  # Liger's rule alone
+    head = torch.nn.Linear(8, 64)
+    calls: list[int] = []
+    head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    hidden = torch.randn(4, 25, 8)
+    labels = torch.randint(0, 64, (4, 25))
+    with torch.no_grad():
+        chunked_loss.chunked_cross_entropy(hidden, labels, head)
+    # 100 tokens, ceil(64 / 8) = 8 chunks' worth: 13 tokens, rounded up to 16: 7 calls
+    assert calls == [16] * 6 + [4]
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "vocab", "expected"), [
+    (65536, 4096, 128256, 2048),  # Liger's rule above the floor: 65536 / 32
+    (4128, 4096, 128256, 256),  # 129 tokens rounded up to the next power of two
+    (131072, 512, 256, 131072),  # a byte-level vocabulary smaller than the hidden size: one chunk
+])
+def test_chunk_rule_beyond_its_floor(tokens: int, hidden: int, vocab: int, expected: int) -> None:
+    """Mutants that survived ``test_chunk_rule``, whose two cases both land on 128 or the floor."""
+    assert chunked_loss.chunk_tokens(tokens, hidden, vocab) == expected

@@ -15,12 +15,6 @@ from memtrain.plan import costmodel, planner
 from memtrain.units import parse_size
 
 
-@pytest.fixture(autouse=True)
-def _rates(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    # quick CPU rates, measured once per test session into a private profile
-    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path_factory.getbasetemp() / "calibration.json"))
-
-
 @pytest.fixture
 def corpus(tiny_text_file: Path) -> Path:
     return tiny_text_file

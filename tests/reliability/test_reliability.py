@@ -277,13 +277,17 @@ def test_resume_with_no_usable_checkpoint_says_why(tmp_path: Path, corpus: Path)
         train(load_recipe(recipe, [f"training.resume={out / 'checkpoint-2'}"]))
 
 
-def test_a_checkpoint_without_manifest_is_checked_by_loading(tmp_path: Path, corpus: Path) -> None:
+def test_a_damaged_file_is_found_by_loading_and_a_checkpoint_without_manifest_is_refused(
+        tmp_path: Path, corpus: Path) -> None:
     train(load_recipe(causal_recipe(tmp_path, corpus, **SAVING)))
     ckpt = tmp_path / "run" / "checkpoint-4"
-    (ckpt / MANIFEST).unlink()  # a checkpoint of an older memtrain
     assert verify(ckpt) is None
-    (ckpt / "optimizer.pt").write_bytes((ckpt / "optimizer.pt").read_bytes()[:-200])
-    assert "optimizer.pt is not a complete torch file" in (verify(ckpt) or "")
+    data = bytearray((ckpt / "optimizer.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, so the manifest cannot tell: the zip's checksums do
+    (ckpt / "optimizer.pt").write_bytes(bytes(data))
+    assert "optimizer.pt is damaged" in (verify(ckpt) or "")
+    (ckpt / MANIFEST).unlink()  # published before its manifest was written (or not memtrain's)
+    assert f"{MANIFEST} is missing" in (verify(ckpt) or "")
 
 
 # ---------------------------------------------------------------------------------- NaN weights
