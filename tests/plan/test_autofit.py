@@ -111,7 +111,7 @@ def test_recipe_run_with_auto_micro_batch_trains_within_the_budget(
 
     cfg = auto_recipe(tmp_path, tiny_text_file, f"{peaks[4] + 2**16}B")
     optimistic = autofit.with_batch(cfg, 16, 1)  # the planner's prediction, two valid sizes too large
-    monkeypatch.setattr(runner, "_plan", lambda c, console: optimistic)
+    monkeypatch.setattr(runner, "_plan", lambda c, console, rows: optimistic)
     result = train(cfg)
     assert result.batch == Batch(4, 4)
     assert not [e for e in result.log_history if "memory/recovered_micro_batch" in e]
