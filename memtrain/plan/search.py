@@ -239,7 +239,7 @@ class _Search:
             except (ValueError, MemtrainError):
                 self._patch_errors[key] = None  # not a valid combination: candidates() skips those
                 return None
-            config, _ = est.resolve_config(cfg.model)
+            config, _ = resolve_config(cfg.model)
             why = None
             for depth in sorted({min(2, self.depth), self.depth}):
                 why = _patch_error(cfg, with_depth(config, depth))

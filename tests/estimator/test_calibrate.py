@@ -100,7 +100,7 @@ def test_the_suite_plans_with_the_committed_rates_never_the_users_profile(fixed_
 
     assert calibrate.profile_path() == fixed_calibration
     assert Path.home() / ".cache" not in fixed_calibration.parents
-    committed = json.loads((Path(__file__).parent / "assets" / "calibration.json").read_text())
+    committed = json.loads((Path(__file__).parents[1] / "assets" / "calibration.json").read_text())
     costmodel.rates.cache_clear()
     assert costmodel.rates("cpu").values["op_seconds"] == committed["rates"]["cpu"]["op_seconds"]
     assert costmodel.rates("cpu").source == f"measured by `memtrain calibrate` ({fixed_calibration})"

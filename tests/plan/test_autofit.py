@@ -105,11 +105,15 @@ def test_prediction_is_the_largest_that_fits(tmp_path: Path, tiny_text_file: Pat
 
 @pytest.mark.slow
 def test_recipe_run_with_auto_micro_batch_trains_within_the_budget(
-        tmp_path: Path, tiny_text_file: Path, peaks: dict[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, peaks: dict[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     from memtrain.run import train as runner
     from memtrain.run.train import train
 
-    cfg = auto_recipe(tmp_path, tiny_text_file, f"{peaks[4] + 2**16}B")
+    # rows as long as data.max_length, of varying lengths: the probe steps on the batch `peaks` measured
+    data = tmp_path / "long.jsonl"
+    lines = [" ".join(["word"] * (100 if i % 8 else 5)) for i in range(64)]
+    data.write_text("\n".join(f'{{"text": "{line}"}}' for line in lines), encoding="utf-8")
+    cfg = auto_recipe(tmp_path, data, f"{peaks[4] + 2**16}B")
     optimistic = autofit.with_batch(cfg, 16, 1)  # the planner's prediction, two valid sizes too large
     monkeypatch.setattr(runner, "_plan", lambda c, console, rows: optimistic)
     result = train(cfg)
