@@ -16,11 +16,13 @@ tile is a few more kernel launches (about 16 tiles per norm at 64k tokens of a 4
 
 Exact: forward runs the model's own ops in the model's order on each tile (the statistics of a
 token depend on that token alone), so outputs are bit-identical to the module's in fp32 and bf16.
-Backward is the analytic RMSNorm gradient in fp32, ``rstd · (g - n · mean(g · n))`` with
-``n = x · rstd``, after replaying the module's casts of the output gradient; the weight gradient
-is summed over tiles in fp32 and cast to the weight's dtype once (skipped when the weight is
-frozen, as under LoRA and QLoRA). Gradients equal autograd's up to fp32 rounding; in bf16 they
-differ from autograd's by the bf16 roundings autograd makes in between.
+Backward is the analytic RMSNorm gradient, all in fp32 per tile: ``g_n = g · (offset + w)``,
+``dx = rstd · (g_n - n · mean(g_n · n))`` with ``n = x · rstd``, cast to the input's dtype once;
+the weight gradient ``Σ g · n`` (``n.to(dtype)`` where the module casts before the weight) is
+summed over tiles in fp32 and cast to the weight's dtype once (skipped when the weight is frozen,
+as under LoRA and QLoRA). Gradients equal autograd's up to fp32 rounding; in bf16 they differ from
+autograd's by the bf16 roundings autograd makes in between (``w · g`` and ``g · y`` rounded to
+bf16 before their fp32 use), one rounding less than autograd's.
 
 Follows Liger-Kernel's ``LigerRMSNorm`` and Unsloth's ``fast_rms_layernorm`` (both save the input
 and ``rstd`` and compute backward from them, with the ``casting_mode`` and Gemma's ``1 + weight``
@@ -174,9 +176,10 @@ class _LeanNorm(torch.autograd.Function):
                 xf = flat[start:stop].to(torch.float32)
                 r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
                 normed = xf * r
-                del xf
-                out[start:stop] = (normed * scale).to(x.dtype) if kind.scale_first \
-                    else weight * normed.to(cast)
+                if kind.scale_first:  # (n · s).to(x.dtype): the copy into `out` is the cast
+                    out[start:stop] = normed.mul_(scale)
+                else:
+                    torch.mul(weight, normed.to(cast), out=out[start:stop])
                 rstd[start:stop] = r
         ctx.save_for_backward(x, rstd)
         ctx.weight, ctx.scale, ctx.kind, ctx.cast, ctx.tile = weight, scale, kind, cast, tile
@@ -191,20 +194,15 @@ class _LeanNorm(torch.autograd.Function):
         grad_x = torch.empty_like(flat) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start, stop in _spans(flat.shape[0], ctx.tile):
-            normed = flat[start:stop].to(torch.float32) * rstd[start:stop]
-            g = grads[start:stop]
-            if kind.scale_first:  # out = (n · s).to(dtype): the cast's gradient is a cast back
-                g = g.to(torch.float32)
-                if grad_w is not None:
-                    grad_w += (g * normed).sum(0)
-                g = g * ctx.scale
-            else:  # out = w · n.to(cast): autograd rounds w · g to the cast dtype, then casts back
-                if grad_w is not None:
-                    grad_w += (g.to(torch.float32) * normed.to(ctx.cast).to(torch.float32)).sum(0)
-                g = (g * weight).to(ctx.cast).to(torch.float32)
+            r = rstd[start:stop]
+            normed = flat[start:stop] * r  # fp32: forward's x.float() * rstd
+            g = grads[start:stop].to(torch.float32, copy=True)  # its own buffer: changed in place
+            if grad_w is not None:  # the weight multiplies n (Gemma, OLMo 2) or n.to(cast) (Llama, T5)
+                grad_w += (g * (normed if kind.scale_first else normed.to(ctx.cast))).sum(0)
+            g.mul_(ctx.scale)  # the gradient of n: g · (offset + w), in fp32
             if grad_x is not None:
                 dot = (g * normed).mean(-1, keepdim=True)
-                grad_x[start:stop] = ((g - normed * dot) * rstd[start:stop]).to(x.dtype)
+                grad_x[start:stop] = g.sub_(normed.mul_(dot)).mul_(r)  # the copy casts to x.dtype
             del normed, g
         return (None if grad_x is None else grad_x.view(x.shape),
                 None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
