@@ -118,6 +118,14 @@ class MemoryConfig(Section):
         None, ge=1, description="Tiles per MLP call of the tiled MLP (row blocks of the batch's "
         "tokens); null = ceil(tokens / hidden_size), ALST's rule (tiles of about hidden_size tokens)."
     )
+    lean_norm: bool | Auto = Field(
+        False,
+        description="Lean RMSNorm (as Liger-Kernel and Unsloth): every RMSNorm keeps only its input "
+        "and one fp32 value per token for backward instead of several fp32 copies of its input, and "
+        "works over tiles of tokens; same outputs, gradients within rounding, a little element-wise "
+        "recompute in backward. Llama-, Gemma-, OLMo-2- and T5-style norms. `auto`: the planner "
+        "decides.",
+    )
     lean_kbit: bool = Field(
         True,
         description="QLoRA/int8: keep frozen embeddings, output head and norms in the compute dtype "

@@ -2,9 +2,10 @@
 
 Each technique module exposes ``Config`` and ``apply(model, cfg) -> model`` for Python users, and
 registers a recipe hook with :func:`register` that reads its settings from a :class:`RunConfig`.
-:func:`apply_patches` runs the hooks in order: adapter -> loss -> approximate layers -> tiled MLP ->
-checkpointing -> offload (an adapter changes module names and which weights need gradients; checkpointing must
-wrap layers whose contents are final, the tiled MLP included; offload hooks see what checkpointing saves).
+:func:`apply_patches` runs the hooks in order: adapter -> loss -> approximate layers -> tiling (lean
+norm, tiled MLP) -> checkpointing -> offload (an adapter changes module names and which weights need
+gradients; checkpointing must wrap layers whose contents are final, the tiled MLP and lean norms
+included; offload hooks see what checkpointing saves). Patches of one stage run in name order.
 
 Patches record what they touched (:class:`PatchRecord`, read back with :func:`records`) and
 raise :class:`NoMatchError` when a name pattern matches nothing.
@@ -85,7 +86,7 @@ def _load_all() -> None:
 def available() -> list[str]:
     """Names of all registered patches, in application order."""
     _load_all()
-    return [e.name for e in sorted(_REGISTRY.values(), key=lambda e: e.stage)]
+    return [e.name for e in sorted(_REGISTRY.values(), key=lambda e: (e.stage, e.name))]
 
 
 def get(name: str) -> RecipeHook:
@@ -106,7 +107,7 @@ def apply_patches(model: nn.Module, cfg: RunConfig, only: Iterable[str] | None =
     """Apply every patch the recipe asks for, in stage order; returns the (possibly new) model."""
     _load_all()
     wanted = set(only) if only is not None else None
-    for entry in sorted(_REGISTRY.values(), key=lambda e: e.stage):
+    for entry in sorted(_REGISTRY.values(), key=lambda e: (e.stage, e.name)):
         if wanted is not None and entry.name not in wanted:
             continue
         patched = entry.hook(model, cfg)

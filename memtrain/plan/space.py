@@ -86,6 +86,7 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "memory.loss": ["standard", "chunked"] if cfg.model.task == "causal-lm" else ["standard"],
         "training.optimizer_in_backward": [False, True],
         "memory.tiled_mlp": [False, True],  # keeps only each MLP's input; one more MLP forward
+        "memory.lean_norm": [False, True],  # keeps each norm's input and rstd; element-wise recompute
     }[path]
 
 
