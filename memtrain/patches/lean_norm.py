@@ -32,12 +32,13 @@ them, and the estimate would not be the step that trains.
 
 Which norms: a norm is matched when its class's ``forward`` (and Gemma's ``_norm``) compiles to
 the same code as one of the reference implementations below, copies of transformers'
-``LlamaRMSNorm`` (shared by about 140 architectures: Mistral, Qwen2/3, Phi-3, Granite, ...),
-``GemmaRMSNorm`` (Gemma 1-3, Qwen3-Next: ``(x · (1 + w)).to(dtype)``), ``Olmo2RMSNorm`` (weight
-before the cast) and ``T5LayerNorm``. A norm that does anything else, even slightly, is left
-alone instead of being given other math. Not covered: Cohere's mean-subtracting LayerNorm (its
-QK-norm has a 2-D weight), Gemma 3n/4 (``pow(ms, -0.5)``), ``nn.LayerNorm`` (torch's kernel
-already saves only the input, mean and rstd).
+``LlamaRMSNorm`` (142 norm classes of transformers 5.24 share its code: Mistral, Qwen2/3, Phi-3,
+Granite, ...), ``GemmaRMSNorm`` (13: Gemma 1-3, Qwen3-Next: ``(x · (1 + w)).to(dtype)``),
+``Olmo2RMSNorm`` (12: weight before the cast) and ``T5LayerNorm`` (10). A norm that does
+anything else, even slightly, is left alone instead of being given other math. Not covered:
+Cohere's mean-subtracting LayerNorm (its QK-norm has a 2-D weight), Gemma 3n/4
+(``pow(ms, -0.5)``), ``nn.LayerNorm`` (torch's kernel already saves only the input, mean and
+rstd).
 
 Order (stage ``TILING``, like the tiled MLP: a lean re-implementation of a per-token layer): after
 the adapter, whose k-bit preparation may change norm dtypes; before checkpointing, which wraps
