@@ -134,6 +134,15 @@ def records(model: nn.Module) -> list[PatchRecord]:
     return list(model.__dict__.get(_RECORDS_ATTR, []))
 
 
+def undo_records(model: nn.Module, name: str) -> nn.Module:
+    """Undo what the patch ``name`` applied to ``model`` and drop its records; returns ``model``."""
+    for record in records(model):
+        if record.name == name and record.undo is not None:
+            record.undo()
+    model.__dict__[_RECORDS_ATTR] = [r for r in records(model) if r.name != name]
+    return model
+
+
 # ------------------------------------------------------------------------------ name matching
 
 

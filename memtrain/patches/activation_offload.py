@@ -38,7 +38,7 @@ from memtrain.config import OffloadConfig, RunConfig
 from memtrain.config.batch import resolve_batch
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
-from memtrain.patches import OFFLOAD, PatchRecord, add_records, records, register
+from memtrain.patches import OFFLOAD, PatchRecord, add_records, register, undo_records
 from memtrain.patches.checkpointing import disable_kv_cache, find_layers, is_checkpointed, wrap_forward
 from memtrain.units import format_bytes
 
@@ -264,11 +264,7 @@ def apply(model: nn.Module, cfg: OffloadConfig) -> nn.Module:
 
 def undo(model: nn.Module) -> nn.Module:
     """Remove the activation offload this module applied to ``model``."""
-    for record in records(model):
-        if record.name == "offload" and record.undo is not None:
-            record.undo()
-    model.__dict__["_memtrain_patch_records"] = [r for r in records(model) if r.name != "offload"]
-    return model
+    return undo_records(model, "offload")
 
 
 # ------------------------------------------------------------------------------- host RAM check

@@ -45,7 +45,14 @@ from torch.utils.checkpoint import (
 from memtrain.config import RunConfig
 from memtrain.config.schema import Checkpointing
 from memtrain.errors import MemtrainError
-from memtrain.patches import CHECKPOINTING, NoMatchError, PatchRecord, add_records, records, register
+from memtrain.patches import (
+    CHECKPOINTING,
+    NoMatchError,
+    PatchRecord,
+    add_records,
+    register,
+    undo_records,
+)
 
 Config = Checkpointing
 Mode = str | int
@@ -254,12 +261,7 @@ def apply(model: nn.Module, mode: Mode = "full") -> nn.Module:
 
 def undo(model: nn.Module) -> nn.Module:
     """Remove the checkpointing this module applied to ``model``."""
-    for record in records(model):
-        if record.name == "checkpointing" and record.undo is not None:
-            record.undo()
-    kept = [r for r in records(model) if r.name != "checkpointing"]
-    model.__dict__["_memtrain_patch_records"] = kept
-    return model
+    return undo_records(model, "checkpointing")
 
 
 def is_checkpointed(layer: nn.Module) -> bool:

@@ -61,7 +61,7 @@ from torch.autograd.function import once_differentiable
 
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
-from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, records, register
+from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, register, undo_records
 from memtrain.patches.checkpointing import never_saved, wrap_forward
 
 _MARK = "__memtrain_lean_norm__"
@@ -291,11 +291,7 @@ def apply(model: nn.Module, tile: int | None = None) -> nn.Module:
 
 def undo(model: nn.Module) -> nn.Module:
     """Remove what this module applied to ``model``."""
-    for record in records(model):
-        if record.name == "lean_norm" and record.undo is not None:
-            record.undo()
-    model.__dict__["_memtrain_patch_records"] = [r for r in records(model) if r.name != "lean_norm"]
-    return model
+    return undo_records(model, "lean_norm")
 
 
 @register("lean_norm", TILING, "memory.lean_norm")

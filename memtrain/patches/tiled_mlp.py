@@ -58,7 +58,7 @@ from torch.autograd.function import once_differentiable
 
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
-from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, records, register
+from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, register, undo_records
 from memtrain.patches._targets import block_lists
 from memtrain.patches.checkpointing import never_saved, wrap_forward
 
@@ -309,11 +309,7 @@ def apply(model: nn.Module, tiles: int | None = None) -> nn.Module:
 
 def undo(model: nn.Module) -> nn.Module:
     """Remove the tiling this module applied to ``model``."""
-    for record in records(model):
-        if record.name == "tiled_mlp" and record.undo is not None:
-            record.undo()
-    model.__dict__["_memtrain_patch_records"] = [r for r in records(model) if r.name != "tiled_mlp"]
-    return model
+    return undo_records(model, "tiled_mlp")
 
 
 @register("tiled_mlp", TILING, "memory.tiled_mlp")
