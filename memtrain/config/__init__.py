@@ -1,5 +1,6 @@
 """Recipe schema and loading: ``load_recipe(path, overrides) -> RunConfig``."""
 
+from memtrain.config.base import decided
 from memtrain.config.loader import (
     RecipeError,
     dump_recipe,
@@ -36,6 +37,7 @@ __all__ = [
     "RecipeError",
     "RunConfig",
     "TrainingConfig",
+    "decided",
     "dump_recipe",
     "load_recipe",
     "resolve_recipe_path",

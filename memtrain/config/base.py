@@ -12,7 +12,20 @@ from typing import Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo
 
+from memtrain.errors import MemtrainError
+
 Auto = Literal["auto"]
+
+
+def decided(value: Any, field: str, choices: str) -> Any:
+    """``value`` once the planner has chosen it; a field still at ``auto`` is a user error.
+
+    ``choices`` completes the fix, e.g. ``"true or false"``.
+    """
+    if value == "auto":
+        raise MemtrainError(f"`{field}` is `auto`: run the planner first (`memtrain plan`), "
+                            f"or set {choices}.")
+    return value
 
 
 def _unit_fraction(v: float | str) -> float | str:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-from memtrain.config import OffloadConfig, RunConfig
+from memtrain.config import OffloadConfig, RunConfig, decided
 from memtrain.config.batch import resolve_batch
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
@@ -325,10 +325,7 @@ def check_host_ram(model: nn.Module, batch_size: int, seq_len: int,
 @register("offload", OFFLOAD, "memory.offload")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     offload = cfg.memory.offload
-    if offload.activations == "auto":
-        raise MemtrainError("`memory.offload.activations` is `auto`: run the planner first "
-                            "(`memtrain plan`), or set it to true or false.")
-    if offload.activations is not True:
+    if decided(offload.activations, "memory.offload.activations", "true or false") is not True:
         return None
     model = apply(model, offload)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)

@@ -42,7 +42,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from memtrain.config import RunConfig
+from memtrain.config import RunConfig, decided
 from memtrain.config.schema import Checkpointing
 from memtrain.errors import MemtrainError
 from memtrain.patches import (
@@ -189,6 +189,21 @@ def wrap_forward(module: nn.Module, make: Callable[[Callable[..., Any]], Callabl
     return undo
 
 
+def wrap_each(model: nn.Module, name: str, found: list[tuple[str, nn.Module]],
+              make: Callable[[nn.Module], Callable[[Callable[..., Any]], Callable[..., Any]]],
+              detail: str) -> nn.Module:
+    """Wrap the forward of each ``(path, module)`` in ``found`` with ``make(module)`` and record it
+    as patch ``name`` (one record whose undo restores every forward); returns ``model``."""
+    undos = [wrap_forward(module, make(module)) for _, module in found]
+
+    def undo_all() -> None:
+        for fn in undos:
+            fn()
+
+    add_records(model, [PatchRecord(name, [path for path, _ in found], detail, undo=undo_all)])
+    return model
+
+
 def disable_kv_cache(model: nn.Module) -> Callable[[], None]:
     """Turn off the model's KV cache (returns the undo).
 
@@ -276,10 +291,7 @@ def is_checkpointed(layer: nn.Module) -> bool:
 
 @register("checkpointing", CHECKPOINTING, "memory.checkpointing")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    mode = cfg.memory.checkpointing
-    if mode == "auto":
-        raise MemtrainError("`memory.checkpointing` is `auto`: run the planner first "
-                            "(`memtrain plan`), or set none, full, selective or a layer count.")
+    mode = decided(cfg.memory.checkpointing, "memory.checkpointing", "none, full, selective or a layer count")
     if mode == "none":
         return None
     return apply(model, mode)

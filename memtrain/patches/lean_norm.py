@@ -59,10 +59,10 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from memtrain.config import RunConfig
+from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
-from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, register, undo_records
-from memtrain.patches.checkpointing import never_saved, wrap_forward
+from memtrain.patches import TILING, NoMatchError, register, undo_records
+from memtrain.patches.checkpointing import never_saved, wrap_each
 
 _MARK = "__memtrain_lean_norm__"
 _HALF = (torch.float16, torch.bfloat16)
@@ -276,17 +276,12 @@ def apply(model: nn.Module, tile: int | None = None) -> nn.Module:
              if not getattr(m.__dict__.get("forward"), _MARK, False)]
     if not norms:
         return model  # patched already
-    undos = [wrap_forward(module, _leaning(module, kind, tile)) for _, module, kind in norms]
-
-    def undo_all() -> None:
-        for fn in undos:
-            fn()
-
+    kind_of = {id(m): k for _, m, k in norms}
     kinds = sorted({k.name for _, _, k in norms})
     detail = (f"lean norm: {len(norms)} {'/'.join(kinds)} RMSNorms keep input + rstd, "
               f"{tile or 'hidden'} tokens per tile")
-    add_records(model, [PatchRecord("lean_norm", [n for n, _, _ in norms], detail, undo=undo_all)])
-    return model
+    return wrap_each(model, "lean_norm", [(n, m) for n, m, _ in norms],
+                     lambda m: _leaning(m, kind_of[id(m)], tile), detail)
 
 
 def undo(model: nn.Module) -> nn.Module:
@@ -296,9 +291,6 @@ def undo(model: nn.Module) -> nn.Module:
 
 @register("lean_norm", TILING, "memory.lean_norm")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    if cfg.memory.lean_norm == "auto":
-        raise MemtrainError("`memory.lean_norm` is `auto`: run the planner first (`memtrain plan`), "
-                            "or set true or false.")
-    if not cfg.memory.lean_norm:
+    if not decided(cfg.memory.lean_norm, "memory.lean_norm", "true or false"):
         return None
     return apply(model)

@@ -56,11 +56,11 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from memtrain.config import RunConfig
+from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
-from memtrain.patches import TILING, NoMatchError, PatchRecord, add_records, register, undo_records
+from memtrain.patches import TILING, NoMatchError, register, undo_records
 from memtrain.patches._targets import block_lists
-from memtrain.patches.checkpointing import never_saved, wrap_forward
+from memtrain.patches.checkpointing import never_saved, wrap_each
 
 _MARK = "__memtrain_tiled_mlp__"
 _ACTIVATIONS = frozenset({"act", "act_fn", "activation_fn", "activation", "dropout"})
@@ -294,17 +294,12 @@ def apply(model: nn.Module, tiles: int | None = None) -> nn.Module:
             if not getattr(m.__dict__.get("forward"), _MARK, False)]
     if not mlps:
         return model  # patched already (prepare_for_budget run twice on one model)
-    undos = [wrap_forward(module, _tiling(module, kind, tiles)) for _, module, kind in mlps]
-
-    def undo_all() -> None:
-        for fn in undos:
-            fn()
-
+    kind_of = {id(m): k for _, m, k in mlps}
     kinds = sorted({k.name for _, _, k in mlps})
     detail = (f"tiled MLP: {len(mlps)} {'/'.join(kinds)} MLPs, "
               f"{tiles if tiles is not None else 'ceil(tokens / hidden)'} tiles")
-    add_records(model, [PatchRecord("tiled_mlp", [n for n, _, _ in mlps], detail, undo=undo_all)])
-    return model
+    return wrap_each(model, "tiled_mlp", [(n, m) for n, m, _ in mlps],
+                     lambda m: _tiling(m, kind_of[id(m)], tiles), detail)
 
 
 def undo(model: nn.Module) -> nn.Module:
@@ -314,9 +309,6 @@ def undo(model: nn.Module) -> nn.Module:
 
 @register("tiled_mlp", TILING, "memory.tiled_mlp")
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    if cfg.memory.tiled_mlp == "auto":
-        raise MemtrainError("`memory.tiled_mlp` is `auto`: run the planner first (`memtrain plan`), "
-                            "or set true or false.")
-    if not cfg.memory.tiled_mlp:
+    if not decided(cfg.memory.tiled_mlp, "memory.tiled_mlp", "true or false"):
         return None
     return apply(model, cfg.memory.tiled_mlp_tiles)

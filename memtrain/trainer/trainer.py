@@ -21,7 +21,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from memtrain.config import RunConfig
+from memtrain.config import RunConfig, decided
 from memtrain.config.batch import Batch
 from memtrain.device import cuda_available
 from memtrain.errors import MemtrainError
@@ -93,9 +93,7 @@ def optimizer_arguments(cfg: RunConfig) -> dict[str, Any]:
     outside a Trainer (estimates, benchmarks).
     """
     t = cfg.training
-    if t.optimizer == "auto":
-        raise ValueError("training.optimizer is `auto`: run the planner first")
-    optim, optim_args = OPTIMIZERS[t.optimizer]
+    optim, optim_args = OPTIMIZERS[decided(t.optimizer, "training.optimizer", "an optimizer's name")]
     return {"optim": optim, "optim_args": optim_args, "learning_rate": t.learning_rate,
             "weight_decay": t.weight_decay}
 
@@ -287,10 +285,7 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
     Shared with :func:`memtrain.trainer.build.build_optimizer`, which runs the Trainer's
     ``create_optimizer`` without a Trainer (estimates, benchmarks).
     """
-    offload = cfg.memory.offload.optimizer
-    if offload == "auto":
-        raise MemtrainError("`memory.offload.optimizer` is `auto`: run the planner first "
-                            "(`memtrain plan`), or set it to true or false.")
+    offload = decided(cfg.memory.offload.optimizer, "memory.offload.optimizer", "true or false")
     if offload and cfg.distributed.processes > 1:
         raise MemtrainError(
             "`memory.offload.optimizer` is the single-process offload; with "
@@ -301,9 +296,7 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
         raise MemtrainError("`memory.offload.optimizer` does not work with fp16 loss scaling "
                             "(`model.dtype: fp16`). Fix: use bf16 or fp32, or turn offload off.")
     budget = cfg.memory.simulate_budget or (cfg.memory.budget if cfg.memory.budget != "auto" else None)
-    if cfg.training.optimizer_in_backward == "auto":
-        raise MemtrainError("`training.optimizer_in_backward` is `auto`: run the planner first "
-                            "(`memtrain plan`), or set it to true or false.")
+    decided(cfg.training.optimizer_in_backward, "training.optimizer_in_backward", "true or false")
     return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload),
             "budget_bytes": parse_size(budget) if budget else None,
             "optimizer_in_backward": cfg.training.optimizer_in_backward}
