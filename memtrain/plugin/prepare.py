@@ -13,6 +13,11 @@ other tracker records them; it warns when a measured peak exceeds the usable bud
 installs memtrain's out-of-memory recovery (:mod:`memtrain.reliability.recovery`) into the Trainer: a
 micro-batch that runs out of memory is split in two and its optimizer step redone.
 
+At :func:`attach`, a Trainer whose class computes its own loss (TRL's trainers) has that step
+traced on fake tensors (:mod:`memtrain.plugin.trainer_step`): its peak is the logged prediction,
+a micro-batch over the budget is refitted, and a step that cannot be traced is said to be not
+modelled.
+
 :func:`prepare_for_budget` describes the user's model and arguments as a memtrain recipe, asks the
 estimator (no weights are touched) for the least change that fits — the largest micro-batch that
 keeps per-device batch × accumulation unchanged, then activation checkpointing, then an 8-bit
