@@ -13,12 +13,13 @@ vocabulary entries, whatever the model); TRL's DPOTrainer runs the policy on ``2
 2. the Trainer's model (as the Trainer wrapped it: peft adapter, TRL's fused head, memtrain's
    patches) and its ``ref_model``, with every weight and buffer swapped for a fake one for the
    trace (no weight is copied; the real ones are put back);
-3. the Trainer's own optimizer (``create_optimizer`` on the fake copy), with its state;
+3. the Trainer's own optimizer (``create_optimizer`` on the fake weights), with its state;
 4. under the estimator's meter (:class:`memtrain.estimator.trace_events._TracingMeter`, the same
    counting as the plugin's measurement): the Trainer class's ``training_step`` on that batch
    (forward, ``compute_loss``, backward; with accumulation, on the gradients the earlier
-   micro-batches leave), gradient clipping, the optimizer step and ``zero_grad``, as the Trainer's
-   loop runs them.
+   micro-batches leave; for ``bf16``/``fp16`` mixed precision, under the autocast ``train()``
+   will wrap the model's forward in), gradient clipping, the optimizer step and ``zero_grad``, as
+   the Trainer's loop runs them.
 
 Nothing of the Trainer is changed: its weights, optimizer and the metrics its
 ``compute_loss`` records (:mod:`memtrain.reliability.replay`) are put back. Values read into
@@ -32,6 +33,7 @@ modelled", never "fits".
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Iterator, Mapping
@@ -206,7 +208,7 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
             hold_gradients(model)  # the earlier micro-batches' gradients, as memtrain's own trace holds them
         trainer.current_gradient_accumulation_steps = accumulation
         meter = _TracingMeter(model, optimizer, inputs, [], [])
-        with meter:
+        with meter, _mixed_precision(trainer):
             type(trainer).training_step(trainer, model, inputs)
             del inputs
             params = [p for p in model.parameters() if p.grad is not None]
@@ -270,6 +272,17 @@ def _fake_weights(modules: list[nn.Module], mode: FakeTensorMode) -> Iterator[No
     finally:
         for table, name, tensor in reversed(swapped):
             table[name] = tensor
+
+
+def _mixed_precision(trainer: Any) -> Any:
+    """The autocast ``train()`` will add: accelerate wraps the model's forward in it when the
+    Trainer prepares the model (``bf16=True``/``fp16=True`` with weights of another dtype), which
+    happens in ``train()``, after ``attach``. A model already prepared keeps its own."""
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is None or not getattr(accelerator, "native_amp", False) or hasattr(
+            trainer.model, "_original_forward"):
+        return contextlib.nullcontext()
+    return accelerator.autocast()
 
 
 def _packed(batch: Mapping[str, Any]) -> bool:
