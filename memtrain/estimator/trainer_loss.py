@@ -166,7 +166,11 @@ def _token_counts(dataset: Any) -> np.ndarray:
         columns = [name for name, feature in dataset.features.items() if _is_token_list(feature)]
         if not columns:
             raise ValueError(f"no column of token ids among {dataset.column_names}: tokenize the data first")
-        return np.sum([[len(x) for x in dataset[name]] for name in columns], axis=0)
+        import pyarrow.compute as pc
+
+        table = dataset.with_format("arrow")  # lengths from Arrow: no row is turned into Python lists
+        return np.sum([pc.list_value_length(table[name]).to_numpy(zero_copy_only=False)
+                       for name in columns], axis=0)
     counts = [sum(len(v) for v in dict(example).values() if _is_id_list(v)) for example in dataset]
     if not any(counts):
         raise ValueError("no list of token ids in its examples: tokenize the data first")
