@@ -57,7 +57,8 @@ class BudgetPlan:
             (every example ``max_length`` tokens long).
         settings: the chosen values, by ``TrainingArguments`` name where there is one
             (``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``optim``) and
-            memtrain's patch names otherwise (``checkpointing``, ``loss``, ...).
+            memtrain's patch names otherwise (``checkpointing``, ``loss``, ...), and what the
+            plan is for: ``adapter``, ``max_length`` (tokens of the longest row), ``packed``.
         changes: what differs from the model and arguments given, and why.
         notes: what the prediction assumes and what it does not model (``attach`` adds what it
             found tracing the Trainer's own step).

@@ -353,6 +353,8 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         changed = optimizer != base.training.optimizer
         adapter = base.adapter.method + (f" r={base.adapter.r}" if base.adapter.method == "lora" else "")
         result = budget_plan(decided, args, changed, user_checkpointing, adapter)
+        result.settings["max_length"] = rows.longest if rows is not None else length
+        result.settings["packed"] = base.data.packing
         if not quiet:
             result.print()
         return _apply_plan(model, args, decided, result)

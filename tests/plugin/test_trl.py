@@ -184,6 +184,7 @@ def test_sft_with_peft_config_the_logged_prediction_is_the_trainers_own_step(tmp
     model, args = memtrain.prepare_for_budget(tiny_model(), args, "2GiB", peft_config=lora(), quiet=True)
     plan = model.memtrain_plan
     assert plan.settings["adapter"] == "lora r=8" and plan.settings["checkpointing"] == "full"
+    assert plan.settings["max_length"] == 64 and not plan.settings["packed"]  # read from the SFTConfig
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=texts, processing_class=tok,
                              peft_config=lora())
     callback = memtrain.attach(trainer, every=1)
