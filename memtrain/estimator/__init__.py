@@ -10,5 +10,7 @@
 - :mod:`~memtrain.estimator.pool` — independent traces side by side in forked processes;
 - :mod:`~memtrain.estimator.catalog` — architecture configs of popular models, offline;
 - :mod:`~memtrain.estimator.calibrate` — this machine's overheads and rates (``memtrain calibrate``);
-- :mod:`~memtrain.estimator.real_step` — the recipe's real step, built and measured or timed here.
+- :mod:`~memtrain.estimator.real_step` — the recipe's real step, built and measured or timed here;
+- :mod:`~memtrain.estimator.trainer_loss` — a user's Trainer (any subclass: TRL's SFT, DPO, ...):
+  its own ``training_step`` traced on fake tensors over the longest batch its collator makes.
 """

@@ -44,6 +44,11 @@ and restores everything it touched afterwards:
   ``>= 0`` this way) cannot be known from fake tensors, which refuse them. While tracing they are
   taken at their largest (every element selected), the worst case, as every other size in an
   estimate is (each example ``data.max_length`` tokens long); for DeBERTa's labels it is exact.
+- A trainer's own ``compute_loss`` (:mod:`memtrain.estimator.trainer_loss`) reads values for its
+  metrics (``.item()``, ``if count > 0``), which fake tensors cannot answer. With
+  ``fake_tensor_mode(scalars=True)`` every such read answers 1 (``True``, ``1``, ``1.0``): the
+  values only feed metrics, which the trace throws away; a trainer whose memory depended on such
+  a value would be traced along the branch that 1 takes.
 - bitsandbytes' ``GlobalOptimManager`` is a process-wide singleton that the Trainer fills with
   per-module overrides (embeddings keep 32-bit optimizer state). Its state is saved and restored
   so that a trace does not leave overrides behind for a later real optimizer, or the reverse.
@@ -70,12 +75,14 @@ from memtrain.trainer.build import apply_patches, recipe_stage
 
 
 @contextmanager
-def fake_tensor_mode(packed: bool = False, padded: bool = True) -> Iterator[FakeTensorMode]:
+def fake_tensor_mode(packed: bool = False, padded: bool = True, scalars: bool = False
+                     ) -> Iterator[FakeTensorMode]:
     """Enter a ``FakeTensorMode`` with the fixes above; yields the mode (for ``from_tensor``).
 
     Args:
         packed: the traced batches pack several examples per row (``data.packing``).
         padded: the traced batches carry padding; False: their attention masks are all ones.
+        scalars: a tensor's value read into Python (``.item()``, ``bool(t)``) answers 1.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     with ExitStack() as stack:
@@ -89,6 +96,8 @@ def fake_tensor_mode(packed: bool = False, padded: bool = True) -> Iterator[Fake
         stack.enter_context(_dtensor_propagation_apart())
         stack.enter_context(_grouped_mm_any_float())
         stack.enter_context(_largest_nonzero())
+        if scalars:
+            stack.enter_context(_any_scalar())
         stack.enter_context(isolated_bnb_overrides())
         stack.enter_context(mode)
         yield mode
@@ -259,6 +268,17 @@ def _largest_nonzero() -> Any:
             return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
 
     return _fake_rule(torch.ops.aten.nonzero.default, nonzero)
+
+
+@contextmanager
+def _any_scalar() -> Iterator[None]:
+    def one(mode: FakeTensorMode, func: Any, tensor: torch.Tensor) -> Any:
+        return True if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
+
+    with ExitStack() as stack:
+        for op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            stack.enter_context(_fake_rule(op, one))
+        yield
 
 
 @contextmanager

@@ -6,7 +6,9 @@
 - :mod:`~memtrain.plugin.prepare` — ``prepare_for_budget``, ``attach`` and the
   ``MemoryBudgetCallback``;
 - :mod:`~memtrain.plugin.describe` — the user's model and arguments as a recipe, and the
-  decision (:class:`~memtrain.plugin.describe.BudgetPlan`) as the user sees it.
+  decision (:class:`~memtrain.plugin.describe.BudgetPlan`) as the user sees it;
+- :mod:`~memtrain.plugin.trainer_step` — what ``attach`` learns from the Trainer: its own step
+  traced (TRL's losses, DPO's reference forward), the micro-batch refitted, or "not modelled".
 """
 
 from memtrain.plugin.prepare import MemoryBudgetCallback, attach, prepare_for_budget

@@ -57,8 +57,11 @@ class BudgetPlan:
             (every example ``max_length`` tokens long).
         settings: the chosen values, by ``TrainingArguments`` name where there is one
             (``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``optim``) and
-            memtrain's patch names otherwise (``checkpointing``, ``loss``, ...).
+            memtrain's patch names otherwise (``checkpointing``, ``loss``, ...), and what the
+            plan is for: ``adapter``, ``max_length`` (tokens of the longest row), ``packed``.
         changes: what differs from the model and arguments given, and why.
+        notes: what the prediction assumes and what it does not model (``attach`` adds what it
+            found tracing the Trainer's own step).
     """
 
     budget: int
@@ -67,6 +70,7 @@ class BudgetPlan:
     predicted_peak: int
     settings: dict[str, Any]
     changes: list[Change] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def table(self) -> Table:
         """The decision as a rich table: one row per change, then the predicted peak."""
@@ -87,6 +91,8 @@ class BudgetPlan:
         console = console or Console(stderr=True)
         console.print(self.summary(), highlight=False)
         console.print(self.table())
+        for note in self.notes:
+            console.print(f"note: {note}", highlight=False)
 
 
 def task_of(model: nn.Module) -> str:
@@ -119,8 +125,13 @@ def _names(value: Any) -> set[str]:
 
 
 def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
-               allow_approximate: bool = False) -> RunConfig:
-    """A memtrain recipe that describes a user's model and TrainingArguments (for the estimator)."""
+               allow_approximate: bool = False, *, peft_config: Any = None, packing: bool = False
+               ) -> RunConfig:
+    """A memtrain recipe that describes a user's model and TrainingArguments (for the estimator).
+
+    ``peft_config``: the adapter a trainer will wrap the model in (TRL's ``peft_config=``);
+    ``packing``: rows hold several examples (TRL's ``packing``/``padding_free``).
+    """
     from memtrain.config import load_recipe
 
     base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -139,8 +150,9 @@ def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
         "model": {"from_config": values, "tokenizer": "unused", "task": task, **precision,
                   **({"num_labels": config.num_labels} if classify else {})},
         "data": {"source": "unused", "max_length": max_length,
-                 **({"format": "classification"} if classify else {})},
-        "adapter": _adapter(model),
+                 **({"format": "classification"} if classify else {}),
+                 **({"packing": True} if packing else {})},
+        "adapter": _adapter(model, peft_config),
         "training": {"effective_batch_size": per_device, "micro_batch_size": "auto",
                      "gradient_accumulation": None, "optimizer": OPTIM_NAMES[args.optim],
                      "learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm or None},
@@ -182,26 +194,31 @@ def _precision(model: nn.Module) -> dict[str, Any]:
     return {"dtype": DTYPE_NAMES.get(dtype, "fp32")}
 
 
-def _adapter(model: nn.Module) -> dict[str, Any]:
+def _adapter(model: nn.Module, given: Any = None) -> dict[str, Any]:
     peft_config = getattr(model, "peft_config", None)
-    if not peft_config:
+    if given is None and not peft_config:
         return {"method": "full"}
-    lora = next(iter(peft_config.values()))
+    lora = given if given is not None else next(iter(peft_config.values()))  # type: ignore[union-attr]
+    if type(lora).__name__ != "LoraConfig":
+        raise MemtrainError(f"prepare_for_budget: `peft_config` is a {type(lora).__name__}; memtrain "
+                            "estimates LoRA adapters. Fix: a peft `LoraConfig`, or leave `peft_config` out.")
     targets = lora.target_modules
     return {"method": "lora", "r": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
             "target_modules": "all-linear" if targets == "all-linear" else sorted(targets)}
 
 
 def budget_plan(decided: Any, args: TrainingArguments, optimizer_changed: bool,
-                user_checkpointing: bool) -> BudgetPlan:
-    """The planner's decision as a :class:`BudgetPlan`, with each change and its reason."""
+                user_checkpointing: bool, adapter: str = "full") -> BudgetPlan:
+    """The planner's decision as a :class:`BudgetPlan`, with each change and its reason
+    (``adapter``: what the plan trains, ``full`` or e.g. ``lora r=8``)."""
     chosen = decided.settings()
     micro, accumulation = chosen["training.micro_batch_size"], chosen["training.gradient_accumulation"]
     mode = chosen.get("memory.checkpointing", "full" if user_checkpointing else "none")
     settings: dict[str, Any] = {"per_device_train_batch_size": micro,
                                 "gradient_accumulation_steps": accumulation,
                                 "optim": EIGHT_BIT_OPTIM if optimizer_changed else optim_name(args),
-                                "checkpointing": mode, "loss": chosen.get("memory.loss", "standard")}
+                                "checkpointing": mode, "loss": chosen.get("memory.loss", "standard"),
+                                "adapter": adapter}
     for key in ("memory.activation_bits", "memory.randomized_linear"):
         if chosen.get(key):
             settings[key.split(".")[1]] = chosen[key]
@@ -233,7 +250,7 @@ def budget_plan(decided: Any, args: TrainingArguments, optimizer_changed: bool,
 
 
 def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, args: TrainingArguments,
-                 user_checkpointing: bool) -> MemtrainError:
+                 user_checkpointing: bool, lora: bool = False) -> MemtrainError:
     """The error when no optimizer tried fits: the smallest reachable peak and what reaches it."""
     optimizer, err = min(failures, key=lambda f: f[1].smallest.min_peak)
     smallest = err.smallest
@@ -254,7 +271,9 @@ def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, arg
         f"prepare_for_budget: nothing fits budget={format_bytes(total)} ({format_bytes(usable)} usable with "
         f"margin={margin}). The smallest reachable peak is {format_bytes(smallest.min_peak)}, with "
         f"{', '.join(parts)}{own}. Fix: budget= of at least {format_bytes(needed)}, a shorter "
-        "max_length=, allow_approximate=True, a LoRA adapter (peft), or a smaller model.")
+        "max_length=, allow_approximate=True, "
+        + ("a smaller LoRA rank or fewer target modules, " if lora else "a LoRA adapter (peft), ")
+        + "or a smaller model.")
 
 
 def optim_name(args: TrainingArguments) -> str:

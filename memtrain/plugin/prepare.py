@@ -13,6 +13,11 @@ other tracker records them; it warns when a measured peak exceeds the usable bud
 installs memtrain's out-of-memory recovery (:mod:`memtrain.reliability.recovery`) into the Trainer: a
 micro-batch that runs out of memory is split in two and its optimizer step redone.
 
+At :func:`attach`, a Trainer whose class computes its own loss (TRL's trainers) has that step
+traced on fake tensors (:mod:`memtrain.plugin.trainer_step`): its peak is the logged prediction,
+a micro-batch over the budget is refitted, and a step that cannot be traced is said to be not
+modelled.
+
 :func:`prepare_for_budget` describes the user's model and arguments as a memtrain recipe, asks the
 estimator (no weights are touched) for the least change that fits — the largest micro-batch that
 keeps per-device batch × accumulation unchanged, then activation checkpointing, then an 8-bit
@@ -40,9 +45,12 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain.data.rows import Rows
 from memtrain.errors import MemtrainError
+from memtrain.estimator.trainer_loss import TrainerEstimate
 from memtrain.memory import hostmem
 from memtrain.plugin.describe import BudgetPlan, budget_plan, nothing_fits, recipe_for
+from memtrain.plugin.trainer_step import check_trainer_step, overrides_step
 from memtrain.reliability.budget import SimulatedBudget, resolve_budget, usable_bytes
 from memtrain.reliability.eval_recovery import EvalBatchRecovery
 from memtrain.reliability.recovery import Fixes, MicroBatchRecovery
@@ -81,13 +89,21 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         recover: install out-of-memory recovery into the Trainer.
         every: measure the first two steps, then one in ``every`` (default: the Trainer's
             ``logging_steps``, so that each log entry reports the step it is logged at).
+        estimate: at :meth:`attach`, trace the Trainer's own training step on fake tensors
+            (:mod:`memtrain.plugin.trainer_step`): its peak replaces the plan's prediction, and a
+            micro-batch over the usable budget is refitted. ``"auto"``: for a Trainer whose class
+            overrides ``compute_loss`` or ``training_step`` (TRL's trainers), and never over a
+            ``predicted`` you gave; True: always; False: never.
     """
 
     def __init__(self, budget: str | int | BudgetPlan | None = None, *, margin: float = 0.1,
                  predicted: str | int | BudgetPlan | None = None, simulate: bool = False,
                  simulate_budget: str | int | None = None, recover: bool = True,
-                 every: int | None = None) -> None:
+                 every: int | None = None, estimate: bool | str = "auto") -> None:
         plan = next((p for p in (budget, predicted) if isinstance(p, BudgetPlan)), None)
+        self.estimate = estimate if predicted is None or isinstance(predicted, BudgetPlan) else bool(
+            estimate is True)  # a prediction you give is kept unless you ask for the trace
+        self.trainer_estimate: TrainerEstimate | None = None
         if plan is not None:  # prepare_for_budget's decision: its budget, margin and predicted peak
             budget = plan.budget if budget is None or budget is plan else budget
             predicted = plan.predicted_peak if predicted is None or predicted is plan else predicted
@@ -116,6 +132,9 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         out-of-memory recovery for training and evaluation into it. Call before ``train()``."""
         super().attach(trainer)
         self._attached = True
+        if self.trainer_estimate is None and (self.estimate is True or (
+                self.estimate == "auto" and overrides_step(trainer))):
+            self._estimate_step(trainer)
         if trainer.loss_is_scaled_for_ga is None and _is_classifier(trainer.model):
             # Transformers 5 would skip 1/accumulation for sequence classifiers (their forward takes
             # **kwargs, but the loss is a plain mean): gradients would grow with the accumulation
@@ -146,6 +165,17 @@ class MemoryBudgetCallback(MemoryMeterCallback):
             train._memtrain_closes = self  # type: ignore[attr-defined]
             trainer.train = train
         return self
+
+    def _estimate_step(self, trainer: Trainer) -> None:
+        """The Trainer's own step traced: its peak is the prediction (none if not modelled)."""
+        found = self.trainer_estimate = check_trainer_step(trainer, self.usable)
+        self.predicted = self.predicted_bytes = found.peak_bytes
+        if self.plan is not None:
+            self.plan.notes.append(found.describe())
+            if found.peak_bytes is not None:
+                self.plan.predicted_peak = found.peak_bytes
+                self.plan.settings.update(per_device_train_batch_size=found.micro_batch,
+                                          gradient_accumulation_steps=found.accumulation)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -249,8 +279,9 @@ def _is_classifier(model: nn.Module) -> bool:
 
 
 def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | int, *,
-                       allow_approximate: bool = False, max_length: int = 512, margin: float = 0.1,
-                       quiet: bool = False) -> tuple[nn.Module, TrainingArguments]:
+                       allow_approximate: bool = False, max_length: int | None = None, margin: float = 0.1,
+                       quiet: bool = False, peft_config: Any = None, rows: Rows | None = None
+                       ) -> tuple[nn.Module, TrainingArguments]:
     """Patch ``model`` and adjust ``args`` so that a training step fits ``budget``.
 
     Args:
@@ -261,9 +292,16 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         budget: like ``"24GiB"``, bytes, or ``"auto"`` (the device's free memory).
         allow_approximate: let the planner also choose approximate-gradient layers (few-bit
             activation backward, randomized linear backward), which change the gradients.
-        max_length: the longest example in tokens (the step is sized for it: the worst case).
+        max_length: the longest example in tokens (the step is sized for it: the worst case);
+            default: ``args.max_length`` where the arguments have one (TRL's configs), else 512.
         margin: fraction of the budget kept free for what estimates miss.
         quiet: do not print the table of what was decided (it is in ``model.memtrain_plan``).
+        peft_config: the peft ``LoraConfig`` your trainer will wrap the model with (TRL's
+            ``peft_config=``): planned as that adapter, not as full fine-tuning.
+        rows: the longest batch of your data (:class:`memtrain.data.rows.Rows`: its longest row,
+            whether rows differ in length, whether they are packed); default: rows of
+            ``max_length`` tokens that differ in length (padded), packed when ``args.packing`` or
+            ``args.padding_free`` (TRL) says so.
 
     Returns:
         The model (with activation checkpointing and the chunked loss when they were needed, and
@@ -286,7 +324,10 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     except ValueError as err:
         raise MemtrainError(f"prepare_for_budget: `budget={budget!r}`: {err}. Fix: a size like '24GiB', "
                             "a number of bytes, or 'auto' (the device's free memory).") from err
-    base = recipe_for(model, args, max_length, allow_approximate)
+    length = max_length or getattr(args, "max_length", None) or 512
+    packed = bool(getattr(args, "packing", False) or getattr(args, "padding_free", False))
+    base = recipe_for(model, args, length, allow_approximate, peft_config=peft_config,
+                      packing=packed or bool(rows and rows.packed))
     inner = getattr(model, "get_base_model", lambda: model)()
     user_checkpointing = any(bool(getattr(owner, name, False)) for owner, name in (
         (args, "activation_checkpointing"), (args, "gradient_checkpointing"),
@@ -305,16 +346,20 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     for optimizer in optimizers:
         try:
             decided = planner.plan(planner.with_values(base, {**auto, "training.optimizer": optimizer}),
-                                   int(total))  # type: ignore[arg-type]
+                                   int(total), rows=rows)  # type: ignore[arg-type]
         except planner.NothingFits as err:
             failures.append((optimizer, err))
             continue
         changed = optimizer != base.training.optimizer
-        result = budget_plan(decided, args, changed, user_checkpointing)
+        adapter = base.adapter.method + (f" r={base.adapter.r}" if base.adapter.method == "lora" else "")
+        result = budget_plan(decided, args, changed, user_checkpointing, adapter)
+        result.settings["max_length"] = rows.longest if rows is not None else length
+        result.settings["packed"] = base.data.packing
         if not quiet:
             result.print()
         return _apply_plan(model, args, decided, result)
-    raise nothing_fits(failures, int(total), margin, args, user_checkpointing)  # type: ignore[arg-type]
+    raise nothing_fits(failures, int(total), margin, args, user_checkpointing,  # type: ignore[arg-type]
+                       lora=base.adapter.method == "lora")
 
 
 def _apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: BudgetPlan

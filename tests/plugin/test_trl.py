@@ -1,7 +1,14 @@
-"""The plugin's out-of-memory recovery in TRL's trainers (trl 1.16): DPO with LoRA and SFT with
-padding-free packing, under a simulated budget that forces a split, train exactly as without it;
-DPO's evaluation pieces put back together give the whole batch's metrics; a loss that couples the
-batch is refused with a message in the plugin user's terms.
+"""The plugin in TRL's trainers (trl 1.16).
+
+Out-of-memory recovery: DPO with LoRA and SFT with padding-free packing, under a simulated budget
+that forces a split, train exactly as without it; DPO's evaluation pieces put back together give
+the whole batch's metrics; a loss that couples the batch is refused with a message in the plugin
+user's terms.
+
+The prediction: ``attach`` traces the trainer's own step (TRL's fused log-prob head, DPO's
+``[chosen; rejected]`` rows and reference forward, the adapter TRL's ``peft_config=`` adds), so
+every logged predicted peak is within [0.95, 1.15] of the measured one, by memtrain's meter and by
+``scripts/memprobe.py`` (no memtrain code); a step it cannot trace is said to be not modelled.
 
 Offline: tiny Llama from its config, the MiniLM tokenizer, preference pairs and texts generated
 here. Every TRL config sets ``bf16=False``: TRL defaults to bf16 autocast, which on a CPU rounds
@@ -21,7 +28,9 @@ import torch
 from plain_trainer import tiny_model
 
 import memtrain
+from memtrain.estimator.trainer_loss import trainer_step_estimate
 from memtrain.reliability.recovery import UnsplittableBatch
+from scripts.memprobe import trainer_steps
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl")
@@ -52,15 +61,17 @@ def preference_pairs(count: int = 32) -> Any:
                                        for i in range(count)])
 
 
-def dpo(tmp_path: Path, tok: Any, steps: int = 4, **config: Any) -> Any:
+def lora() -> Any:
     from peft import LoraConfig
 
+    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def dpo(tmp_path: Path, tok: Any, steps: int = 4, pairs: Any = None, **config: Any) -> Any:
     args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=steps,
                          per_device_eval_batch_size=8, **{**COMMON, **config})
-    return trl.DPOTrainer(model=tiny_model(), args=args, train_dataset=preference_pairs(),
-                          eval_dataset=preference_pairs(16), processing_class=tok,
-                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                 task_type="CAUSAL_LM"))
+    return trl.DPOTrainer(model=tiny_model(), args=args, train_dataset=pairs or preference_pairs(),
+                          eval_dataset=preference_pairs(16), processing_class=tok, peft_config=lora())
 
 
 def logged(trainer: Any, key: str) -> list[float]:
@@ -103,8 +114,8 @@ def test_dpo_evaluation_in_pieces_gives_the_whole_batch_metrics(tmp_path: Path, 
             raised.append(int(out.shape[0]))
             raise torch.OutOfMemoryError("injected: 8 pairs do not fit")
 
+    callback = memtrain.attach(trainer)  # (before the hook: attach traces the step on fake tensors)
     trainer.model.get_base_model().model.layers[0].mlp.register_forward_hook(fail)
-    callback = memtrain.attach(trainer)
     got = trainer.evaluate()
     assert raised == [16] and callback.eval_recovery.events == [{"eval_batch_before": 8, "eval_batch": 4}]
     for key in ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_logps/rejected"):
@@ -151,3 +162,77 @@ def test_sft_with_padding_free_packing_under_a_budget_splits_between_sequences(t
         assert logged(run, key) == pytest.approx(logged(ref, key), rel=1e-4), key
     assert logged(run, "num_tokens") == logged(ref, "num_tokens")
     assert max(m.peak_bytes for m in callback.steps.values()) <= budget
+
+
+# ------------------------------------------------------------------------------- the prediction
+# Rows of nearly one length, so that every batch is about as large as the longest one (what the
+# prediction is for): each logged step can then be held to it.
+
+
+def ratios(trainer: Any) -> list[float]:
+    logged_steps = [e for e in trainer.state.log_history if "memory/peak_mib" in e]
+    assert logged_steps and all("memory/predicted_peak_mib" in e for e in logged_steps)
+    return [e["memory/predicted_peak_mib"] / e["memory/peak_mib"] for e in logged_steps]
+
+
+def test_sft_with_peft_config_the_logged_prediction_is_the_trainers_own_step(tmp_path: Path,
+                                                                             tok: Any) -> None:
+    rnd = random.Random(0)
+    texts = datasets.Dataset.from_list([{"text": phrase(rnd, 30, 34)} for _ in range(32)])
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, max_length=64,
+                         **COMMON)  # TRL's default gradient_checkpointing=True: memtrain's patch does it
+    model, args = memtrain.prepare_for_budget(tiny_model(), args, "2GiB", peft_config=lora(), quiet=True)
+    plan = model.memtrain_plan
+    assert plan.settings["adapter"] == "lora r=8" and plan.settings["checkpointing"] == "full"
+    assert plan.settings["max_length"] == 64 and not plan.settings["packed"]  # read from the SFTConfig
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=texts, processing_class=tok,
+                             peft_config=lora())
+    callback = memtrain.attach(trainer, every=1)
+    found = callback.trainer_estimate
+    longest = max(len(ids) for ids in trainer.train_dataset["input_ids"])
+    assert found.modelled and found.batch["input_ids"] == (4, longest)  # the longest rows, TRL's collator
+    assert plan.predicted_peak == found.peak_bytes and "SFTTrainer's own training_step" in plan.notes[0]
+    trainer.train()
+    assert all(0.95 <= r <= 1.15 for r in ratios(trainer)), ratios(trainer)
+
+
+def test_dpo_with_peft_config_over_budget_is_refitted_and_predicted(tmp_path: Path, tok: Any) -> None:
+    rnd = random.Random(1)
+    pairs = datasets.Dataset.from_list([{"prompt": f"question {i}: {phrase(rnd, 5, 6)}",
+                                         "chosen": phrase(rnd, 6, 7), "rejected": phrase(rnd, 6, 7)}
+                                        for i in range(32)])
+    trainer = dpo(tmp_path, tok, steps=3, pairs=pairs)
+    whole = trainer_step_estimate(trainer)  # 8 pairs: 16 rows through the policy and the reference
+    assert whole.batch["input_ids"][0] == 16
+    budget = int(whole.peak_bytes * 0.95 / 0.9)  # 8 pairs are over the usable budget (margin 0.1)
+    counter = trainer_steps()
+    trainer.add_callback(counter)
+    callback = memtrain.attach(trainer, budget, every=1)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+    assert callback.trainer_estimate.peak_bytes <= callback.usable
+    trainer.train()
+    assert all(0.95 <= r <= 1.15 for r in ratios(trainer)), ratios(trainer)
+    assert max(m.peak_bytes for m in callback.steps.values()) <= callback.usable
+    counted = [s["peak"] for s in counter.steps]  # scripts/memprobe.py: no memtrain code
+    assert len(counted) == 3 and all(0.95 <= callback.predicted / c <= 1.15 for c in counted), counted
+
+
+def test_a_step_that_cannot_be_traced_is_said_to_be_not_modelled(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from plain_trainer import collate, token_dataset
+    from transformers import Trainer, TrainingArguments
+
+    class NumpyWeighted(Trainer):  # a loss that reads values through numpy: no fake tensor can
+        def compute_loss(self, model: Any, inputs: dict, return_outputs: bool = False, **kwargs: Any) -> Any:
+            weight = float((inputs["labels"] >= 0).float().mean().numpy())
+            return model(**inputs).loss * weight
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, **COMMON)
+    trainer = NumpyWeighted(model=tiny_model(), args=args, data_collator=collate,
+                            train_dataset=token_dataset("causal-lm", [12, 16, 9, 14]))
+    callback = memtrain.attach(trainer, "1GiB", every=1)
+    assert not callback.trainer_estimate.modelled and "numpy" in callback.trainer_estimate.reason
+    assert "NumpyWeighted's training step is not modelled" in caplog.text
+    trainer.train()
+    entry = next(e for e in trainer.state.log_history if "memory/peak_mib" in e)
+    assert "memory/predicted_peak_mib" not in entry  # no prediction for a loss it did not trace
