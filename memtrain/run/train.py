@@ -116,9 +116,14 @@ def train(cfg: RunConfig, console: Console | None = None,
         guards.insert(0, SimulatedBudgetCallback(cfg.memory.simulate_budget))
     with GracefulStop() as stop:
         stopper = StopOnSignal(stop)
-        trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
-                                [*guards, stopper, *(callbacks or [])],
-                                fsdp_plugin=distributed.fsdp_plugin(model, cfg))
+        every = [*guards, stopper, *(callbacks or [])]
+        if cfg.training.objective == "dpo":  # TRL's DPOTrainer behind memtrain's (one process)
+            from memtrain.trainer.preference import build_dpo_trainer
+
+            trainer = build_dpo_trainer(cfg, model, tokenizer, data, batch, str(out), every)
+        else:
+            trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), every,
+                                    fsdp_plugin=distributed.fsdp_plugin(model, cfg))
         meter.attach(trainer)  # ahead of the reporting integrations: they log its memory entries
         if choices:
             batch = _confirm_batch(trainer, cfg, batch, choices, console, rows)
