@@ -6,6 +6,7 @@ from memtrain.config.loader import (
     load_recipe,
     resolve_recipe_path,
     shipped_recipes_dir,
+    with_absolute_paths,
 )
 from memtrain.config.schema import (
     AdapterConfig,
@@ -40,4 +41,5 @@ __all__ = [
     "load_recipe",
     "resolve_recipe_path",
     "shipped_recipes_dir",
+    "with_absolute_paths",
 ]

@@ -85,12 +85,15 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     )
 
 
-def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = ()) -> RunConfig:
+def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = (), *,
+                require: Sequence[str] | None = None) -> RunConfig:
     """Read, override and validate a recipe.
 
     Args:
         recipe: a YAML file path, a shipped recipe name, or an already-parsed mapping.
         overrides: ``key.sub=value`` strings; values are parsed as YAML (``3``, ``true``, ``[a, b]``).
+        require: the fields naming files that must exist (default: all of them, model and data);
+            a finished run's recipe, loaded for inference, needs only ``model.name``.
 
     Returns:
         The validated configuration; ``output.dir``'s ``{recipe}`` is filled in.
@@ -116,7 +119,8 @@ def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = ()) -> Run
     except ValidationError as err:
         found = booleans + [p for p in _fold_errors(err) + context["problems"] if p.path not in flagged]
         raise RecipeError(found + _cross_checks_of_valid_sections(data, found), source) from None
-    problems = booleans + [p for p in context["problems"] + _check_sources(cfg) if p.path not in flagged]
+    missing = [p for p in _check_sources(cfg) if require is None or p.path in require]
+    problems = booleans + [p for p in context["problems"] + missing if p.path not in flagged]
     if problems:
         raise RecipeError(problems, source)
     cfg.output.dir = cfg.output.dir.replace("{recipe}", stem)
@@ -171,6 +175,26 @@ def _booleans_for_numbers(data: Any, model: type[BaseModel], prefix: str) -> lis
 def dump_recipe(cfg: RunConfig) -> str:
     """The fully resolved recipe as YAML (what a run actually used)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, width=100)
+
+
+def with_absolute_paths(cfg: RunConfig) -> RunConfig:
+    """The recipe with its local files (model, tokenizer, data, chat template file) as absolute
+    paths, so that the copy a run saves works from any directory; hub ids, ``pkg:`` and
+    ``builtin:`` names stay as they are."""
+    def absolute(value: str | None) -> str | None:
+        if value is None or value.startswith(("builtin:", sources.PKG_PREFIX)) or "{{" in value \
+                or "{%" in value or not sources.looks_local(value):
+            return value
+        path = Path(value).expanduser()
+        return str(path.resolve()) if path.exists() else value
+
+    data = cfg.data.model_copy(update={
+        "source": absolute(cfg.data.source), "chat_template": absolute(cfg.data.chat_template),
+        "mix": [m.model_copy(update={"source": absolute(m.source),
+                                     "chat_template": absolute(m.chat_template)}) for m in cfg.data.mix]})
+    model = cfg.model.model_copy(update={"name": absolute(cfg.model.name),
+                                         "tokenizer": absolute(cfg.model.tokenizer)})
+    return cfg.model_copy(update={"model": model, "data": data})
 
 
 def _check_sources(cfg: RunConfig) -> list[Problem]:

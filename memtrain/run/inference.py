@@ -58,7 +58,8 @@ def load_run(run_dir: str | Path, dequantize: bool = False) -> Run:
     if not (folder / RECIPE_FILE).is_file():
         raise MemtrainError(f"`RUN_DIR`: {str(folder)!r} is not a finished run (no {RECIPE_FILE}). "
                             "Fix: give the `output.dir` of a run that completed.")
-    cfg = load_recipe(folder / RECIPE_FILE)
+    # the run's own tokenizer is in the folder, and its data is not needed: only the base model
+    cfg = load_recipe(folder / RECIPE_FILE, require=("model.name",))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     adapter = (folder / ADAPTER_FILE).is_file()
     if adapter:
@@ -215,4 +216,10 @@ def read_texts(run: Run, file: str | Path) -> list[str]:
         raise MemtrainError(f"`FILE`: {str(file)!r} has no column {data.text_column!r} (the run's "
                             f"`data.text_column`); it has: {', '.join(ds.column_names)}. Fix: name "
                             "the column like the training data's.")
-    return [str(t) for t in ds[data.text_column]]
+    texts = ds[data.text_column]
+    empty = [i + 1 for i, t in enumerate(texts) if t is None]  # a null, or an empty CSV cell
+    if empty:
+        shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise MemtrainError(f"`FILE`: {str(file)!r} has no text in column {data.text_column!r} in row "
+                            f"{shown} (counting from 1). Fix: fill those rows in or remove them.")
+    return [str(t) for t in texts]
