@@ -76,8 +76,10 @@ def dpo_settings(cfg: RunConfig) -> dict[str, Any]:
         "beta": cfg.training.dpo_beta,
         "loss_type": [cfg.training.dpo_loss],
         "max_length": cfg.data.max_length,
-        # memtrain trains in the weights' dtype (TRL would default to bf16 autocast)
+        # TRL's configs default to bf16 autocast and to transformers' gradient checkpointing;
+        # memtrain trains in the weights' dtype and checkpoints as `memory.checkpointing` says
         "bf16": cfg.model.dtype == "bf16" and torch.cuda.is_available(),
+        "gradient_checkpointing": False,
         "precompute_ref_log_probs": False,
         "pad_to_multiple_of": None,
     }
