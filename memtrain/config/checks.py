@@ -137,6 +137,12 @@ def objective_problems(sections: Mapping[str, Any]) -> list[Problem]:
     if model is not None and model.task != "causal-lm":
         out.append(Problem("training.objective", "dpo", f"trains a causal LM, not `{model.task}`",
                            "set `model.task: causal-lm`."))
+    adapter = sections.get("adapter")
+    if adapter is not None and adapter.method == "full":
+        out.append(Problem("adapter.method", "full", "DPO needs a reference model; memtrain's is the base "
+                           "model with the LoRA adapter disabled (full fine-tuning would need a second, "
+                           "frozen copy of the model, which memtrain does not build or plan yet)",
+                           "set `adapter.method: lora` (or `auto`)."))
     if memory is not None and memory.loss == "chunked":
         out.append(Problem("memory.loss", "chunked", "does not apply to DPO: TRL's DPOTrainer computes the "
                            "log-probabilities in tiles itself, without the full logits",

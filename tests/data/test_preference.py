@@ -84,6 +84,8 @@ def test_a_missing_answer_names_its_column(tmp_path: Path, tokenizer: Any) -> No
      "memory.loss"),
     ({"training": {"objective": "dpo", "dpo_loss": "aot"}, "data": {"format": "preference"}},
      "training.dpo_loss"),
+    ({"training": {"objective": "dpo"}, "data": {"format": "preference"}, "adapter": {"method": "full"}},
+     "adapter.method"),
 ])
 def test_objective_and_format_must_agree(tmp_path: Path, sections: dict, field: str) -> None:
     path = tmp_path / "pairs.jsonl"
