@@ -171,6 +171,13 @@ class TrainingConfig(Section):
         "(length-normalised, SimPO-like margin), `robust`, `nca_pair`, `bco_pair`, `sppo_hard`, "
         "`apo_zero`, `apo_down`, `discopop`.",
     )
+    dpo_precompute_ref: bool | Auto = Field(
+        False,
+        description="DPO: compute the reference log-probabilities of every pair once, before training "
+        "(TRL's `precompute_ref_log_probs`: one no-grad pass over the data), so that no training step "
+        "runs the reference forward: less memory at the step's peak where that forward sets it, one "
+        "forward less per step. `auto`: the planner decides.",
+    )
 
     effective_batch_size: int | None = Field(
         None, gt=0, description="Examples per optimizer step over all processes; memtrain never changes it."

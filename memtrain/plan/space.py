@@ -90,6 +90,7 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "training.optimizer_in_backward": [False, True],
         "memory.tiled_mlp": [False, True],  # keeps only each MLP's input; one more MLP forward
         "memory.lean_norm": [False, True],  # keeps each norm's input and rstd; element-wise recompute
+        "training.dpo_precompute_ref": [False, True],  # no reference forward in the step
     }[path]
 
 

@@ -148,7 +148,11 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
     """
     generator = torch.Generator().manual_seed(0) if torch.device(device).type == "cpu" else None
     if cfg.training.objective == "dpo":
-        return _pairs_batch(config, batch_size, seq_len, device, padded, generator)
+        batch = _pairs_batch(config, batch_size, seq_len, device, padded, generator)
+        if cfg.training.dpo_precompute_ref is True:  # the reference log-probs, one per sequence
+            for key in ("ref_chosen_logps", "ref_rejected_logps"):
+                batch[key] = torch.zeros(batch_size, device=device)
+        return batch
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator,
                         device=device)
     if cfg.model.task == "sequence-classification":

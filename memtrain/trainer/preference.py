@@ -37,6 +37,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
+from memtrain.errors import MemtrainError
 from memtrain.trainer.trainer import MemtrainTrainer, argument_values, trainer_options
 
 if TYPE_CHECKING:
@@ -80,9 +81,18 @@ def dpo_settings(cfg: RunConfig) -> dict[str, Any]:
         # memtrain trains in the weights' dtype and checkpoints as `memory.checkpointing` says
         "bf16": cfg.model.dtype == "bf16" and torch.cuda.is_available(),
         "gradient_checkpointing": False,
-        "precompute_ref_log_probs": False,
+        "precompute_ref_log_probs": precompute_ref(cfg),
         "pad_to_multiple_of": None,
     }
+
+
+def precompute_ref(cfg: RunConfig) -> bool:
+    """``training.dpo_precompute_ref``, decided (the planner fills `auto`)."""
+    value = cfg.training.dpo_precompute_ref
+    if value == "auto":
+        raise MemtrainError("`training.dpo_precompute_ref` is `auto`: run the planner first (`memtrain "
+                            "plan`, or set `memory.budget`), or set it to true or false.")
+    return bool(value)
 
 
 def build_dpo_trainer(cfg: RunConfig, model: nn.Module, tokenizer: Any, data: PreparedData, batch: Batch,
@@ -139,7 +149,7 @@ def reference_step(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module, Any
     trainer.accelerator = _Accelerator(next(model.parameters()).device)
     trainer.beta, trainer.loss_types = settings["beta"], settings["loss_type"]
     trainer.loss_weights = [1.0] * len(trainer.loss_types)
-    trainer.precompute_ref_logps = False
+    trainer.precompute_ref_logps = settings["precompute_ref_log_probs"]
     trainer.ld_alpha, trainer.f_divergence_type, trainer.label_smoothing = None, "reverse_kl", 0.0
     trainer.use_weighting, trainer.aux_loss_enabled, trainer._tp_size = False, False, 1
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}

@@ -93,3 +93,14 @@ def test_objective_and_format_must_agree(tmp_path: Path, sections: dict, field: 
     with pytest.raises(RecipeError) as err:
         load_recipe(causal_recipe(tmp_path, path, **sections))
     assert field in str(err.value)
+
+
+def test_the_shakespeare_pairs_prefer_the_next_line_to_its_words_shuffled() -> None:
+    from memtrain.builtin_data import BUILTINS
+
+    ds = BUILTINS["shakespeare-preference"](0)
+    assert len(ds) > 5000 and ds.column_names == ["prompt", "chosen", "rejected"]
+    for row in ds.select(range(200)):
+        assert row["prompt"].endswith("\n") and row["chosen"] != row["rejected"]
+        assert sorted(row["chosen"].split()) == sorted(row["rejected"].split())  # same words, other order
+    assert BUILTINS["shakespeare-preference"](0)[:5] == ds[:5]  # deterministic for a seed

@@ -60,8 +60,11 @@ def _recipe(tmp_path: Path, **sections: Any) -> Any:
     return load_recipe(causal_recipe(tmp_path, path, **merge(base, sections)))
 
 
-def test_the_estimate_is_the_counted_trainer_step(tmp_path: Path, tokenizer: Any) -> None:
-    cfg = _recipe(tmp_path)
+@pytest.mark.parametrize("precompute", [False, True])
+def test_the_estimate_is_the_counted_trainer_step(precompute: bool, tmp_path: Path, tokenizer: Any) -> None:
+    """With ``training.dpo_precompute_ref`` the batch also carries the reference log-probs (two
+    float32 per pair, no forward argument either) and the step runs no reference forward."""
+    cfg = _recipe(tmp_path, training={"dpo_precompute_ref": precompute})
     rows = prepare_data(cfg, tokenizer).rows(cfg)
     assert (rows.longest, rows.uniform) == (LONGEST, False)  # [CLS] + 6 + 8 + [SEP]; rejected shorter
     predicted = estimate(cfg, rows=rows, device="cpu")
@@ -72,9 +75,10 @@ def test_the_estimate_is_the_counted_trainer_step(tmp_path: Path, tokenizer: Any
     assert len({s["peak"] for s in steady}) == 1, counter.steps
     completion_mask = 2 * PAIRS * LONGEST * 8
     assert max(s["inputs"] for s in steady) == 2 * completion_mask  # input_ids, attention_mask
+    unseen = completion_mask + (2 * PAIRS * 4 if precompute else 0)
     counted = steady[0]["peak"]
     print(f"dpo: predicted {predicted.peak_bytes:,} counted {counted:,}")
-    assert counted == predicted.peak_bytes - completion_mask + ACCELERATE_LOSS, counter.steps
+    assert counted == predicted.peak_bytes - unseen + ACCELERATE_LOSS, counter.steps
     margins = [h["rewards/margins"] for h in result.log_history if "rewards/margins" in h]
     assert margins[0] == 0 and margins[-1] > 0  # the policy starts as the reference, then moves
 
@@ -90,3 +94,20 @@ def test_recovery_splits_pairs_and_keeps_the_losses(tmp_path: Path) -> None:
     recovered = [h["memory/recovered_micro_batch"] for h in budgeted.log_history
                  if "memory/recovered_micro_batch" in h]
     assert recovered == [PAIRS // 2], budgeted.log_history  # in pairs: 4 -> 2
+
+
+def test_the_planner_decides_the_dpo_fields(tmp_path: Path) -> None:
+    """`auto` for DPO: only a LoRA adapter and the standard loss are candidates (TRL's head replaces
+    the model's loss; the reference is the adapter-disabled base), and precomputing the reference
+    log-probs is chosen: the same peak (plus the batch's reference log-probs, two float32 per pair),
+    one forward less per step."""
+    from memtrain.plan import planner
+
+    cfg = _recipe(tmp_path, memory={"budget": "2GiB", "loss": "auto"},
+                  adapter={"method": "auto"}, training={"dpo_precompute_ref": "auto"})
+    plan = planner.plan(cfg)
+    assert plan.chosen.values == {"adapter.method": "lora", "memory.loss": "standard",
+                                  "training.dpo_precompute_ref": True}, plan.chosen
+    assert plan.alternatives, plan
+    assert all(c.values["training.dpo_precompute_ref"] is False and c.seconds > plan.chosen.seconds
+               and c.peak + 2 * PAIRS * 4 == plan.chosen.peak for c in plan.alternatives), plan.alternatives
