@@ -28,7 +28,7 @@ from memtrain.data.chat import IGNORE_INDEX, resolve_chat_template
 from memtrain.data.encoders import _ENCODERS, _cut, _drop_unlabelled
 from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW
 from memtrain.data.rows import Rows, rows_of
-from memtrain.errors import MemtrainError
+from memtrain.errors import TRL_MISSING, MemtrainError
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,10 @@ def _collator(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[.
     if cfg.kind == "classification":
         return DataCollatorWithPadding(tokenizer)
     if cfg.kind == "preference":  # [chosen; rejected] stacked, answers marked in completion_mask
-        from trl.trainer.dpo_trainer import DataCollatorForPreference
+        try:
+            from trl.trainer.dpo_trainer import DataCollatorForPreference
+        except ImportError:
+            raise MemtrainError(TRL_MISSING) from None
 
         return DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=cfg.max_length)
     if cfg.packing:

@@ -32,13 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from trl import DPOConfig, DPOTrainer
-from trl.trainer.utils import add_fused_lm_head
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
-from memtrain.errors import MemtrainError
+from memtrain.errors import TRL_MISSING, MemtrainError
 from memtrain.trainer.trainer import MemtrainTrainer, argument_values, trainer_options
+
+try:
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+except ImportError:  # an optional dependency (memtrain[dpo])
+    raise MemtrainError(TRL_MISSING) from None
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
