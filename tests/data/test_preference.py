@@ -104,3 +104,19 @@ def test_the_shakespeare_pairs_prefer_the_next_line_to_its_words_shuffled() -> N
         assert row["prompt"].endswith("\n") and row["chosen"] != row["rejected"]
         assert sorted(row["chosen"].split()) == sorted(row["rejected"].split())  # same words, other order
     assert BUILTINS["shakespeare-preference"](0)[:5] == ds[:5]  # deterministic for a seed
+
+
+def test_without_trl_a_dpo_recipe_says_how_to_install_it(tmp_path: Path, tokenizer: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import sys
+
+    from memtrain.errors import MemtrainError
+
+    for name in ("trl", "trl.trainer.dpo_trainer"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import trl` raises ImportError
+    monkeypatch.delitem(sys.modules, "memtrain.trainer.preference", raising=False)
+    with pytest.raises(MemtrainError, match=r"pip install 'trl>=1.16'"):
+        _prepare(tmp_path, [{"prompt": "a", "chosen": " b", "rejected": " c"}] * 2, tokenizer, eval_split=0.0)
+    with pytest.raises(MemtrainError, match=r"pip install 'trl>=1.16'"):
+        importlib.import_module("memtrain.trainer.preference")
