@@ -111,3 +111,16 @@ def test_the_planner_decides_the_dpo_fields(tmp_path: Path) -> None:
     assert plan.alternatives, plan
     assert all(c.values["training.dpo_precompute_ref"] is False and c.seconds > plan.chosen.seconds
                and c.peak + 2 * PAIRS * 4 == plan.chosen.peak for c in plan.alternatives), plan.alternatives
+
+
+def test_auto_fit_probes_the_dpo_step_and_leaves_no_metrics_behind(tmp_path: Path) -> None:
+    """`micro_batch_size: auto`: the probe steps run the Trainer's own DPO loss (the model's forward
+    alone returns no loss) and what TRL's metrics collected during them is dropped: the first
+    logged token count is that of the first batch (4 chosen rows of 16 tokens, rejected rows of
+    13 to 16)."""
+    cfg = _recipe(tmp_path, training={"micro_batch_size": "auto", "effective_batch_size": PAIRS,
+                                      "max_steps": 1}, memory={"budget": "2GiB"})
+    result = train(cfg, console=Console(quiet=True))
+    assert result.batch.micro == PAIRS
+    first = next(h for h in result.log_history if "num_tokens" in h)
+    assert first["num_tokens"] == PAIRS * LONGEST + sum(13 + i for i in range(PAIRS))
