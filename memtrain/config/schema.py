@@ -168,7 +168,7 @@ class TrainingConfig(Section):
     dpo_loss: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
         "sigmoid",
         description="DPO: TRL's loss type: `sigmoid` (DPO), `ipo`, `hinge` (SLiC), `sigmoid_norm` "
-        "(length-normalised, SimPO-like margin), `robust`, `nca_pair`, `bco_pair`, `sppo_hard`, "
+        "(DPO on length-normalised log-ratios), `robust`, `nca_pair`, `bco_pair`, `sppo_hard`, "
         "`apo_zero`, `apo_down`, `discopop`.",
     )
     dpo_precompute_ref: bool | Auto = Field(
