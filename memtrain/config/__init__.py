@@ -6,7 +6,6 @@ from memtrain.config.loader import (
     load_recipe,
     resolve_recipe_path,
     shipped_recipes_dir,
-    with_absolute_paths,
 )
 from memtrain.config.schema import (
     AdapterConfig,
@@ -41,5 +40,4 @@ __all__ = [
     "load_recipe",
     "resolve_recipe_path",
     "shipped_recipes_dir",
-    "with_absolute_paths",
 ]

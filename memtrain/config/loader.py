@@ -177,26 +177,6 @@ def dump_recipe(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, width=100)
 
 
-def with_absolute_paths(cfg: RunConfig) -> RunConfig:
-    """The recipe with its local files (model, tokenizer, data, chat template file) as absolute
-    paths, so that the copy a run saves works from any directory; hub ids, ``pkg:`` and
-    ``builtin:`` names stay as they are."""
-    def absolute(value: str | None) -> str | None:
-        if value is None or value.startswith(("builtin:", sources.PKG_PREFIX)) or "{{" in value \
-                or "{%" in value or not sources.looks_local(value):
-            return value
-        path = Path(value).expanduser()
-        return str(path.resolve()) if path.exists() else value
-
-    data = cfg.data.model_copy(update={
-        "source": absolute(cfg.data.source), "chat_template": absolute(cfg.data.chat_template),
-        "mix": [m.model_copy(update={"source": absolute(m.source),
-                                     "chat_template": absolute(m.chat_template)}) for m in cfg.data.mix]})
-    model = cfg.model.model_copy(update={"name": absolute(cfg.model.name),
-                                         "tokenizer": absolute(cfg.model.tokenizer)})
-    return cfg.model_copy(update={"model": model, "data": data})
-
-
 def _check_sources(cfg: RunConfig) -> list[Problem]:
     """Local files and package folders must exist; hub ids are taken on trust (no network)."""
     from memtrain.builtin_data import BUILTINS

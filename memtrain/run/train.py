@@ -21,7 +21,7 @@ from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
 from memtrain import patches
-from memtrain.config import RunConfig, dump_recipe, with_absolute_paths
+from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
 from memtrain.data.prepare import PreparedData, prepare_data
 from memtrain.data.rows import Rows
@@ -265,7 +265,7 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
         if cfg.output.save_model:
             trainer.save_model(str(staging))
         tokenizer.save_pretrained(str(staging))
-        (staging / RECIPE_FILE).write_text(dump_recipe(with_absolute_paths(cfg)), encoding="utf-8")
+        (staging / RECIPE_FILE).write_text(dump_recipe(rundir.portable_recipe(cfg)), encoding="utf-8")
         (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
         if label_names:  # an adapter folder does not keep the base config's id2label
             (staging / LABELS_FILE).write_text(json.dumps(label_names), encoding="utf-8")
