@@ -124,12 +124,13 @@ def merge(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 def format_prompt(run: Run, prompt: str | list[dict[str, str]], extra: str = "") -> list[int]:
     """Token ids of a prompt, written the way the run's training data was.
 
-    Chat data: the chat template with the generation prompt (``prompt`` may be a whole message
-    list); alpaca: ``alpaca_template`` with ``extra`` as the input (``alpaca_template_no_input``
-    without one); completion: ``completion_template``; text: the prompt as it is.
+    Chat data (and conversational preference pairs): the chat template with the generation prompt
+    (``prompt`` may be a whole message list); alpaca: ``alpaca_template`` with ``extra`` as the
+    input (``alpaca_template_no_input`` without one); completion: ``completion_template``; text
+    and plain preference pairs: the prompt as it is.
     """
     tok, data = run.tokenizer, run.cfg.data
-    if data.kind in CHAT_FORMATS:
+    if data.kind in CHAT_FORMATS or (data.kind == "preference" and tok.chat_template):  # conversational pairs
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tok(text, add_special_tokens=False)["input_ids"])

@@ -120,3 +120,20 @@ def test_without_trl_a_dpo_recipe_says_how_to_install_it(tmp_path: Path, tokeniz
         _prepare(tmp_path, [{"prompt": "a", "chosen": " b", "rejected": " c"}] * 2, tokenizer, eval_split=0.0)
     with pytest.raises(MemtrainError, match=r"pip install 'trl>=1.16'"):
         importlib.import_module("memtrain.trainer.preference")
+
+
+@pytest.mark.parametrize("conversational", [True, False])
+def test_generate_writes_prompts_as_the_pairs_were(conversational: bool, tmp_path: Path,
+                                                    tokenizer: Any) -> None:
+    from memtrain.run.inference import Run, format_prompt
+
+    rows = ([{"prompt": [{"role": "user", "content": "name a pet"}], "chosen": "a cat", "rejected": "a rock"}]
+            if conversational else [{"prompt": "name a pet", "chosen": " a cat", "rejected": " a rock"}]) * 2
+    cfg, _ = _prepare(tmp_path, rows, tokenizer, chat_template=CHATML, eval_split=0.0)
+    run = Run(tmp_path, cfg, tokenizer, None, True)
+    ids = format_prompt(run, "name a pet")
+    if conversational:  # the chat template with the generation prompt, as the pairs were rendered
+        chat = "<|im_start|>user\nname a pet<|im_end|>\n<|im_start|>assistant\n"
+        assert ids == tokenizer(chat, add_special_tokens=False)["input_ids"], tokenizer.decode(ids)
+    else:  # the text as it is ([CLS] + prompt, without the closing token)
+        assert ids == tokenizer("name a pet")["input_ids"][:-1], tokenizer.decode(ids)
