@@ -8,6 +8,8 @@ No dataset can be downloaded where memtrain is tested, so the default recipes us
 - ``shakespeare-which-play``: alpaca-style instructions "Which play is this line from?" with a
   line of Hamlet, Macbeth, Romeo and Juliet or A Midsummer Night's Dream as the input and the
   play's title as the output. Balanced, four answers.
+- ``shakespeare-preference``: preference pairs (prompt/chosen/rejected) for DPO: a line as the
+  prompt, the next line chosen, the next line with its words shuffled rejected.
 
 Lines are cleaned the same way for both: speaker prefixes ("HAMLET.", "Laf.") and stage
 directions in brackets are dropped, and only lines of at least five words are kept, so the
@@ -16,6 +18,7 @@ classifier must read spelling rather than layout. Both are deterministic for a g
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from collections.abc import Callable, Iterator
@@ -98,7 +101,31 @@ def shakespeare_which_play(seed: int = 0) -> Dataset:
                               "output": [title for _, title in rows]})
 
 
+def shakespeare_preference(seed: int = 0) -> Dataset:
+    """Preference pairs: a line of one of the four plays as the prompt, the line that follows it as
+    the chosen answer, the same line with its words shuffled as the rejected one (fluent verse is
+    preferred to the same words out of order); shuffled."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for stem in PLAYS:
+        lines = _lines(f"{stem}_gut.txt")
+        for line, following in itertools.pairwise(lines):
+            words = following.split()
+            if len(set(words)) < 2:
+                continue  # no other order
+            shuffled = words[:]
+            while shuffled == words:
+                rng.shuffle(shuffled)
+            rows.append((line, following, " ".join(shuffled)))
+    rng.shuffle(rows)
+    return Dataset.from_dict({"prompt": [f"{p}\n" for p, _, _ in rows], "chosen": [c for _, c, _ in rows],
+                              "rejected": [r for _, _, r in rows]})
+
+
 BUILTINS: dict[str, Callable[[int], Dataset]] = {
+    "shakespeare-preference": shakespeare_preference,
     "shakespeare-spelling": shakespeare_spelling,
     "shakespeare-text": shakespeare_text,
     "shakespeare-which-play": shakespeare_which_play,

@@ -14,3 +14,7 @@ def first_line(err: BaseException) -> str:
     :class:`MemtrainError` that names what went wrong underneath."""
     message = str(err).strip()
     return message.splitlines()[0] if message else type(err).__name__
+
+
+TRL_MISSING = ("`training.objective: dpo` (and `data.format: preference`) run TRL's DPOTrainer, and TRL is "
+               "not installed. Fix: pip install 'trl>=1.16' (or memtrain[dpo]).")

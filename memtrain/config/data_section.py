@@ -12,7 +12,7 @@ from memtrain.config.base import FractionOr, Problem, Section, _report
 # ---------------------------------------------------------------------------------------- data
 
 DataFormat = Literal["text", "completion", "instruction", "alpaca", "sharegpt", "messages", "chat",
-                     "tokenized", "classification"]
+                     "tokenized", "classification", "preference"]
 FORMAT_ALIASES: dict[str, str] = {"instruction": "completion", "chat": "messages"}
 CAUSAL_FORMATS = ("text", "completion", "alpaca", "sharegpt", "messages", "tokenized")
 
@@ -53,15 +53,20 @@ class DatasetConfig(Section):
         "`alpaca`: instruction/input/output columns in `alpaca_template`; `sharegpt`: a list of "
         "`{from, value}` turns (roles mapped by `sharegpt_roles`); `messages`: a list of OpenAI-style "
         "`{role, content}` messages; `tokenized`: `input_ids` (and optional `labels`) as they are; "
-        "`classification`: text + label. `sharegpt` and `messages` are rendered with `chat_template`. "
+        "`classification`: text + label; `preference`: prompt/chosen/rejected columns (strings, or "
+        "lists of `{role, content}` messages rendered with `chat_template`) for "
+        "`training.objective: dpo`. `sharegpt` and `messages` are rendered with `chat_template`. "
         "`instruction` is an alias of `completion`, `chat` of `messages`.",
     )
     split: str = Field("train", description="Split to train on.")
     subset: str | None = Field(None, description="Dataset configuration name on the hub.")
     text_column: str = Field("text", description="Column holding the text (text, classification).")
     label_column: str = Field("label", description="Column holding the label (classification).")
-    prompt_column: str = Field("prompt", description="Column holding the prompt (completion).")
+    prompt_column: str = Field("prompt", description="Column holding the prompt (completion, preference).")
     response_column: str = Field("response", description="Column holding the answer (completion).")
+    chosen_column: str = Field("chosen", description="Column holding the preferred answer (preference).")
+    rejected_column: str = Field("rejected",
+                                 description="Column holding the dispreferred answer (preference).")
     instruction_column: str = Field("instruction", description="Column holding the instruction (alpaca).")
     input_column: str = Field(
         "input", description="Column holding the optional input (alpaca); a missing column counts as empty."

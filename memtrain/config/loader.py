@@ -85,12 +85,15 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     )
 
 
-def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = ()) -> RunConfig:
+def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = (), *,
+                require: Sequence[str] | None = None) -> RunConfig:
     """Read, override and validate a recipe.
 
     Args:
         recipe: a YAML file path, a shipped recipe name, or an already-parsed mapping.
         overrides: ``key.sub=value`` strings; values are parsed as YAML (``3``, ``true``, ``[a, b]``).
+        require: the fields naming files that must exist (default: all of them, model and data);
+            a finished run's recipe, loaded for inference, needs only ``model.name``.
 
     Returns:
         The validated configuration; ``output.dir``'s ``{recipe}`` is filled in.
@@ -116,7 +119,8 @@ def load_recipe(recipe: str | Path | dict, overrides: Sequence[str] = ()) -> Run
     except ValidationError as err:
         found = booleans + [p for p in _fold_errors(err) + context["problems"] if p.path not in flagged]
         raise RecipeError(found + _cross_checks_of_valid_sections(data, found), source) from None
-    problems = booleans + [p for p in context["problems"] + _check_sources(cfg) if p.path not in flagged]
+    missing = [p for p in _check_sources(cfg) if require is None or p.path in require]
+    problems = booleans + [p for p in context["problems"] + missing if p.path not in flagged]
     if problems:
         raise RecipeError(problems, source)
     cfg.output.dir = cfg.output.dir.replace("{recipe}", stem)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from memtrain.config.base import _MISSING, Auto, DType, FractionOr, Problem, Section, _report
-from memtrain.config.checks import batch_problems, in_backward_problems, node_problems
+from memtrain.config.checks import batch_problems, in_backward_problems, node_problems, objective_problems
 from memtrain.config.data_section import (
     ALPACA_TEMPLATE,
     ALPACA_TEMPLATE_NO_INPUT,
@@ -147,8 +147,37 @@ class AdapterConfig(Section):
 Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "adafactor", "sgd", "auto"]
 
 
+# TRL's DPO loss types whose loss is a mean over independent pairs (out-of-memory recovery may split
+# a batch of them; memtrain.reliability.layouts refuses the others)
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "nca_pair", "bco_pair", "sppo_hard",
+              "apo_zero", "apo_down", "discopop")
+
+
 class TrainingConfig(Section):
     """The optimisation loop. Batch sizes follow effective = micro × accumulation × processes."""
+
+    objective: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="`sft`: the model's own loss on the data (next-token prediction, classification); "
+        "`dpo`: preference optimisation on `data.format: preference` pairs with TRL's `DPOTrainer` "
+        "(the reference model is the base with the LoRA adapter disabled, or a frozen copy in full "
+        "fine-tuning).",
+    )
+    dpo_beta: float = Field(0.1, gt=0, description="DPO: the β of the loss (how far the policy may "
+                            "move from the reference).")
+    dpo_loss: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
+        "sigmoid",
+        description="DPO: TRL's loss type: `sigmoid` (DPO), `ipo`, `hinge` (SLiC), `sigmoid_norm` "
+        "(DPO on length-normalised log-ratios), `robust`, `nca_pair`, `bco_pair`, `sppo_hard`, "
+        "`apo_zero`, `apo_down`, `discopop`.",
+    )
+    dpo_precompute_ref: bool | Auto = Field(
+        False,
+        description="DPO: compute the reference log-probabilities of every pair once, before training "
+        "(TRL's `precompute_ref_log_probs`: one no-grad pass over the data), so that no training step "
+        "runs the reference forward: less memory at the step's peak where that forward sets it, one "
+        "forward less per step. `auto`: the planner decides.",
+    )
 
     effective_batch_size: int | None = Field(
         None, gt=0, description="Examples per optimizer step over all processes; memtrain never changes it."
@@ -338,6 +367,7 @@ def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
                 "data.format", data.format, "a classification model needs labelled data",
                 "set `data.format: classification`.",
             ))
+    out.extend(objective_problems(sections))
     memory = sections.get("memory")
     if model is not None and memory is not None and model.task != "causal-lm" \
             and memory.loss == "chunked":

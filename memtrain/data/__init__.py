@@ -10,8 +10,11 @@ Modules, in the order a dataset goes through them:
 - :mod:`~memtrain.data.chat` — rendering rows to text with a chat template and deriving the labels
   from that text;
 - :mod:`~memtrain.data.encoders` — one tokenizing encoder per ``data.format``;
+- :mod:`~memtrain.data.preference` — preference pairs (prompt, chosen, rejected) as TRL's DPO
+  collator takes them, answers located by the same rule as every other format;
 - :mod:`~memtrain.data.packing` — several examples per row without cross-talk;
 - :mod:`~memtrain.data.mixing` — several datasets by weight (``data.mix``).
 
-Imports only the shared leaves and :mod:`memtrain.config` (docs/architecture.md).
+Imports only the shared leaves and :mod:`memtrain.config` (docs/architecture.md), and TRL's
+preference collator for ``data.format: preference``.
 """

@@ -151,7 +151,22 @@ def _cut(ds: Dataset, max_length: int) -> Dataset:
     return ds.map(cut, desc="cutting")
 
 
+def _encode_preference(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
+                       names: list[str] | None) -> Dataset:
+    """preference: prompt/chosen/rejected token ids (:mod:`memtrain.data.preference`). The tokenizer
+    the run saves keeps a chat template only for conversational pairs (the one they were rendered
+    with), so that ``memtrain generate`` writes prompts as the pairs were written."""
+    from memtrain.data import preference
+
+    template = None
+    if len(ds) and preference.is_conversational(cfg, ds[0]):
+        template = resolve_chat_template(cfg, tok)
+    tok.chat_template = template
+    return preference.encode_preference(ds, cfg, tok, template)
+
+
 _ENCODERS: dict[str, Encoder] = {
+    "preference": _encode_preference,
     "classification": _encode_classification,
     "text": _encode_text,
     "completion": _encode_pair,

@@ -127,4 +127,5 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "messages": ("messages_column",),
     "sharegpt": ("conversations_column",),
     "tokenized": (),
+    "preference": ("prompt_column", "chosen_column", "rejected_column"),
 }

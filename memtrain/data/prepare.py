@@ -28,7 +28,7 @@ from memtrain.data.chat import IGNORE_INDEX, resolve_chat_template
 from memtrain.data.encoders import _ENCODERS, _cut, _drop_unlabelled
 from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW
 from memtrain.data.rows import Rows, rows_of
-from memtrain.errors import MemtrainError
+from memtrain.errors import TRL_MISSING, MemtrainError
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ class PreparedData:
 
     def rows(self, cfg: RunConfig) -> Rows:
         """The longest batch these training rows make (what the estimate and auto-fit use)."""
+        if "chosen_ids" in self.train.column_names:  # preference pairs: two sequences each
+            from memtrain.data.preference import sequence_lengths
+
+            return rows_of(cfg, sequence_lengths(self.train, cfg.data.max_length))
         return rows_of(cfg, token_counts(self.train))
 
 
@@ -115,9 +119,9 @@ def _encode_dataset(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedToken
     encode = _ENCODERS[data.kind]
     splits = [encode(s, data, tokenizer, label_names) if s is not None else None
               for s in (train, evaluation)]
-    if data.kind != "classification" and not (data.packing and data.kind == "text"):
+    if data.kind not in ("classification", "preference") and not (data.packing and data.kind == "text"):
         splits = [_cut(s, data.max_length) if s is not None else None for s in splits]
-    if data.kind not in ("text", "classification"):
+    if data.kind not in ("text", "classification", "preference"):
         splits = [_drop_unlabelled(s, data) if s is not None else None for s in splits]
     assert splits[0] is not None
     return splits[0], splits[1], label_names
@@ -151,6 +155,13 @@ def _check_named_eval_split(data: DataConfig, datasets: list[DataConfig], evalua
 def _collator(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Callable[..., Any]:
     if cfg.kind == "classification":
         return DataCollatorWithPadding(tokenizer)
+    if cfg.kind == "preference":  # [chosen; rejected] stacked, answers marked in completion_mask
+        try:
+            from trl.trainer.dpo_trainer import DataCollatorForPreference
+        except ImportError:
+            raise MemtrainError(TRL_MISSING) from None
+
+        return DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=cfg.max_length)
     if cfg.packing:
         return packing.PackedCollator(tokenizer.pad_token_id)
     return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)

@@ -198,8 +198,9 @@ def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:
 def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int) -> Trace:
     # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
     foreach = plan.device == "cuda"
+    rows = micro_batch * (2 if plan.cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]
     return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
-                      device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(micro_batch))
+                      device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows))
 
 
 # --------------------------------------------------------------------------------- reporting

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 
 from memtrain.config import RunConfig
 from memtrain.memory.meter import StepMemory
-from memtrain.trainer.build import build_model, build_optimizer, example_batch, step_settings
+from memtrain.trainer.build import build_model, build_optimizer, example_batch, step_loss, step_settings
 from memtrain.trainer.step import training_step
 
 
@@ -38,9 +38,11 @@ def warm_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: int 
         optimizer = build_optimizer(cfg, model)
         batch = example_batch(cfg, config, micro_batch or settings["micro_batch_size"],
                               seq_len or cfg.data.max_length, next(model.parameters()).device)
+        loss_fn = step_loss(cfg, model)
 
         def step() -> None:
-            training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
+            training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"],
+                          loss_fn=loss_fn)
 
         step()
         yield step, model, optimizer, batch

@@ -45,7 +45,7 @@ from memtrain.distributed import sharding
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
 from memtrain.model import count_parameters
-from memtrain.trainer.build import build_optimizer, example_batch, recipe_stage, step_settings
+from memtrain.trainer.build import build_optimizer, example_batch, recipe_stage, step_loss, step_settings
 from memtrain.trainer.step import hold_gradients, training_step
 
 HOST, ROUNDED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1  # extra value columns
@@ -154,6 +154,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
                 if "foreach" in group and not group.get("fused"):
                     group["foreach"] = True
         batch = example_batch(cfg, config, batch_size, seq_len, device, padded=padded)
+        loss_fn = step_loss(cfg, model)
         step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])
         _create_optimizer_state(model, optimizer)
         # With accumulation, the first micro-batch's gradients are put in place before the meter
@@ -165,7 +166,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         layers = decoder_layers(model, config.num_hidden_layers)
         meter = _TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
         with recipe_stage("model", "a training step on fake tensors"), meter:
-            training_step(*step, held_gradients=held)
+            training_step(*step, held_gradients=held, loss_fn=loss_fn)
         done = [r.detail or r.name for r in patches.records(model)]
     tracker = meter.tracker
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,

@@ -152,9 +152,10 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
     top = batch.accumulation if micro == batch.micro else dict(choices).get(micro, per_process // micro)
     pairs = [p for p in choices if p[0] < micro] + [(micro, top)]
     probe = Probe(batch, limit_bytes=limit)
-    with _probe_optimizer(trainer, cfg, model) as optimizer:
+    loss_fn = _trainer_loss(trainer, cfg)
+    with _probe_optimizer(trainer, cfg, model, loss_fn) as optimizer:
         for micro, accum in sorted(pairs, reverse=True):
-            fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), rows, limit)
+            fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), rows, limit, loss_fn)
             over = flagged_ranks(not fits, device)
             peak = largest([peak or 0], device)[0] or None  # the highest process's
             probe.tried.append((micro, not over))
@@ -171,8 +172,28 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
             f"{_where(probe, probe.tried[-1][0])}). Fix: raise `memory.budget`, shorten "
             "`data.max_length`, or save memory (`memtrain plan`).")
     set_batch(trainer, probe.batch)
+    _forget_probe_metrics(trainer)
     log.info(describe(probe, rows.longest))
     return probe
+
+
+def _trainer_loss(trainer: Any, cfg: RunConfig) -> Any:
+    """The probe's loss: the model's own, or for DPO the Trainer's ``compute_loss`` (TRL's: 2B rows
+    and the reference forward), as the training step computes it."""
+    if cfg.training.objective != "dpo":
+        return None
+    return lambda model, batch: trainer.compute_loss(model, batch)
+
+
+def _forget_probe_metrics(trainer: Any) -> None:
+    """TRL's trainers collect metrics in ``compute_loss`` (``_metrics``, the token count): the probe's
+    steps are not training steps, so what they added is dropped."""
+    metrics = getattr(trainer, "_metrics", None)
+    if isinstance(metrics, dict):
+        for values in metrics.values():
+            values.clear()
+    if hasattr(trainer, "_total_train_tokens"):
+        trainer._total_train_tokens = 0
 
 
 def set_batch(trainer: Any, batch: Batch) -> None:
@@ -187,7 +208,8 @@ def set_batch(trainer: Any, batch: Batch) -> None:
 
 
 @contextlib.contextmanager
-def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator[torch.optim.Optimizer]:
+def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module,
+                     loss_fn: Any = None) -> Iterator[torch.optim.Optimizer]:
     """The optimizer training will create, at learning rate 0, with its state; gone afterwards."""
     from memtrain.trainer.build import example_batch, recipe_stage
 
@@ -205,7 +227,7 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
         config = getattr(model, "config", None)
         tiny = example_batch(cfg, config, 1, min(8, cfg.data.max_length), _device(model))
         with recipe_stage("training.micro_batch_size", "the auto-fit probe's warm-up step"):
-            training_step(model, tiny, optimizer, skip_non_finite=True)
+            training_step(model, tiny, optimizer, skip_non_finite=True, loss_fn=loss_fn)
         yield optimizer
     finally:
         model.zero_grad(set_to_none=True)
@@ -220,7 +242,8 @@ def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module) -> Iterator
 
 
 def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, micro: int,
-              micro_batches: int, rows: Rows, limit: int | None) -> tuple[bool, int | None]:
+              micro_batches: int, rows: Rows, limit: int | None, loss_fn: Any = None
+              ) -> tuple[bool, int | None]:
     """Run the probe step: whether it fitted in this process, and its peak (None when untracked).
 
     With several processes the budget defers (:mod:`memtrain.reliability.budget`): the step runs to
@@ -239,11 +262,12 @@ def _try_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
                            defer=several) if limit is not None else contextlib.nullcontext())
     try:
         with budget:
+            sequences = micro * (2 if cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]
             inputs = example_batch(cfg, model.config, micro, rows.longest, _device(model),
-                                   padded=rows.padded(micro))  # laid out as the real longest batch
+                                   padded=rows.padded(sequences))  # laid out as the real longest batch
             training_step(model, inputs if held or micro_batches == 1 else [inputs] * 2, optimizer,
                           micro_batches, cfg.training.max_grad_norm, held_gradients=held,
-                          skip_non_finite=True)
+                          skip_non_finite=True, loss_fn=loss_fn)
             del inputs
     except torch.OutOfMemoryError as err:
         if several:  # a real allocation failure half-way: the others wait in a collective

@@ -253,7 +253,7 @@ class _Search:
                  "memory.offload.activations": False, "memory.offload.optimizer": False,
                  "memory.activation_bits": None, "memory.randomized_linear": None,
                  "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False,
-                 "memory.tiled_mlp": False, "memory.lean_norm": False}
+                 "memory.tiled_mlp": False, "memory.lean_norm": False, "training.dpo_precompute_ref": False}
         return {f: v for f, v in plain.items() if f in self.fields}
 
     def evaluate(self, cand: Candidate) -> None:

@@ -74,7 +74,8 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
     approx = cfg.memory.allow_approximate
     return {
         "model.quantization": ["none", "nf4"],
-        "adapter.method": ["full", "lora"],
+        # DPO's reference is the base with the adapter disabled: a LoRA run (config/checks.py)
+        "adapter.method": ["lora"] if cfg.training.objective == "dpo" else ["full", "lora"],
         "training.optimizer": ["adamw", "adamw_8bit"],
         "memory.checkpointing": ["none", "selective", max(1, depth // 2), "full"],
         "memory.offload.activations": [False, True],
@@ -83,10 +84,13 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
         # one process: nothing to shard; `grad_op` keeps at least what `full` keeps
         "distributed.sharding": ["none", "grad_op", "full"] if cfg.distributed.processes > 1 else ["none"],
-        "memory.loss": ["standard", "chunked"] if cfg.model.task == "causal-lm" else ["standard"],
+        # DPO's loss is TRL's tiled log-prob head, not the model's loss
+        "memory.loss": (["standard", "chunked"] if cfg.model.task == "causal-lm"
+                        and cfg.training.objective == "sft" else ["standard"]),
         "training.optimizer_in_backward": [False, True],
         "memory.tiled_mlp": [False, True],  # keeps only each MLP's input; one more MLP forward
         "memory.lean_norm": [False, True],  # keeps each norm's input and rstd; element-wise recompute
+        "training.dpo_precompute_ref": [False, True],  # no reference forward in the step
     }[path]
 
 

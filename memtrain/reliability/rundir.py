@@ -21,6 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
+from memtrain import sources
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.reliability.checkpoints import STAGING, checkpoint_dirs, usable_checkpoint, verify
@@ -145,3 +146,23 @@ def _newest_usable(out: Path) -> str | None:
         log.warning("not resuming from %s; resuming from %s, the newest complete checkpoint",
                     "; ".join(skipped), found.name)
     return str(found)
+
+
+def portable_recipe(cfg: RunConfig) -> RunConfig:
+    """The recipe with its local files (model, tokenizer, data, chat template file) as absolute
+    paths, so that the copy a run saves works from any directory; hub ids, ``pkg:`` and
+    ``builtin:`` names stay as they are."""
+    def absolute(value: str | None) -> str | None:
+        if value is None or value.startswith(("builtin:", sources.PKG_PREFIX)) or "{{" in value \
+                or "{%" in value or not sources.looks_local(value):
+            return value
+        path = Path(value).expanduser()
+        return str(path.resolve()) if path.exists() else value
+
+    data = cfg.data.model_copy(update={
+        "source": absolute(cfg.data.source), "chat_template": absolute(cfg.data.chat_template),
+        "mix": [m.model_copy(update={"source": absolute(m.source),
+                                     "chat_template": absolute(m.chat_template)}) for m in cfg.data.mix]})
+    model = cfg.model.model_copy(update={"name": absolute(cfg.model.name),
+                                         "tokenizer": absolute(cfg.model.tokenizer)})
+    return cfg.model_copy(update={"model": model, "data": data})

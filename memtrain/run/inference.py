@@ -58,7 +58,8 @@ def load_run(run_dir: str | Path, dequantize: bool = False) -> Run:
     if not (folder / RECIPE_FILE).is_file():
         raise MemtrainError(f"`RUN_DIR`: {str(folder)!r} is not a finished run (no {RECIPE_FILE}). "
                             "Fix: give the `output.dir` of a run that completed.")
-    cfg = load_recipe(folder / RECIPE_FILE)
+    # the run's own tokenizer is in the folder, and its data is not needed: only the base model
+    cfg = load_recipe(folder / RECIPE_FILE, require=("model.name",))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     adapter = (folder / ADAPTER_FILE).is_file()
     if adapter:
@@ -123,12 +124,13 @@ def merge(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 def format_prompt(run: Run, prompt: str | list[dict[str, str]], extra: str = "") -> list[int]:
     """Token ids of a prompt, written the way the run's training data was.
 
-    Chat data: the chat template with the generation prompt (``prompt`` may be a whole message
-    list); alpaca: ``alpaca_template`` with ``extra`` as the input (``alpaca_template_no_input``
-    without one); completion: ``completion_template``; text: the prompt as it is.
+    Chat data (and conversational preference pairs): the chat template with the generation prompt
+    (``prompt`` may be a whole message list); alpaca: ``alpaca_template`` with ``extra`` as the
+    input (``alpaca_template_no_input`` without one); completion: ``completion_template``; text
+    and plain preference pairs: the prompt as it is.
     """
     tok, data = run.tokenizer, run.cfg.data
-    if data.kind in CHAT_FORMATS:
+    if data.kind in CHAT_FORMATS or (data.kind == "preference" and tok.chat_template):  # conversational pairs
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(tok(text, add_special_tokens=False)["input_ids"])
@@ -215,4 +217,10 @@ def read_texts(run: Run, file: str | Path) -> list[str]:
         raise MemtrainError(f"`FILE`: {str(file)!r} has no column {data.text_column!r} (the run's "
                             f"`data.text_column`); it has: {', '.join(ds.column_names)}. Fix: name "
                             "the column like the training data's.")
-    return [str(t) for t in ds[data.text_column]]
+    texts = ds[data.text_column]
+    empty = [i + 1 for i, t in enumerate(texts) if t is None]  # a null, or an empty CSV cell
+    if empty:
+        shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise MemtrainError(f"`FILE`: {str(file)!r} has no text in column {data.text_column!r} in row "
+                            f"{shown} (counting from 1). Fix: fill those rows in or remove them.")
+    return [str(t) for t in texts]

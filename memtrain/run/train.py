@@ -116,9 +116,14 @@ def train(cfg: RunConfig, console: Console | None = None,
         guards.insert(0, SimulatedBudgetCallback(cfg.memory.simulate_budget))
     with GracefulStop() as stop:
         stopper = StopOnSignal(stop)
-        trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out),
-                                [*guards, stopper, *(callbacks or [])],
-                                fsdp_plugin=distributed.fsdp_plugin(model, cfg))
+        every = [*guards, stopper, *(callbacks or [])]
+        if cfg.training.objective == "dpo":  # TRL's DPOTrainer behind memtrain's (one process)
+            from memtrain.trainer.preference import build_dpo_trainer
+
+            trainer = build_dpo_trainer(cfg, model, tokenizer, data, batch, str(out), every)
+        else:
+            trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), every,
+                                    fsdp_plugin=distributed.fsdp_plugin(model, cfg))
         meter.attach(trainer)  # ahead of the reporting integrations: they log its memory entries
         if choices:
             batch = _confirm_batch(trainer, cfg, batch, choices, console, rows)
@@ -260,7 +265,7 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
         if cfg.output.save_model:
             trainer.save_model(str(staging))
         tokenizer.save_pretrained(str(staging))
-        (staging / RECIPE_FILE).write_text(dump_recipe(cfg), encoding="utf-8")
+        (staging / RECIPE_FILE).write_text(dump_recipe(rundir.portable_recipe(cfg)), encoding="utf-8")
         (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True), encoding="utf-8")
         if label_names:  # an adapter folder does not keep the base config's id2label
             (staging / LABELS_FILE).write_text(json.dumps(label_names), encoding="utf-8")

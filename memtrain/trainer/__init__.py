@@ -2,6 +2,8 @@
 
 - :mod:`~memtrain.trainer.trainer` — :class:`~memtrain.trainer.trainer.MemtrainTrainer` and
   ``TrainingArguments`` from a recipe;
+- :mod:`~memtrain.trainer.preference` — ``training.objective: dpo``: TRL's ``DPOTrainer`` behind
+  ``MemtrainTrainer``, and its loss for the estimator's step;
 - :mod:`~memtrain.trainer.build` — the real model (loaded, patched), the Trainer's optimizer and the
   worst-case example batch: training, estimation and measurement all build here;
 - :mod:`~memtrain.trainer.step` — the one optimizer step every estimate, measurement and probe

@@ -30,7 +30,7 @@ from memtrain.errors import MemtrainError
 from memtrain.model import load_model
 
 __all__ = ["BuildError", "apply_patches", "build_model", "build_optimizer", "example_batch",
-           "optimizer_arguments_for", "recipe_stage", "step_settings"]
+           "optimizer_arguments_for", "recipe_stage", "step_loss", "step_settings"]
 
 
 
@@ -147,6 +147,12 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
     ones, and transformers takes the unmasked (causal-only) attention path.
     """
     generator = torch.Generator().manual_seed(0) if torch.device(device).type == "cpu" else None
+    if cfg.training.objective == "dpo":
+        batch = _pairs_batch(config, batch_size, seq_len, device, padded, generator)
+        if cfg.training.dpo_precompute_ref is True:  # the reference log-probs, one per sequence
+            for key in ("ref_chosen_logps", "ref_rejected_logps"):
+                batch[key] = torch.zeros(batch_size, device=device)
+        return batch
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=generator,
                         device=device)
     if cfg.model.task == "sequence-classification":
@@ -168,6 +174,32 @@ def example_batch(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq
                 labels[-1, -1] = -100
         batch["attention_mask"] = mask
     return batch
+
+
+def _pairs_batch(config: PretrainedConfig, pairs: int, seq_len: int, device: torch.device | str,
+                 padded: bool, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """TRL's ``DataCollatorForPreference`` layout: ``[chosen; rejected]``, 2 x ``pairs`` rows of
+    ``seq_len`` tokens, answers marked in ``completion_mask`` (all but the first token: the most
+    positions TRL's log-probability head can score), one padded token when ``padded``."""
+    ids = torch.randint(0, config.vocab_size, (2 * pairs, seq_len), generator=generator, device=device)
+    mask = torch.ones_like(ids)
+    completion = torch.ones_like(ids)
+    completion[:, :1] = 0
+    if padded and seq_len > 1:
+        mask[-1, -1] = 0
+        completion[-1, -1] = 0
+    return {"input_ids": ids, "attention_mask": mask, "completion_mask": completion}
+
+
+def step_loss(cfg: RunConfig, model: nn.Module) -> Any:
+    """The ``loss_fn`` of :func:`memtrain.trainer.step.training_step` for this recipe: None (the
+    model's own loss) or, for ``training.objective: dpo``, TRL's DPO loss
+    (:func:`memtrain.trainer.preference.reference_step`; it adds TRL's head to ``model``)."""
+    if cfg.training.objective != "dpo":
+        return None
+    from memtrain.trainer.preference import reference_step
+
+    return reference_step(cfg, model)
 
 
 def step_settings(cfg: RunConfig) -> dict[str, Any]:

@@ -16,7 +16,7 @@ it imports from memtrain.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -25,11 +25,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memtrain.memory.meter import MemoryMeter, StepMemory
 
 Batch = Mapping[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 
 def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer: torch.optim.Optimizer,
                   accumulation: int | None = None, max_grad_norm: float | None = None, *,
-                  held_gradients: bool = False, skip_non_finite: bool = False) -> None:
+                  held_gradients: bool = False, skip_non_finite: bool = False,
+                  loss_fn: LossFn | None = None) -> None:
     """One optimizer step: forward + backward per micro-batch, clipping, the update, zero_grad.
 
     Args:
@@ -47,6 +49,9 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
             run two micro-batches instead.
         skip_non_finite: zero the gradients if any is not finite before the update (a probe at
             learning rate 0 must leave the weights unchanged: 0 x NaN is NaN).
+        loss_fn: ``loss_fn(model, batch)`` is a micro-batch's loss where the Trainer's
+            ``compute_loss`` is not the model's own (``training.objective: dpo``:
+            :func:`memtrain.trainer.build.step_loss`); None: ``model(**batch).loss``.
     """
     single = isinstance(batches, Mapping)
     steps = accumulation or (1 if single else len(batches))
@@ -54,7 +59,7 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
     model.train()
     for i, batch in enumerate(runs):
         with _gradient_sync(model, i == len(runs) - 1):
-            loss = model(**batch).loss
+            loss = model(**batch).loss if loss_fn is None else loss_fn(model, batch)
             if steps > 1:
                 loss = loss / steps
             loss.backward()

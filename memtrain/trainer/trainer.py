@@ -48,13 +48,18 @@ OPTIMIZERS: dict[str, tuple[str, str | None]] = {
 
 def training_arguments(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: bool) -> TrainingArguments:
     """TrainingArguments for a resolved recipe (no `auto` left)."""
+    return TrainingArguments(**argument_values(cfg, batch, output_dir, has_eval))
+
+
+def argument_values(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: bool) -> dict[str, Any]:
+    """The values of :func:`training_arguments` (also those of TRL's configs, which extend them)."""
     t = cfg.training
     cuda = cuda_available()
     if cfg.model.dtype == "fp16" and not cuda:
         raise MemtrainError("`model.dtype`: fp16 training needs a CUDA GPU. Fix: use `bf16` or `fp32` "
                             "on this machine.")
     eval_strategy = "no" if not has_eval else ("steps" if t.eval_steps else "epoch")
-    return TrainingArguments(
+    return dict(
         output_dir=output_dir,
         per_device_train_batch_size=batch.micro,
         per_device_eval_batch_size=batch.micro,
@@ -107,7 +112,7 @@ def compute_accuracy(pred: EvalPrediction) -> dict[str, float]:
 def add_derived_metrics(metrics: dict[str, float], cfg: RunConfig, data: PreparedData) -> dict[str, float]:
     """Perplexity for causal LM, the majority-class baseline for classification."""
     out = dict(metrics)
-    if cfg.model.task == "causal-lm" and "eval_loss" in out:
+    if cfg.model.task == "causal-lm" and cfg.training.objective == "sft" and "eval_loss" in out:
         out["eval_perplexity"] = math.exp(min(out["eval_loss"], 50.0))
     if cfg.model.task == "sequence-classification" and data.eval is not None:
         labels = np.asarray(data.eval["labels"])

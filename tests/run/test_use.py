@@ -172,3 +172,17 @@ def test_the_documented_examples_train_and_generate(kind: str, tmp_path: Path) -
     assert json.loads((run_dir / "metrics.json").read_text())["eval_loss"] > 0
     result = cli.invoke(app, ["generate", str(run_dir), "Who wrote Hamlet?", "--max-new-tokens", "3"])
     assert result.exit_code == 0, result.output
+
+
+def test_predict_refuses_rows_without_text(classifier_run: Path, tmp_path: Path) -> None:
+    """A null, a missing key or an empty CSV cell is no text: the command names the rows and exits 2
+    (it used to classify the string "None")."""
+    texts = tmp_path / "holes.jsonl"
+    texts.write_text("\n".join(json.dumps(r) for r in [{"text": "a cat"}, {"text": None}, {"other": 1}]))
+    result = cli.invoke(app, ["predict", str(classifier_run), str(texts)])
+    assert result.exit_code == 2, result.output
+    assert "row 2, 3" in result.output and "'text'" in result.output and "None" not in result.output
+    cells = tmp_path / "holes.csv"
+    cells.write_text("text\na dog\n\"\"\n")
+    result = cli.invoke(app, ["predict", str(classifier_run), str(cells)])
+    assert result.exit_code == 2 and "row 2" in result.output, result.output

@@ -1,0 +1,185 @@
+"""``training.objective: dpo``: TRL's ``DPOTrainer`` with everything ``MemtrainTrainer`` adds.
+
+The loss, the reference forward, the tiled log-probability head and the reward metrics are TRL's
+(``trl.DPOTrainer``, a well-kept library: nothing of DPO is re-implemented here).
+:class:`MemtrainDPOTrainer` puts :class:`~memtrain.trainer.trainer.MemtrainTrainer` in front of it
+in the method order, so a DPO run has the same out-of-memory recovery (which splits
+``[chosen; rejected]`` batches by pairs: :mod:`memtrain.reliability.layouts`), NaN guard,
+checkpoint writer, optimizer offload and memory callbacks as any other run.
+
+Two things differ from a stock ``DPOTrainer`` call:
+
+- the data arrives tokenized by memtrain (:mod:`memtrain.data.preference`: one masking rule for
+  every format), so TRL's own tokenization is skipped;
+- with LoRA the model arrives as memtrain's ``PeftModel``. Given a ``PeftModel`` TRL adds a second
+  adapter, ``ref``, a copy of the (fresh, zero-effect) trained one, and runs the reference through
+  it; memtrain removes it again, so the reference is the base model with the adapter disabled
+  (TRL's ``use_adapter(model, None)``), as TRL does for a ``peft_config``: no second copy of
+  anything, and the reference forward is the base model's.
+
+:func:`reference_step` is the same loss for the estimator's traced step
+(:mod:`memtrain.trainer.step`): TRL's ``_compute_loss`` on a trainer that holds only what that
+method reads, on fake tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from memtrain.config import RunConfig
+from memtrain.config.batch import Batch
+from memtrain.errors import TRL_MISSING, MemtrainError
+from memtrain.trainer.trainer import MemtrainTrainer, argument_values, trainer_options
+
+try:
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+except ImportError:  # an optional dependency (memtrain[dpo])
+    raise MemtrainError(TRL_MISSING) from None
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from memtrain.data.prepare import PreparedData
+
+# What DPOTrainer asks its fused head for (DPOTrainer.__init__: the metrics' per-token fields)
+HEAD_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+
+
+class MemtrainDPOTrainer(MemtrainTrainer, DPOTrainer):
+    """TRL's DPOTrainer behind memtrain's recovery, guards and checkpoints (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        model = self.model
+        if hasattr(model, "peft_config") and "ref" in model.peft_config:
+            model.delete_adapter("ref")  # the reference is the base model: adapter disabled
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        if "chosen_ids" in getattr(dataset, "column_names", []):
+            return dataset  # tokenized by memtrain.data.preference
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+
+def dpo_arguments(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: bool) -> DPOConfig:
+    """TRL's DPOConfig: memtrain's TrainingArguments plus the DPO settings of the recipe."""
+    values = argument_values(cfg, batch, output_dir, has_eval)
+    values["label_names"] = []  # pairs carry no labels; DPOTrainer's prediction_step computes the loss
+    return DPOConfig(**values, **dpo_settings(cfg))
+
+
+def dpo_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The DPOConfig fields a recipe sets (the rest keep TRL's defaults)."""
+    return {
+        "beta": cfg.training.dpo_beta,
+        "loss_type": [cfg.training.dpo_loss],
+        "max_length": cfg.data.max_length,
+        # TRL's configs default to bf16 autocast and to transformers' gradient checkpointing;
+        # memtrain trains in the weights' dtype and checkpoints as `memory.checkpointing` says
+        "bf16": cfg.model.dtype == "bf16" and torch.cuda.is_available(),
+        "gradient_checkpointing": False,
+        "precompute_ref_log_probs": precompute_ref(cfg),
+        "pad_to_multiple_of": None,
+    }
+
+
+def precompute_ref(cfg: RunConfig) -> bool:
+    """``training.dpo_precompute_ref``, decided (the planner fills `auto`)."""
+    value = cfg.training.dpo_precompute_ref
+    if value == "auto":
+        raise MemtrainError("`training.dpo_precompute_ref` is `auto`: run the planner first (`memtrain "
+                            "plan`, or set `memory.budget`), or set it to true or false.")
+    return bool(value)
+
+
+def build_dpo_trainer(cfg: RunConfig, model: nn.Module, tokenizer: Any, data: PreparedData, batch: Batch,
+                      output_dir: str, callbacks: list[TrainerCallback] | None = None) -> MemtrainDPOTrainer:
+    """A ready-to-train DPO Trainer for a resolved recipe with ``training.objective: dpo``."""
+    args = dpo_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
+    return MemtrainDPOTrainer(
+        **trainer_options(cfg),
+        model=model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=data.eval,
+        data_collator=data.collator,
+        processing_class=tokenizer,
+        callbacks=callbacks or [],
+    )
+
+
+# ------------------------------------------------------------------------ the estimator's step
+
+
+class _Accelerator:
+    """What ``DPOTrainer._compute_loss`` asks of accelerate in one process."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @staticmethod
+    def unwrap_model(model: nn.Module) -> nn.Module:
+        return model
+
+    @staticmethod
+    def gather_for_metrics(value: Any) -> Any:
+        return value
+
+    gather = gather_for_metrics
+
+
+def reference_step(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """The loss of a DPO step as the Trainer computes it, for :func:`memtrain.trainer.step.training_step`.
+
+    Adds TRL's fused log-probability head to ``model`` (as ``DPOTrainer.__init__`` does) and returns
+    ``loss(model, batch)``: ``DPOTrainer._compute_loss`` itself, bound to an object holding the
+    attributes that method reads, set from the recipe as ``DPOTrainer.__init__`` sets them from
+    ``DPOConfig``. Its metrics read numbers (``.item()``): on fake tensors they read 0
+    (:func:`scalars_as_zero`).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, outputs=HEAD_OUTPUTS)
+    settings = dpo_settings(cfg)
+    trainer = DPOTrainer.__new__(DPOTrainer)
+    trainer.model, trainer.ref_model = model, None
+    trainer.args = SimpleNamespace(gradient_checkpointing_kwargs=None)
+    trainer.accelerator = _Accelerator(next(model.parameters()).device)
+    trainer.beta, trainer.loss_types = settings["beta"], settings["loss_type"]
+    trainer.loss_weights = [1.0] * len(trainer.loss_types)
+    trainer.precompute_ref_logps = settings["precompute_ref_log_probs"]
+    trainer.ld_alpha, trainer.f_divergence_type, trainer.label_smoothing = None, "reverse_kl", 0.0
+    trainer.use_weighting, trainer.aux_loss_enabled, trainer._tp_size = False, False, 1
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer._total_train_tokens = 0
+
+    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with scalars_as_zero():
+            return DPOTrainer._compute_loss(trainer, model, batch, return_outputs=False)
+
+    return loss
+
+
+@contextlib.contextmanager
+def scalars_as_zero() -> Iterator[None]:
+    """A number read from a fake tensor (a metric's ``.item()``, ``if total_tokens > 0``) reads 0
+    instead of raising: metrics are logged, never used for memory; real tensors are unaffected."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def zero(self: torch.Tensor) -> Any:
+        return False if self.dtype == torch.bool else 0
+
+    added = [name for name in ("item", "__bool__") if name not in FakeTensor.__dict__]
+    for name in added:
+        setattr(FakeTensor, name, zero)
+    try:
+        yield
+    finally:
+        for name in added:
+            delattr(FakeTensor, name)
