@@ -140,7 +140,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
-    fake = fake_tensor_mode(packed=cfg.data.packing, padded=padded)
+    # TRL's DPO loss reads metric values into Python (.item(), `if count > 0`); they answer 1.
+    fake = fake_tensor_mode(packed=cfg.data.packing, padded=padded, scalars=cfg.training.objective == "dpo")
     with _process_group(cfg, device) as mesh, fake, _default_device(device), _quiet():
         model = build_fake_model(cfg, config)
         total, trainable = count_parameters(model)  # before sharding: 4-bit weights lose their marks

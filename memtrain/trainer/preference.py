@@ -24,9 +24,8 @@ method reads, on fake tensors.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -141,8 +140,8 @@ def reference_step(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module, Any
     Adds TRL's fused log-probability head to ``model`` (as ``DPOTrainer.__init__`` does) and returns
     ``loss(model, batch)``: ``DPOTrainer._compute_loss`` itself, bound to an object holding the
     attributes that method reads, set from the recipe as ``DPOTrainer.__init__`` sets them from
-    ``DPOConfig``. Its metrics read numbers (``.item()``): on fake tensors they read 0
-    (:func:`scalars_as_zero`).
+    ``DPOConfig``. Its metrics read numbers (``.item()``): traced on fake tensors, the estimator's
+    ``fake_tensor_mode(scalars=True)`` answers them.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     add_fused_lm_head(base, outputs=HEAD_OUTPUTS)
@@ -160,26 +159,6 @@ def reference_step(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module, Any
     trainer._total_train_tokens = 0
 
     def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with scalars_as_zero():
-            return DPOTrainer._compute_loss(trainer, model, batch, return_outputs=False)
+        return DPOTrainer._compute_loss(trainer, model, batch, return_outputs=False)
 
     return loss
-
-
-@contextlib.contextmanager
-def scalars_as_zero() -> Iterator[None]:
-    """A number read from a fake tensor (a metric's ``.item()``, ``if total_tokens > 0``) reads 0
-    instead of raising: metrics are logged, never used for memory; real tensors are unaffected."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def zero(self: torch.Tensor) -> Any:
-        return False if self.dtype == torch.bool else 0
-
-    added = [name for name in ("item", "__bool__") if name not in FakeTensor.__dict__]
-    for name in added:
-        setattr(FakeTensor, name, zero)
-    try:
-        yield
-    finally:
-        for name in added:
-            delattr(FakeTensor, name)
