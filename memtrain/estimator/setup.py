@@ -41,8 +41,9 @@ class TraceSetup:
 
 NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
                 "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
-                "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear",
-                "memory.loss", "training.optimizer_in_backward", "memory.tiled_mlp", "memory.lean_norm")
+                "memory.offload.optimizer", "memory.offload.embeddings", "memory.activation_bits",
+                "memory.randomized_linear", "memory.loss", "training.optimizer_in_backward",
+                "memory.tiled_mlp", "memory.lean_norm")
 
 
 def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
