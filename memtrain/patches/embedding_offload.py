@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.config import RunConfig
 from memtrain.device import keep_on_host, kept_on_host
@@ -113,8 +114,9 @@ def apply(model: nn.Module, cfg: Config | None = None) -> nn.Module:
         raise MemtrainError(f"`{FIELD}`: this model's embedding is already offloaded. Fix: apply it "
                             "once (call `undo` first).")
     device = weight.device
-    if device.type != "cpu":  # a GPU: move the table to pinned host memory
-        weight.data = weight.data.to("cpu").pin_memory()
+    if device.type != "cpu":  # a GPU: move the table to (pinned) host memory
+        moved = weight.data.to("cpu")
+        weight.data = moved if is_fake(moved) else moved.pin_memory()
     keep_on_host(weight)
     undo_forward = wrap_forward(table, lambda forward: _host_lookup(forward, table))
     table._apply = lambda fn, recurse=True: table  # type: ignore[method-assign]  # model.to() skips it
@@ -146,4 +148,8 @@ def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
                             "to true or false.")
     if setting is not True:
         return None
+    if cfg.distributed.processes > 1:
+        raise MemtrainError(f"`{FIELD}`: with several processes FSDP2 shards every weight of the model on "
+                            "the devices, and a table in host memory cannot be sharded. Fix: set "
+                            f"`{FIELD}: false` (sharding already splits the table across processes).")
     return apply(model, Config())

@@ -80,7 +80,8 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "memory.checkpointing": ["none", "selective", max(1, depth // 2), "full"],
         "memory.offload.activations": [False, True],
         "memory.offload.optimizer": [False, True] if cfg.distributed.processes == 1 else [False],
-        "memory.offload.embeddings": [False, True],  # the frozen input table on the host
+        # the frozen input table on the host (one process: FSDP2 shards it instead)
+        "memory.offload.embeddings": [False, True] if cfg.distributed.processes == 1 else [False],
         "memory.activation_bits": [None, 3] if approx else [None],
         "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
         # one process: nothing to shard; `grad_op` keeps at least what `full` keeps
