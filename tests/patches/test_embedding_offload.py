@@ -108,3 +108,10 @@ def test_full_fine_tuning_with_it_is_a_build_error_naming_the_field(tmp_path: Pa
     data["memory"]["offload"]["embeddings"] = "sometimes"
     with pytest.raises(MemtrainError, match=r"memory\.offload\.embeddings"):
         load_recipe(data)
+
+
+def test_several_processes_are_refused_naming_the_field(tmp_path: Path, tiny_text_file: Path) -> None:
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, distributed={"processes": 2},
+                                    memory={"offload": {"embeddings": True}}))
+    with pytest.raises(MemtrainError, match=r"memory\.offload\.embeddings.*several processes"):
+        emb._from_recipe(frozen_table(build_model(layers=1)), cfg)
