@@ -47,6 +47,9 @@ bug in what it counts is shared by both sides of those tests; here only the esti
     (``llama-activation-offload``) 1,122,296 above on the device, ``chunked_loss`` (the Qwen2 case)
     33,800 below. The meter-vs-estimate tests of each technique fail too: the real model they
     measure has the patch.
+(d) ``memory/meter.py``: parameters a patch keeps on the host (``memory.offload.embeddings``) filed
+    as device memory: ``llama-embedding-offload`` fails (the device estimate above the count less
+    the table by the table's 7,813,632 bytes).
 """
 
 from __future__ import annotations
