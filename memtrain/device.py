@@ -9,6 +9,9 @@ tensor bytes: :class:`AllocatorBudget` caps the allocator (``set_per_process_mem
 that a step over the budget raises the real ``torch.OutOfMemoryError`` at the allocation that
 crosses it, and reports the allocator's reserved peak. On a CPU there is no allocator to ask: budgets
 there are enforced on live tensor bytes (:class:`memtrain.reliability.budget.SimulatedBudget`).
+
+Host RAM is asked here too (:func:`host_free_bytes`, :func:`host_budget_bytes`): offloaded
+activations, an offloaded optimizer and offloaded embeddings live there, under ``memory.host_budget``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from memtrain.units import parse_size
 
 
 def cuda_available() -> bool:
@@ -39,6 +44,53 @@ def device_type() -> str:
     return compute_device().type
 
 
+def host_free_bytes() -> int:
+    """Host RAM available to new allocations without swapping: psutil's ``available``, else the
+    kernel's own estimate (``MemAvailable`` in /proc/meminfo)."""
+    try:
+        import psutil
+    except ImportError:  # psutil is a dependency; a stripped environment still has /proc
+        return _meminfo_available()
+    return int(psutil.virtual_memory().available)
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int:
+    with open(path, encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    raise OSError(f"{path} has no MemAvailable line: cannot tell the free host RAM")
+
+
+def host_budget_bytes(setting: str) -> int:
+    """``memory.host_budget`` in bytes: ``auto`` is the host RAM free now (:func:`host_free_bytes`)."""
+    return host_free_bytes() if setting == "auto" else parse_size(setting)
+
+
+_ON_HOST = "_memtrain_on_host"  # set on a parameter that a patch keeps in host memory
+
+
+def keep_on_host(param: nn.Parameter, kept: bool = True) -> None:
+    """Mark ``param`` as kept in host memory on purpose (``memory.offload.embeddings``): the memory
+    meter counts it as host bytes, and :func:`model_device` looks past it. ``kept=False`` unmarks."""
+    if kept:
+        setattr(param, _ON_HOST, True)
+    else:
+        param.__dict__.pop(_ON_HOST, None)
+
+
+def kept_on_host(tensor: torch.Tensor) -> bool:
+    """Was ``tensor`` marked by :func:`keep_on_host`?"""
+    return bool(getattr(tensor, _ON_HOST, False))
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: the device of its first parameter not kept on the host (CPU for
+    a model without parameters)."""
+    first = next((p for p in model.parameters() if not kept_on_host(p)), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def place(model: nn.Module, device: torch.device | None = None) -> nn.Module:
     """Move a model to the compute device, as the Trainer does before training.
 
@@ -48,7 +100,7 @@ def place(model: nn.Module, device: torch.device | None = None) -> nn.Module:
     device = device or compute_device()
     if getattr(model, "hf_device_map", None) or device.type == "cpu":
         return model
-    first = next(model.parameters(), None)
+    first = next((p for p in model.parameters() if not kept_on_host(p)), None)
     if first is not None and first.device != device:
         model.to(device)
     return model

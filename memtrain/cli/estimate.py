@@ -34,17 +34,23 @@ def estimate(
     plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curves to this PNG.")] = None,
 ) -> None:
     """Predict peak memory by category and phase, without loading weights or using the network."""
+    from memtrain.config import load_recipe
     from memtrain.estimator import estimate as est
+    from memtrain.reliability.budget import HostBudget
 
     _check_device(device)
     _check_plot(plot, sweep)
-    result = est.estimate(recipe, overrides or [], device=device, exact=exact)
-    curves = est.sweep(recipe, overrides or [], device=device) if sweep else None
+    cfg = load_recipe(recipe, overrides or [])
+    result = est.estimate(cfg, device=device, exact=exact)
+    host = HostBudget.of(cfg.memory)
+    curves = est.sweep(cfg, device=device) if sweep else None
     if as_json:
-        out = result.to_dict() | ({"sweep": curves.to_dict()} if curves else {})
+        out = result.to_dict() | {"host_budget": host.setting, "host_budget_bytes": host.total,
+                                  "host_usable_bytes": host.usable}
+        out |= {"sweep": curves.to_dict()} if curves else {}
         console.print_json(json.dumps(out))
     else:
-        _print_estimate(result)
+        _print_estimate(result, host)
         if curves:
             _print_sweep(curves)
     if curves and plot:
@@ -89,7 +95,7 @@ def _yaml_value(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _print_estimate(result: Any) -> None:
+def _print_estimate(result: Any, host: Any) -> None:
     from memtrain.units import format_bytes as fmt
 
     s = result.settings
@@ -114,7 +120,12 @@ def _print_estimate(result: Any) -> None:
     if result.host_peak_bytes:
         lines.add_row("host (offloaded tensors)", fmt(result.host_peak_bytes), "separate from the device"
                       if result.device != "cpu" else "the same RAM: in the total (host_offload)")
+        lines.add_row("host budget", fmt(host.usable), f"`memory.host_budget` {host.setting} = "
+                      f"{fmt(host.total)} less the {host.margin:.0%} margin")
     console.print(lines)
+    if not host.fits(result.host_peak_bytes):
+        console.print(f"[bold red]does not fit the host:[/] {host.shortfall(result.host_peak_bytes)}",
+                      highlight=False)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(f"estimated in {result.seconds:.1f} s", style="dim")

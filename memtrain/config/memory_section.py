@@ -23,6 +23,14 @@ class OffloadConfig(Section):
     optimizer: bool | Auto = Field(
         False, description="Keep optimizer state (and run the optimizer step) on the CPU."
     )
+    embeddings: bool | Auto = Field(
+        False,
+        description="Keep the frozen input embedding table in host memory: the lookup gathers the "
+        "batch's rows on the host and moves only (batch, tokens, hidden) to the device. Saves the "
+        "table on the device (1 GiB for Llama-3.1-8B in bf16), costs host RAM for it and one "
+        "host-to-device copy of the looked-up rows per micro-batch. Needs a frozen embedding not "
+        "tied to the output head (LoRA, QLoRA). `auto`: the planner decides.",
+    )
     parameters: bool = Field(
         False, description="With several processes (FSDP): keep sharded parameters on the CPU."
     )
@@ -64,6 +72,12 @@ class MemoryConfig(Section):
         None,
         description="Memory the run may use per device, like `24GiB`, or `auto` (the device's "
         "free memory; on CPU the available RAM). null = no budget, nothing is planned.",
+    )
+    host_budget: str = Field(
+        "auto",
+        description="Host RAM the run may use for what it keeps there (offloaded activations, "
+        "optimizer state and embeddings), like `256GiB`, or `auto` (the host RAM free when "
+        "planning). Plans whose host bytes exceed it less `margin` are rejected.",
     )
     margin: Annotated[float | Auto, FractionOr] = Field(
         "auto",
@@ -132,15 +146,17 @@ class MemoryConfig(Section):
         "instead of peft's fp32 upcast (`prepare_model_for_kbit_training`). LoRA weights stay fp32.",
     )
 
-    @field_validator("budget", "simulate_budget")
+    @field_validator("budget", "simulate_budget", "host_budget")
     @classmethod
     def _size(cls, v: str | None) -> str | None:
         if v is None or v == "auto":
             return v
         try:
-            parse_size(v)
+            size = parse_size(v)
         except ValueError:
             raise ValueError("must look like '24GiB', '512MiB' or 'auto'") from None
+        if size <= 0:
+            raise ValueError("must be more than 0 bytes, like '24GiB', or 'auto'")
         return v
 
     @property

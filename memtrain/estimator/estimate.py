@@ -67,6 +67,7 @@ class Estimate:
     by_phase: dict[str, int]  # peak of each phase
     category_at_phase_peak: dict[str, dict[str, int]]
     host_peak_bytes: int  # offloaded tensors in host memory
+    host_resident_bytes: int  # of those, what stays on the host all step (weights, optimizer state)
     overheads: dict[str, int]  # named lines on top of tensors (CUDA; on CPU only host_offload)
     overhead_sources: dict[str, str]
     total_bytes: int
@@ -241,6 +242,7 @@ def summarize(plan: TraceSetup, cands: Candidates, counts: Counts, method: str,
         model=plan.label, device=plan.device, settings=settings, parameters=counts[0],
         trainable=counts[1], peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
         category_at_phase_peak=at_phase, host_peak_bytes=int(values[:, HOST].max()),
+        host_resident_bytes=int(values[:, HOST].min()),
         overheads=overheads, overhead_sources=sources, total_bytes=peak + sum(overheads.values()),
         method=method, notes=list(plan.notes), seconds=round(seconds, 3), work=counts[3],
     )

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from memtrain.config import RunConfig
+from memtrain.device import model_device
 from memtrain.memory.meter import StepMemory
 from memtrain.trainer.build import build_model, build_optimizer, example_batch, step_loss, step_settings
 from memtrain.trainer.step import training_step
@@ -37,7 +38,7 @@ def warm_recipe_step(cfg: RunConfig, config: PretrainedConfig, micro_batch: int 
         model = place(build_model(cfg, config.num_labels, config.pad_token_id))
         optimizer = build_optimizer(cfg, model)
         batch = example_batch(cfg, config, micro_batch or settings["micro_batch_size"],
-                              seq_len or cfg.data.max_length, next(model.parameters()).device)
+                              seq_len or cfg.data.max_length, model_device(model))
         loss_fn = step_loss(cfg, model)
 
         def step() -> None:
@@ -81,7 +82,7 @@ def time_recipe_step(cfg: RunConfig, steps: int = 2) -> float:
     config, _ = resolve_config(cfg.model)
     torch.manual_seed(cfg.training.seed)
     with warm_recipe_step(cfg, config) as (step, model, _optimizer, _batch):
-        device = next(model.parameters()).device
+        device = model_device(model)
         times = []
         for _ in range(steps):
             synchronize(device)

@@ -41,8 +41,9 @@ class TraceSetup:
 
 NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
                 "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
-                "memory.offload.optimizer", "memory.activation_bits", "memory.randomized_linear",
-                "memory.loss", "training.optimizer_in_backward", "memory.tiled_mlp", "memory.lean_norm",
+                "memory.offload.optimizer", "memory.offload.embeddings", "memory.activation_bits",
+                "memory.randomized_linear", "memory.loss", "training.optimizer_in_backward",
+                "memory.tiled_mlp", "memory.lean_norm",
                 "training.dpo_precompute_ref")
 
 
@@ -76,8 +77,8 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
                      "int8 layers follow their CPU path")
     notes += _process_notes(cfg)
     if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
-        notes.append("optimizer offload copies nothing on a CPU trace: its state is counted on the "
-                     "device (an upper bound for the GPU)")
+        notes.append("optimizer offload traced with synchronous copies (its CPU mode): the state and "
+                     "the host copies of parameters and gradients are counted as host memory")
     if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.parameters:
         notes.append("parameter offload copies nothing on a CPU trace: the shards, their gradients and "
                      "optimizer state are counted on the device (an upper bound for the GPU)")

@@ -34,6 +34,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 
+from memtrain.device import kept_on_host, model_device
 from memtrain.memory.quantized import quantization_state_tensors
 from memtrain.memory.trackers import (
     _HOST_ON_CPU,
@@ -117,6 +118,11 @@ class MemoryMeter:
         for tensor in _host_tensors(self._external):  # an offloaded optimizer's host copies
             self._tracker._update_and_maybe_create_winfos(tensor, _MemRefType.OPT)
             self._tracker.move_to_host(tensor)
+        for obj in self._external:  # weights a patch keeps in host memory (offloaded embeddings)
+            if isinstance(obj, nn.Module):
+                for param in obj.parameters():
+                    if kept_on_host(param):
+                        self._tracker.move_to_host(param)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -186,8 +192,7 @@ def _compute_device(model: nn.Module | None) -> torch.device:
     device of its first parameter."""
     if isinstance(model, FSDPModule):
         return model._get_fsdp_state()._device
-    first = next(model.parameters(), None) if model is not None else None
-    return first.device if first is not None else torch.device("cpu")
+    return model_device(model) if model is not None else torch.device("cpu")
 
 
 def _canonical(device: torch.device) -> torch.device:

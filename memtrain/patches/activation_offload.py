@@ -29,13 +29,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 from memtrain.config import OffloadConfig, RunConfig, decided
 from memtrain.config.batch import resolve_batch
+from memtrain.device import host_budget_bytes, host_free_bytes, model_device
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
 from memtrain.patches import OFFLOAD, PatchRecord, add_records, register, undo_records
@@ -284,7 +284,7 @@ def estimate_offloaded_bytes(model: nn.Module, batch_size: int, seq_len: int) ->
     try:
         model.train()
         with FakeTensorMode(allow_non_fake_inputs=True):
-            device = next(model.parameters()).device
+            device = model_device(model)
             ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
             model(input_ids=ids, attention_mask=torch.ones_like(ids))
         return hooks.dry_run_bytes
@@ -294,13 +294,15 @@ def estimate_offloaded_bytes(model: nn.Module, batch_size: int, seq_len: int) ->
 
 
 def check_host_ram(model: nn.Module, batch_size: int, seq_len: int,
-                   available: int | None = None) -> int:
+                   available: int | None = None, field: str = "host RAM") -> int:
     """Refuse to train when host RAM cannot hold one micro-batch of offloaded activations.
 
     Args:
         model: a model patched by :func:`apply`.
         batch_size, seq_len: the micro-batch shape (the longest sequences the data allows).
-        available: host bytes available (default: ``psutil.virtual_memory().available``).
+        available: host bytes the run may use (default: the free host RAM,
+            :func:`memtrain.device.host_free_bytes`).
+        field: what ``available`` is, named in the error (``memory.host_budget``).
 
     Returns:
         The estimated bytes moved to host per micro-batch.
@@ -309,13 +311,13 @@ def check_host_ram(model: nn.Module, batch_size: int, seq_len: int,
         MemtrainError: the estimate exceeds 90% of the available host RAM.
     """
     needed = estimate_offloaded_bytes(model, batch_size, seq_len)
-    available = psutil.virtual_memory().available if available is None else available
+    available = host_free_bytes() if available is None else available
     if needed > HOST_RAM_MARGIN * available:
         raise MemtrainError(
             f"`memory.offload.activations`: one micro-batch ({batch_size} × {seq_len} tokens) "
-            f"would move {format_bytes(needed)} of activations to host memory, but only "
-            f"{format_bytes(available)} of host RAM is available ({HOST_RAM_MARGIN:.0%} of it may "
-            "be used). Fix: lower `training.micro_batch_size` (and raise "
+            f"would move {format_bytes(needed)} of activations to host memory, but the {field} is "
+            f"{format_bytes(available)} ({HOST_RAM_MARGIN:.0%} of it may be used). Fix: raise "
+            "`memory.host_budget` if the machine has more, lower `training.micro_batch_size` (and raise "
             "`training.gradient_accumulation`), add `memory.checkpointing` (then only layer "
             "inputs move), or set `memory.offload.activations: false`."
         )
@@ -328,6 +330,10 @@ def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if decided(offload.activations, "memory.offload.activations", "true or false") is not True:
         return None
     model = apply(model, offload)
+    first = next(model.parameters(), None)
+    if first is not None and is_fake(first):
+        return model  # an estimate: its host bytes are traced, and plans check them (HostBudget)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
-    check_host_ram(model, batch.micro, cfg.data.max_length)
+    check_host_ram(model, batch.micro, cfg.data.max_length, host_budget_bytes(cfg.memory.host_budget),
+                   f"`memory.host_budget` ({cfg.memory.host_budget})")
     return model

@@ -50,6 +50,7 @@ from torch import nn
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, valid_batches
 from memtrain.data.rows import Rows, worst_case
+from memtrain.device import model_device
 from memtrain.distributed.together import drop_gradients, flagged_ranks, largest, smallest, world
 from memtrain.errors import MemtrainError, first_line
 from memtrain.reliability.budget import budget_guard, resolve_budget, usable_bytes
@@ -301,7 +302,7 @@ def _where(probe: Probe, micro: int) -> str:
 
 
 def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    return model_device(model)
 
 
 def _limit_text(limit: int | None) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from memtrain.device import cuda_available
+from memtrain.errors import MemtrainError
 from memtrain.estimator import calibrate
 from memtrain.estimator.trace import Work
 
@@ -102,7 +103,8 @@ class StepCost:
 def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, optimizer: str,
                  trainable: int, quantized_elements: int = 0, recompute_passes: float = 0.0,
                  offloaded_bytes: int = 0, optimizer_offloaded: bool = False,
-                 optimizer_rates: Rates | None = None, parameter_bytes: int = 4) -> StepCost:
+                 optimizer_rates: Rates | None = None, parameter_bytes: int = 4,
+                 embedding_bytes: int = 0) -> StepCost:
     """Seconds of an optimizer step of ``micro_batches`` micro-batches like the traced ones.
 
     Args:
@@ -118,6 +120,9 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
         optimizer_offloaded: the optimizer steps on the host (``memory.offload.optimizer``).
         optimizer_rates: the host's rates when the optimizer is offloaded (default: ``rates``).
         parameter_bytes: bytes per trainable parameter (gradients down, weights up when offloaded).
+        embedding_bytes: rows looked up in a host embedding table per micro-batch
+            (``memory.offload.embeddings``): gathered on the host, then copied to the device (both
+            counted at the host-device copy rate).
     """
     per = 1.0 / max(1, work.micro_batches)
     compute = work.flops * per / rates.matmul(dtype)
@@ -128,6 +133,7 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
     if quantized_elements and dequant_rate:  # every forward and backward pass dequantizes each weight
         dequant = quantized_elements * (2 + recompute_passes) / dequant_rate
     offload = 2 * offloaded_bytes / rates.host_bandwidth
+    offload += 2 * embedding_bytes / rates.host_bandwidth  # the host gather and the copy, at copy speed
     opt_rates = optimizer_rates or rates
     opt = (trainable * opt_rates.optimizer(optimizer)
            + work.optimizer_ops * float(opt_rates.values["op_seconds"]))
@@ -137,3 +143,14 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
     parts = {k: v * micro_batches for k, v in parts.items()}
     parts["optimizer"] = opt + transfer
     return StepCost(sum(parts.values()), parts)
+
+
+def work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:
+    """Work of one micro-batch of ``micro`` examples (plus one optimizer step), from traces at
+    micro-batch 2 and 3: FLOPs and bytes are linear in the batch, op counts do not depend on it."""
+    if w2 is None or w3 is None:
+        raise MemtrainError("the estimate did not record the step's work (FLOPs); cannot plan")
+    f2, f3 = w2.flops / w2.micro_batches, w3.flops / w3.micro_batches
+    b2, b3 = w2.written / w2.micro_batches, w3.written / w3.micro_batches
+    return Work(1, max(0.0, f2 + (micro - 2) * (f3 - f2)), round(w2.ops / w2.micro_batches),
+                max(0, round(b2 + (micro - 2) * (b3 - b2))), w2.optimizer_ops)

@@ -44,7 +44,7 @@ from memtrain.data.rows import Rows
 from memtrain.errors import MemtrainError
 from memtrain.plan.search import _Search
 from memtrain.plan.space import Candidate, auto_fields, with_values
-from memtrain.reliability.budget import resolve_budget, usable_bytes
+from memtrain.reliability.budget import HostBudget, resolve_budget, usable_bytes
 from memtrain.units import format_bytes, parse_size
 
 
@@ -69,6 +69,7 @@ class Plan:
     rejected: list[Candidate]  # traced or pruned, each with its reason
     rates_source: str
     seconds: float  # planning time
+    host: HostBudget | None = None  # the host RAM the plan may keep (``memory.host_budget``)
 
     def settings(self) -> dict[str, Any]:
         """The decided values, as ``dotted.field: value`` (batch fields included)."""
@@ -119,12 +120,21 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     target = device or ("cuda" if _cuda() else "cpu")
     total = budget_bytes(cfg, budget, target)
     usable = usable_bytes(total, cfg.memory.margin_fraction)
-    search = _Search(cfg, target, usable, rows=rows)
+    host = HostBudget.of(cfg.memory)
+    search = _Search(cfg, target, usable, rows=rows, host=host)
     chosen = search.run()
     fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
                   key=lambda c: c.seconds)
     rejected = [c for c in search.done + search.pruned if c.seconds == math.inf]
     if chosen is None:
+        on_device = [c for c in search.done if c.min_peak <= usable]  # these failed on host RAM
+        if on_device:
+            smallest = min(on_device, key=lambda c: c.host)
+            raise NothingFits(
+                f"Nothing fits the host budget: every setting that fits the device "
+                f"({format_bytes(usable)} usable) keeps too much in host memory. The least, with "
+                f"{smallest.label() or 'the recipe as written'}: {host.shortfall(smallest.host)}",
+                smallest)
         smallest = min(search.done, key=lambda c: c.min_peak)
         margin = cfg.memory.margin_fraction
         raise NothingFits(
@@ -137,7 +147,7 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     if tune > 0:
         chosen, fits = tune_choice(cfg, search, [chosen, *fits], tune)
     return Plan(total, usable, target, auto_fields(cfg), chosen, fits, rejected, search.rates.source,
-                time.perf_counter() - start)
+                time.perf_counter() - start, host)
 
 
 def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: int, steps: int = 3
@@ -182,10 +192,13 @@ def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None,
         NothingFits: not even the smallest micro-batch fits.
     """
     target = device or ("cuda" if _cuda() else "cpu")
+    host = HostBudget.of(cfg.memory)
     search = _Search(with_values(cfg, {"training.micro_batch_size": "auto"}), target, usable, fields=[],
-                     rows=rows)
+                     rows=rows, host=host)
     cand = Candidate({})
     search.evaluate(cand)
+    if cand.seconds == math.inf and cand.min_peak <= usable:
+        raise NothingFits(f"Micro-batch {cand.micro}: {host.shortfall(cand.host)}")
     if cand.seconds == math.inf:
         raise NothingFits(f"Micro-batch {cand.micro} needs {format_bytes(cand.min_peak)}, more than the "
                           f"{format_bytes(usable)} usable. Fix: raise `memory.budget` or use techniques "
@@ -205,8 +218,11 @@ def describe(p: Plan) -> dict[str, Any]:
         return {"values": c.values, "micro_batch_size": c.micro, "gradient_accumulation": c.accumulation,
                 "peak_bytes": c.peak, "min_peak_bytes": c.min_peak, "seconds_per_step": c.seconds
                 if c.seconds < math.inf else None, "measured_seconds_per_step": c.measured,
-                "time_parts": c.parts, "reason": c.reason}
-    return {"budget_bytes": p.budget, "usable_bytes": p.usable, "device": p.device, "auto_fields": p.auto,
+                "time_parts": c.parts, "reason": c.reason, "host_bytes": c.host}
+    host = ({"host_budget": p.host.setting, "host_budget_bytes": p.host.total,
+             "host_usable_bytes": p.host.usable} if p.host is not None else {})
+    return {"budget_bytes": p.budget, "usable_bytes": p.usable, **host, "device": p.device,
+            "auto_fields": p.auto,
             "chosen": row(p.chosen), "alternatives": [row(c) for c in p.alternatives],
             "rejected": [row(c) for c in p.rejected], "rates": p.rates_source,
             "planning_seconds": round(p.seconds, 2)}

@@ -25,6 +25,7 @@ from memtrain.estimator.trace import Work, _quiet, in_batch, with_depth
 from memtrain.patches import NoMatchError
 from memtrain.plan import costmodel
 from memtrain.plan.space import IN_BACKWARD, Candidate, _batches, _options, _rank, auto_fields, with_values
+from memtrain.reliability.budget import HostBudget
 from memtrain.units import format_bytes
 
 # Predicted step times this close count as equal: the cost model's rank correlation with measured
@@ -51,18 +52,20 @@ _TRACES: dict[str, _Traced] = {}
 # The fields whose techniques patch the model, so whose applicability a fake model shows before
 # any trace (see _Search.inapplicable); a field left out is still caught when traced.
 PATCHED_FIELDS = ("memory.checkpointing", "memory.loss", "memory.activation_bits",
-                  "memory.randomized_linear", "memory.offload.activations")
+                  "memory.randomized_linear", "memory.offload.activations", "memory.offload.embeddings")
 
 
 class _Search:
     """Enumerate, bound and evaluate candidates (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None,
-                 rows: Rows | None = None) -> None:
+                 rows: Rows | None = None, host: HostBudget | None = None) -> None:
         self.cfg, self.device, self.usable = cfg, device, usable
+        self.host = host  # the host RAM a plan may keep (None: no limit)
         self.rows = rows  # the data's longest batch (None: the recipe's worst case)
         config, _ = resolve_config(cfg.model)
         self.depth = int(config.num_hidden_layers)
+        self.hidden = int(getattr(config, "hidden_size", 0) or 0)
         self.fields = [f for f in auto_fields(cfg) if not f.startswith("training.micro")
                        and not f.startswith("training.gradient")] if fields is None else fields
         self.batches = _batches(cfg)
@@ -112,7 +115,8 @@ class _Search:
                 self.pruned.append(cand)
                 continue
             if cand.seconds == math.inf:
-                too_big.append(cand)
+                if cand.min_peak > self.usable:  # the device is too small; host RAM orders no fields
+                    too_big.append(cand)
                 continue
             fits.append(cand)
             if fastest is None or cand.seconds < fastest.seconds:
@@ -150,7 +154,8 @@ class _Search:
         if cand.accumulation != 1 or not any(a > 1 for _, a in self.batches_for(cand)):
             return
         cfg = with_values(self.cfg, cand.values)
-        cand.peak = self._summary(self._traced(cfg, 1), cand.micro).total_bytes
+        summary = self._summary(self._traced(cfg, 1), cand.micro)
+        cand.peak, cand.host = summary.total_bytes, summary.host_peak_bytes
 
     def techniques(self, cand: Candidate) -> int:
         """How many memory techniques ``cand`` turns on (LoRA vs full fine-tuning is not one)."""
@@ -173,12 +178,13 @@ class _Search:
                 continue
             traced = self._traced(cfg, accumulation)
             summary = self._summary(traced, micro)
-            if summary.total_bytes > self.usable:
+            if not self.fits(summary):
                 continue
-            work = _work_at(traced.counts2[3], traced.counts3[3], micro)
-            cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary.host_peak_bytes)
+            work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
+            cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary, micro)
             out.append(dataclasses.replace(cand, micro=micro, accumulation=accumulation, reason="",
-                                           peak=summary.total_bytes, seconds=cost.seconds, parts=cost.parts))
+                                           peak=summary.total_bytes, host=summary.host_peak_bytes,
+                                           seconds=cost.seconds, parts=cost.parts))
         return out
 
     def _dominated(self, cand: Candidate, small: Candidate) -> bool:
@@ -200,12 +206,12 @@ class _Search:
         micro, accumulation = batches[-1]
         held = 2 if any(a > 1 for _, a in self.batches) else 1
         traced = self._traced(cfg, held)
-        work = _work_at(traced.counts2[3], traced.counts3[3], micro)
+        work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
         ckpt = cand.values.get("memory.checkpointing", self.cfg.memory.checkpointing)
         if ckpt == "full" or isinstance(ckpt, int):  # recompute: one more forward, >= 1/3 of the FLOPs
             share = 1.0 if ckpt == "full" else min(1.0, ckpt / self.depth)
             work = Work(1, work.flops * (1 + share / 3), work.ops, work.written, work.optimizer_ops)
-        return self._cost(cfg, cand.values, work, traced.counts2, accumulation, 0).seconds
+        return self._cost(cfg, cand.values, work, traced.counts2, accumulation, None, micro).seconds
 
     def inapplicable(self, cand: Candidate) -> str | None:
         """Why one of ``cand``'s techniques cannot be applied to this model, or None.
@@ -252,6 +258,7 @@ class _Search:
         plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
                  "memory.offload.activations": False, "memory.offload.optimizer": False,
                  "memory.activation_bits": None, "memory.randomized_linear": None,
+                 "memory.offload.embeddings": False,
                  "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False,
                  "memory.tiled_mlp": False, "memory.lean_norm": False, "training.dpo_precompute_ref": False}
         return {f: v for f, v in plain.items() if f in self.fields}
@@ -282,25 +289,33 @@ class _Search:
                 summary = self._summary(self._traced(cfg, 1), micro)
                 if summary.total_bytes <= self.usable:
                     traced = self._traced(cfg, 1)
-            if summary.total_bytes <= self.usable:
+            if self.fits(summary):
                 fitted = (micro, accumulation, summary, traced)
                 break
         if fitted is None:
             cand.micro, cand.accumulation = batches[0]
-            cand.min_peak = self._summary(traced, cand.micro).total_bytes
+            smallest = self._summary(traced, cand.micro)
+            cand.min_peak, cand.host = smallest.total_bytes, smallest.host_peak_bytes
             cand.reason = (f"does not fit: {format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
-                           f"{format_bytes(self.usable)} usable")
+                           f"{format_bytes(self.usable)} usable" if cand.min_peak > self.usable else
+                           f"does not fit the host: at micro-batch {cand.micro}, "
+                           + self.host.shortfall(cand.host))  # type: ignore[union-attr]
             self.done.append(cand)
             return
         micro, accumulation, summary, traced = fitted
         cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
+        cand.host = summary.host_peak_bytes
         first = batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
         smallest = 2 if first == 1 and micro > 1 else first
         cand.min_peak = self._summary(traced, smallest).total_bytes
-        work = _work_at(traced.counts2[3], traced.counts3[3], micro)
-        cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary.host_peak_bytes)
+        work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
+        cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary, micro)
         cand.seconds, cand.parts = cost.seconds, cost.parts
         self.done.append(cand)
+
+    def fits(self, s: est.Estimate) -> bool:
+        """The device total fits the usable budget, and the host bytes the host budget."""
+        return s.total_bytes <= self.usable and (self.host is None or self.host.fits(s.host_peak_bytes))
 
     def batches_for(self, cand: Candidate) -> list[tuple[int, int]]:
         """The (micro, accumulation) pairs ``cand`` allows: without accumulation when its optimizer
@@ -323,8 +338,14 @@ class _Search:
         return est.summarize(traced.plan, cands, traced.counts2, "", 0.0)
 
     def _cost(self, cfg: RunConfig, values: dict[str, Any], work: Work, counts: est.Counts,
-              accumulation: int, offloaded: int) -> costmodel.StepCost:
+              accumulation: int, summary: est.Estimate | None, micro: int) -> costmodel.StepCost:
+        """Step time; ``summary`` (None: a lower bound) gives the bytes moved to the host and back
+        per micro-batch: its host peak less what stays there all step (weights, state)."""
         get = lambda path: values.get(path, recipe_value(self.cfg, path))  # noqa: E731
+        offloaded = summary.host_peak_bytes - summary.host_resident_bytes if summary is not None else 0
+        element = 2 if cfg.model.dtype in ("bf16", "fp16") else 4
+        # offloaded embeddings: the looked-up rows cross to the device once per micro-batch
+        rows = micro * cfg.data.max_length * self.hidden * element if get("memory.offload.embeddings") else 0
         quantized = get("model.quantization") not in ("none", "auto")
         ckpt = get("memory.checkpointing")
         passes = 1.0 if ckpt == "full" else (min(1.0, ckpt / self.depth) if isinstance(ckpt, int) else 0.0)
@@ -335,8 +356,8 @@ class _Search:
             optimizer=str(get("training.optimizer")), trainable=counts[1],
             quantized_elements=int(frozen * 0.9) if quantized else 0, recompute_passes=passes,
             offloaded_bytes=offloaded, optimizer_offloaded=opt_off,
-            optimizer_rates=self.host_rates if opt_off else None,
-            parameter_bytes=2 if cfg.model.dtype in ("bf16", "fp16") else 4)
+            optimizer_rates=self.host_rates if opt_off else None, parameter_bytes=element,
+            embedding_bytes=rows)
 
     def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
         """Candidates and counts at micro-batch 2 and 3 (cached per settings and accumulation)."""
@@ -369,14 +390,3 @@ def _patch_error(cfg: RunConfig, config: Any) -> str | None:
 def _gathers(cand: Candidate) -> int:
     """All-gathers of every layer's weights per step (the cost model does not see collectives)."""
     return {"grad_op": 1, "full": 2}.get(cand.values.get("distributed.sharding", ""), 0)
-
-
-def _work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:
-    """Work of one micro-batch of ``micro`` examples (plus one optimizer step), from traces at
-    micro-batch 2 and 3: FLOPs and bytes are linear in the batch, op counts do not depend on it."""
-    if w2 is None or w3 is None:
-        raise MemtrainError("the estimate did not record the step's work (FLOPs); cannot plan")
-    f2, f3 = w2.flops / w2.micro_batches, w3.flops / w3.micro_batches
-    b2, b3 = w2.written / w2.micro_batches, w3.written / w3.micro_batches
-    return Work(1, max(0.0, f2 + (micro - 2) * (f3 - f2)), round(w2.ops / w2.micro_batches),
-                max(0, round(b2 + (micro - 2) * (b3 - b2))), w2.optimizer_ops)

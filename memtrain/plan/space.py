@@ -32,6 +32,7 @@ class Candidate:
     seconds: float = math.inf  # predicted seconds per optimizer step
     parts: dict[str, float] = field(default_factory=dict)
     min_peak: int = 0  # predicted peak at the smallest micro-batch
+    host: int = 0  # predicted host bytes (offloaded tensors) at the chosen micro-batch, else the smallest
     reason: str = ""  # why it was not chosen
     measured: float | None = None  # seconds of a real step, when the plan was tuned
 
@@ -80,6 +81,8 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
         "memory.checkpointing": ["none", "selective", max(1, depth // 2), "full"],
         "memory.offload.activations": [False, True],
         "memory.offload.optimizer": [False, True] if cfg.distributed.processes == 1 else [False],
+        # the frozen input table on the host (one process: FSDP2 shards it instead)
+        "memory.offload.embeddings": [False, True] if cfg.distributed.processes == 1 else [False],
         "memory.activation_bits": [None, 3] if approx else [None],
         "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
         # one process: nothing to shard; `grad_op` keeps at least what `full` keeps

@@ -37,6 +37,12 @@ def print_plan(console: Console, plan: Plan) -> None:
         console.print(f"rejected: {summary}", highlight=False)
         for cand in plan.rejected[:SHOWN_ALTERNATIVES]:
             console.print(f"  {_settings(cand)}: {cand.reason}", highlight=False)
+    if plan.host is not None:
+        kept = (f"{format_bytes(plan.chosen.host)} of {format_bytes(plan.host.usable)} usable"
+                if plan.chosen.host else f"nothing of {format_bytes(plan.host.usable)} usable")
+        console.print(f"host RAM of the choice (offloaded tensors): {kept} (`memory.host_budget` "
+                      f"{plan.host.setting} = {format_bytes(plan.host.total)}, "
+                      f"{plan.host.margin:.0%} margin)", highlight=False)
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in plan.chosen.parts.items() if v > 0)
     console.print(f"step time of the choice: {parts}", style="dim", highlight=False)
     console.print(f"speed rates: {plan.rates_source}; planned in {plan.seconds:.1f} s", style="dim",

@@ -1,4 +1,5 @@
-"""Memory budgets: parse ``memory.budget``, detect free device memory, simulate a budget on CPU.
+"""Memory budgets: parse ``memory.budget`` and ``memory.host_budget`` (:class:`HostBudget`), detect
+free device memory, simulate a budget on CPU.
 
 :class:`SimulatedBudget` raises the framework's own out-of-memory error
 (``torch.OutOfMemoryError``, what CUDA raises) as soon as the live tensor bytes it tracks exceed a
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-import psutil
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from memtrain.device import AllocatorBudget, compute_device
+from memtrain.config import MemoryConfig
+from memtrain.device import AllocatorBudget, compute_device, host_budget_bytes, host_free_bytes
 from memtrain.memory.meter import _TOTAL_KEY, _Tracker
 from memtrain.memory.trackers import _HOST_ON_CPU
 from memtrain.units import format_bytes, parse_size
@@ -37,7 +39,7 @@ def device_free_bytes(device: torch.device | str | None = None) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    return int(psutil.virtual_memory().available)
+    return host_free_bytes()
 
 
 def resolve_budget(budget: str | None, device: torch.device | str | None = None) -> int | None:
@@ -52,6 +54,46 @@ def resolve_budget(budget: str | None, device: torch.device | str | None = None)
 def usable_bytes(budget: int, margin: float) -> int:
     """What plans may use of a budget: the safety margin is kept free."""
     return int(budget * (1.0 - margin))
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """``memory.host_budget``: the host RAM a plan may keep (offloaded activations, an offloaded
+    optimizer's state and host copies, offloaded embeddings), less the margin.
+
+    Attributes:
+        setting: the field as written (``auto`` or a size).
+        total: its bytes (``auto``: the host RAM free when it was resolved).
+        margin: the fraction kept free (``memory.margin``).
+    """
+
+    setting: str
+    total: int
+    margin: float
+
+    @classmethod
+    def of(cls, memory: MemoryConfig) -> HostBudget:
+        """The recipe's host budget, resolved now."""
+        return cls(memory.host_budget, host_budget_bytes(memory.host_budget), memory.margin_fraction)
+
+    @property
+    def usable(self) -> int:
+        return usable_bytes(self.total, self.margin)
+
+    def fits(self, needed: int) -> bool:
+        return needed <= self.usable
+
+    def shortfall(self, needed: int) -> str:
+        """Why ``needed`` host bytes do not fit, and what to change."""
+        said = (f"{format_bytes(self.total)} free on this machine" if self.setting == "auto"
+                else format_bytes(self.total))
+        return (f"host RAM {format_bytes(needed)} needed, `memory.host_budget` {self.setting} = {said} "
+                f"({format_bytes(self.usable)} usable with the {self.margin:.0%} margin, `memory.margin`). "
+                f"Fix: raise `memory.host_budget` to at least "
+                f"{format_bytes(int(needed / (1 - self.margin)) + 1)} if the machine has it, keep less on "
+                "the host (`memory.offload.activations`, `memory.offload.optimizer` or "
+                "`memory.offload.embeddings` false, or `auto`), or lower `training.micro_batch_size` "
+                "or `data.max_length`.")
 
 
 class _BudgetTracker(_Tracker):

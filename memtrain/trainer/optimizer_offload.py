@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 from torchao.optim import CPUOffloadOptimizer
 
+from memtrain.device import host_free_bytes
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
 from memtrain.units import format_bytes
@@ -245,7 +245,7 @@ def build(groups: list[dict[str, Any]], optimizer_class: type, kwargs: dict[str,
         )
     params = [p for g in groups for p in g["params"]]
     needed = host_bytes_needed(params, optimizer_class)
-    available = psutil.virtual_memory().available if available is None else available
+    available = host_free_bytes() if available is None else available
     if needed > HOST_RAM_MARGIN * available:
         raise MemtrainError(
             f"`memory.offload.optimizer`: the host copies of {len(params)} parameter tensors, "
