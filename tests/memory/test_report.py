@@ -90,6 +90,7 @@ def test_report_command_rerenders(run_dir: Path) -> None:
     result = CliRunner().invoke(app, ["report", str(run_dir)])
     assert result.exit_code == 0, result.output
     assert (run_dir / REPORT_PNG).is_file() and "peak (device)" in result.output
+    assert "compared: measured the step that held the run's longest batch, 4 rows x" in result.output
 
 
 def test_report_of_a_folder_without_one(tmp_path: Path) -> None:
