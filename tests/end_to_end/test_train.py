@@ -71,8 +71,9 @@ def test_qlora_grads_survive_an_eval_pass(tmp_path: Path, corpus: Path) -> None:
     assert lora_grads and all(g.abs().sum() > 0 for g in lora_grads)
 
 
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
 def test_qlora_trains_a_sequence_classifier_with_its_head_in_full(
-        tmp_path: Path, tiny_classification_file: Path) -> None:
+        tmp_path: Path, tiny_classification_file: Path, quantization: str) -> None:
     # transformers leaves unquantized the module named by the model's last parameter, which for a
     # classifier is `classifier.bias`: the head was quantized and the first step asserted inside
     # bitsandbytes (exit 1). The head must stay a float layer that peft trains in full.
@@ -82,13 +83,13 @@ def test_qlora_trains_a_sequence_classifier_with_its_head_in_full(
 
     probe = GradProbe()
     recipe = causal_recipe(tmp_path, tiny_classification_file, arch="bert",
-                           model={"quantization": "nf4", "task": "sequence-classification"},
+                           model={"quantization": quantization, "task": "sequence-classification"},
                            data={"format": "classification"}, training={"max_steps": 2})
     cfg = load_recipe(recipe)
     assert estimate(cfg).peak_bytes > 0  # the fake build quantizes the same way
     result = train(cfg, callbacks=[probe])
     modules = dict(result.model.named_modules())
-    assert any(isinstance(m, bnb.nn.Linear4bit) for m in modules.values())
+    assert any(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in modules.values())
     heads = {n: m for n, m in modules.items() if n.endswith("modules_to_save.default")}
     assert heads and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
                          for m in heads.values())
