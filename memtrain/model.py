@@ -38,6 +38,10 @@ _AUTO_CLASSES = {
     "causal-lm": AutoModelForCausalLM,
     "sequence-classification": AutoModelForSequenceClassification,
 }
+# The names of a sequence classifier's head (BERT/RoBERTa/DistilBERT `classifier`, decoder models'
+# `score`; matched as a name suffix, so DistilBERT's `pre_classifier` too). The head is new and
+# trained in full (peft's `modules_to_save`), so bitsandbytes must leave it unquantized.
+CLASSIFIER_HEADS = ("classifier", "score")
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
@@ -96,11 +100,16 @@ def quantization_config(cfg: ModelConfig,
     """
     if cfg.quantization in ("none", "auto"):
         return None
+    # transformers leaves the last module unquantized by the name of the model's last parameter,
+    # which for a classifier is `classifier.bias`, a name that matches no module: its head would be
+    # quantized, and a 4-bit head can neither train in full nor run on a CPU after peft copies it
+    skip = list(CLASSIFIER_HEADS) if cfg.task == "sequence-classification" else None
     if cfg.quantization == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     compute = DTYPES[cfg.compute_dtype or cfg.dtype]
     return BitsAndBytesConfig(
         load_in_4bit=True,
+        llm_int8_skip_modules=skip,
         bnb_4bit_quant_type=cfg.quantization,
         bnb_4bit_use_double_quant=cfg.double_quant,
         bnb_4bit_compute_dtype=compute,

@@ -99,7 +99,7 @@ def measure(model: nn.Module, opt: torch.optim.Optimizer, mode: Mode, ids: torch
         model.zero_grad(set_to_none=True)
     mode.results.update(
         loss=loss.item(), peak=held + tracker.device_peak, saved=saved,
-        host_peak=host_held + tracker.host_peak)
+        host_peak=host_held + tracker.host_peak, ram_peak=held + host_held + tracker.peak)
 
 
 def warm_up(model: nn.Module, opt: torch.optim.Optimizer, mode: Mode, ids: torch.Tensor) -> None:
@@ -144,8 +144,8 @@ def table(modes: list[Mode], layers: int) -> list[str]:
     full_recompute = full["backward_flops"] - none["backward_flops"]
     base_time = statistics.median(none["times"])
     rows = ["| mode | peak device | × none | saved activations (device) | × none | share of full's "
-            "saving | host peak | recompute (GFLOP) | share of full's recompute | step time (s, "
-            "median) | × none |", "|" + "---|" * 11]
+            "saving | host peak | device + host (this CPU's RAM) | × none | recompute (GFLOP) | "
+            "share of full's recompute | step time (s, median) | × none |", "|" + "---|" * 13]
     for m in modes:
         r = m.results
         if "times" not in r:
@@ -156,6 +156,7 @@ def table(modes: list[Mode], layers: int) -> list[str]:
             f"| {m.name} | {r['peak'] / MiB:,.0f} MiB | {r['peak'] / none['peak']:.2f} | "
             f"{r['saved'] / MiB:,.1f} MiB | {r['saved'] / none['saved']:.3f} | "
             f"{(none['saved'] - r['saved']) / full_saving:.0%} | {r['host_peak'] / MiB:,.0f} MiB | "
+            f"{r['ram_peak'] / MiB:,.0f} MiB | {r['ram_peak'] / none['ram_peak']:.2f} | "
             f"{recompute / 1e9:,.1f} | {recompute / full_recompute:.0%} | {median:.2f} | "
             f"{median / base_time:.2f} |")
     return rows
@@ -253,18 +254,24 @@ def report(args: argparse.Namespace, modes: list[Mode], pairs: list[tuple[Mode, 
         f"Machine: {cpu}, {torch.get_num_threads()} torch threads, CPU only (shared with other "
         f"jobs). torch {torch.__version__}, transformers {transformers.__version__}, Python "
         f"{platform.python_version()}.", "",
-        "Memory figures are exact live tensor bytes of one steady-state training step on CPU "
-        "(device = tensors the step computes with; host = copies held by the offload code: what "
-        "saved-tensor pack hooks create, and an offloading optimizer's copies of parameters, "
-        "gradients and state, counted by `scripts/memprobe.py`, not by memtrain; on a CPU-only "
-        "machine the same RAM). Peak device includes parameters, buffers, "
+        "Memory figures are exact live tensor bytes of one steady-state training step on CPU, "
+        "counted by `scripts/memprobe.py` (no memtrain code; memtrain's offload ledgers are not "
+        "read). *Device* is the tensors the step computes with; *host* is what saved-tensor pack "
+        "hooks create and an offloading optimizer's copies of parameters, gradients and state. "
+        "On this CPU-only machine both are the same RAM: *device + host* (both at their "
+        "worst moment together) is what the machine holds, and offload lowers it nowhere; the "
+        "device columns say what a GPU would hold, the host column what its host RAM would. "
+        "Peak device includes parameters, buffers, "
         "gradients and AdamW state (on the host with optimizer offload). *Saved activations* "
         "are the device bytes forward leaves alive for backward. "
         "*Recompute* is backward FLOPs minus those of `none` (matmul and attention FLOPs, as "
         "`torch.utils.flop_counter.FlopCounterMode` counts them; element-wise work is not "
         "counted). "
         f"Step time: median of {args.repeats} steps after a warm-up and the measured step, "
-        "modes interleaved.", "",
+        "modes interleaved." + (
+            " With fewer than 3 timed steps per mode on a shared machine the step times are "
+            "load noise, not a comparison; the memory figures are exact either way."
+            if args.repeats < 3 else ""), "",
         *table(modes, args.layers), "",
         f"Loss of the measured step identical in every mode: {'yes' if same_loss else 'NO'} "
         f"({none['loss']:.6f}).", "",
@@ -282,6 +289,7 @@ def _conclusions(modes: list[Mode], pairs: list[tuple[Mode, Mode]]) -> list[str]
     recompute = (sel["backward_flops"] - none["backward_flops"]) / (
         full["backward_flops"] - none["backward_flops"])
     off_ratio = statistics.median(r["offload"]["times"]) / statistics.median(none["times"])
+    off, off_opt = r["offload"], r["optimizer offload"]
     (_, _), (flat_l, flat_2l) = pairs
     return [
         "## Targets", "",
@@ -292,6 +300,14 @@ def _conclusions(modes: list[Mode], pairs: list[tuple[Mode, Mode]]) -> list[str]
         f"activations {flat_l.results['saved'] / MiB:.1f} → "
         f"{flat_2l.results['saved'] / MiB:.1f} MiB "
         f"({'flat' if flat_2l.results['saved'] == flat_l.results['saved'] else 'not flat'}).",
+        f"- What offload moves, and what it saves on this CPU: activation offload takes the "
+        f"device peak from {none['peak'] / MiB:,.0f} to {off['peak'] / MiB:,.0f} MiB by holding "
+        f"{off['host_peak'] / MiB:,.0f} MiB on the host; device + host together "
+        f"{off['ram_peak'] / MiB:,.0f} MiB against {none['ram_peak'] / MiB:,.0f} without offload "
+        f"(×{off['ram_peak'] / none['ram_peak']:.2f}); optimizer offload "
+        f"{off_opt['ram_peak'] / MiB:,.0f} MiB (×{off_opt['ram_peak'] / none['ram_peak']:.2f}). "
+        "A saving of RAM on a CPU-only machine is not shown here; the device figures are what a "
+        "GPU would hold, measured as bytes moved, not as GPU memory.",
         f"- Activation offload's step-time overhead on this CPU: ×{off_ratio:.2f} (copies are "
         "synchronous here; on CUDA they run on a side stream from pinned buffers and overlap "
         "compute by design, with backward prefetching the next tensors).",

@@ -20,6 +20,20 @@ from memtrain.cli.common import (
     err_console,
 )
 
+ReadData = Annotated[bool, typer.Option(
+    "--data", help="Read and tokenize the recipe's data and predict its longest batch (as `memtrain "
+    "train` does), instead of rows of data.max_length tokens.")]
+
+
+def _data_rows(cfg: Any) -> Any:
+    """The longest batch of the recipe's data (``--data``), said on stderr."""
+    from memtrain.data.prepare import read_rows
+
+    rows = read_rows(cfg)
+    err_console.print(f"data read: the longest row is {rows.longest} tokens "
+                      f"(data.max_length = {cfg.data.max_length})", highlight=False)
+    return rows
+
 
 def estimate(
     recipe: Recipe,
@@ -32,6 +46,7 @@ def estimate(
     exact: Annotated[bool, typer.Option(
         "--exact", help="Trace every layer instead of extrapolating from 2 and 3 (slower).")] = False,
     plot: Annotated[Path | None, typer.Option(help="With --sweep: save the curves to this PNG.")] = None,
+    data: ReadData = False,
 ) -> None:
     """Predict peak memory by category and phase, without loading weights or using the network."""
     from memtrain.config import load_recipe
@@ -41,7 +56,7 @@ def estimate(
     _check_device(device)
     _check_plot(plot, sweep)
     cfg = load_recipe(recipe, overrides or [])
-    result = est.estimate(cfg, device=device, exact=exact)
+    result = est.estimate(cfg, device=device, exact=exact, rows=_data_rows(cfg) if data else None)
     host = HostBudget.of(cfg.memory)
     curves = est.sweep(cfg, device=device) if sweep else None
     if as_json:
@@ -69,6 +84,7 @@ def plan(
     tune: Annotated[int, typer.Option(
         min=0, help="Time this many of the fastest-predicted settings, at up to four micro-batches that fit, "
         "with real steps here and keep the fastest measured (builds the model).")] = 0,
+    data: ReadData = False,
 ) -> None:
     """Choose the `auto` settings: the fastest combination whose predicted peak fits the budget."""
     from memtrain.config import load_recipe
@@ -78,7 +94,7 @@ def plan(
     _check_device(device)
     _check_budget(budget)
     cfg = load_recipe(recipe, overrides or [])
-    result = planner.plan(cfg, budget, device=device, tune=tune)
+    result = planner.plan(cfg, budget, device=device, tune=tune, rows=_data_rows(cfg) if data else None)
     if as_json:
         console.print_json(json.dumps(planner.describe(result), default=str))
     else:

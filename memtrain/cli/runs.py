@@ -18,7 +18,7 @@ def report(run_dir: Annotated[str, typer.Argument(help="The output folder of a f
     """Re-render a run's memory report (PNG) and print its summary table."""
     from pathlib import Path
 
-    from memtrain.memory.report import REPORT_PNG, load_report, render_png, summary_rows
+    from memtrain.memory.report import REPORT_PNG, comparison, load_report, render_png, summary_rows
 
     folder = Path(run_dir)
     loaded = load_report(folder)
@@ -33,6 +33,7 @@ def report(run_dir: Annotated[str, typer.Argument(help="The output folder of a f
     for row in summary_rows(loaded):
         table.add_row(*row)
     console.print(table)
+    console.print(f"compared: {comparison(loaded)}", highlight=False, soft_wrap=True)
     console.print(f"plot: {folder / REPORT_PNG}")
 
 

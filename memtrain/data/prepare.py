@@ -33,7 +33,8 @@ from memtrain.errors import TRL_MISSING, MemtrainError
 log = logging.getLogger(__name__)
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-__all__ = ["IGNORE_INDEX", "PreparedData", "class_names", "load_raw", "load_splits", "prepare_data"]
+__all__ = ["IGNORE_INDEX", "PreparedData", "class_names", "load_raw", "load_splits", "prepare_data",
+           "read_rows"]
 
 
 @dataclass
@@ -59,6 +60,14 @@ class PreparedData:
 
             return rows_of(cfg, sequence_lengths(self.train, cfg.data.max_length))
         return rows_of(cfg, token_counts(self.train))
+
+
+def read_rows(cfg: RunConfig) -> Rows:
+    """The longest batch of the recipe's data, read by tokenizing it as ``memtrain train`` does
+    (``memtrain estimate --data``): what the estimate traces instead of rows of ``data.max_length``."""
+    from memtrain.model import load_tokenizer
+
+    return prepare_data(cfg, load_tokenizer(cfg.model)).rows(cfg)
 
 
 def token_counts(dataset: Dataset) -> list[int]:

@@ -61,6 +61,7 @@ class StepMemory:
     cuda_max_allocated: int | None = None
     cuda_max_reserved: int | None = None
     timeline: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
+    batch: tuple[int, int] | None = None  # (rows, tokens) of the step's largest micro-batch, if known
 
     def to_dict(self, timeline: bool = False) -> dict[str, Any]:
         """JSON-ready dict (the timeline only when asked: it can be long)."""

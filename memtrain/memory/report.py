@@ -1,7 +1,11 @@
 """Memory reports a person can look at: ``memory_report.json`` and ``memory_report.png``.
 
-The JSON holds the measured step (peak by category and phase, the per-op timeline), the
-estimator's prediction for the same recipe, and the loss and memory curves of the run. The PNG
+The JSON holds the measured step (peak by category and phase, the per-op timeline, the shape of its
+largest micro-batch), the estimator's prediction for the run's longest batch, and the loss and
+memory curves of the run. Measured and predicted are compared for the same batch shape: the meter
+measures the step that holds the run's longest batch (:mod:`memtrain.trainer.callbacks`); where the
+run never held it (``max_steps`` ended it first), ``same_batch`` holds a second prediction for the
+batch that was measured, and the comparison uses that. :func:`comparison` says which. The PNG
 draws the measured step as stacked categories over its op timeline with the prediction beside
 it, and the curves over the run. ``memtrain report RUN_DIR`` re-renders both from the JSON.
 """
@@ -35,14 +39,23 @@ class Report:
     predicted: dict[str, Any] | None
     curves: dict[str, list[list[float]]]
     run: dict[str, Any]
+    same_batch: dict[str, Any] | None = None  # the prediction for the measured step's batch, if it differs
+
+    def compared(self) -> dict[str, Any] | None:
+        """The prediction the measured step is compared with: for the same batch shape."""
+        return self.same_batch or self.predicted
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1)
 
 
 def build_report(step: StepMemory, log_history: list[dict[str, Any]], predicted: dict[str, Any] | None,
-                 run: dict[str, Any]) -> Report:
-    """Assemble a report from a measured step, the Trainer's log history and a prediction."""
+                 run: dict[str, Any], same_batch: dict[str, Any] | None = None) -> Report:
+    """Assemble a report from a measured step, the Trainer's log history and a prediction.
+
+    ``predicted`` and ``same_batch`` carry the batch they are for as ``batch: [rows, tokens]``;
+    ``same_batch`` is the prediction for the measured step's batch when it is not the predicted one.
+    """
     measured = step.to_dict(timeline=False)
     timeline = step.timeline
     stride = max(1, len(timeline) // MAX_TIMELINE_POINTS)
@@ -54,7 +67,35 @@ def build_report(step: StepMemory, log_history: list[dict[str, Any]], predicted:
         "peak_mib": [[h["step"], h["memory/peak_mib"]] for h in log_history if "memory/peak_mib" in h],
     }
     run = {**run, "python": platform.python_version(), "machine": platform.machine()}
-    return Report(measured, predicted, curves, run)
+    return Report(measured, predicted, curves, run, same_batch)
+
+
+def comparison(report: Report) -> str:
+    """One sentence: which batch was measured and which prediction it is compared with."""
+    if not report.predicted:
+        return "no prediction to compare with"
+    measured, predicted = report.measured.get("batch"), report.predicted.get("batch")
+    worst = format_bytes(report.predicted["peak_bytes"])
+    if not measured or not predicted:
+        return f"measured: the step with the highest peak; predicted {worst}: {_shape(predicted)}"
+    ratio = _ratio(report.compared(), report.measured["peak_bytes"])
+    if list(measured) == list(predicted):
+        return (f"measured the step that held the run's longest batch, {_shape(measured)}; the prediction "
+                f"is for the same batch{ratio}")
+    same = (f"compared with the prediction for that batch{ratio}" if report.same_batch else
+            "no prediction for that batch: the comparison is not like for like")
+    return (f"the run never held its predicted longest batch ({_shape(predicted)}, {worst}); measured "
+            f"its largest, {_shape(measured)}; {same}")
+
+
+def _shape(batch: Any) -> str:
+    return f"{batch[0]} rows x {batch[1]} tokens" if batch else "batch shape unknown"
+
+
+def _ratio(predicted: dict[str, Any] | None, measured: int) -> str:
+    if not predicted or not measured:
+        return ""
+    return f" (predicted / measured = {predicted['peak_bytes'] / measured:.3f})"
 
 
 def save_report(report: Report, out_dir: Path) -> tuple[Path, Path]:
@@ -82,7 +123,8 @@ def load_report(run_dir: Path) -> Report:
 def summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
     """(category, measured at peak, predicted, error %) rows for a summary table."""
     measured = report.measured["peak_by_category"]
-    predicted = (report.predicted or {}).get("by_category", {})
+    compared = report.compared() or {}
+    predicted = compared.get("by_category", {})
     rows = []
     for name in CATEGORY_NAMES:
         m, p = measured.get(name, 0), predicted.get(name)
@@ -90,9 +132,11 @@ def summary_rows(report: Report) -> list[tuple[str, str, str, str]]:
             continue
         err = f"{(p - m) / m:+.1%}" if p is not None and m else ""
         rows.append((name, format_bytes(m), format_bytes(p) if p is not None else "-", err))
-    total_m, total_p = report.measured["peak_bytes"], (report.predicted or {}).get("peak_bytes")
+    total_m, total_p = report.measured["peak_bytes"], compared.get("peak_bytes")
     err = f"{(total_p - total_m) / total_m:+.1%}" if total_p else ""
     rows.append(("peak (device)", format_bytes(total_m), format_bytes(total_p) if total_p else "-", err))
+    if report.same_batch and report.predicted:
+        rows.append(("peak, the longest batch", "-", format_bytes(report.predicted["peak_bytes"]), ""))
     if report.measured.get("host_peak_bytes"):
         rows.append(("peak (host)", format_bytes(report.measured["host_peak_bytes"]), "-", ""))
     return rows
@@ -130,9 +174,10 @@ def _draw_step(ax: Any, report: Report) -> None:
                 ax.text((start + i) / 2, 0, timeline[start][0], ha="center", va="bottom", fontsize=7)
                 start = i
     ax.axhline(report.measured["peak_bytes"] / mib, color="k", lw=1, label="measured peak")
-    if report.predicted:
-        ax.axhline(report.predicted["peak_bytes"] / mib, color="m", lw=1.5, ls="--",
-                   label="predicted peak (estimator)")
+    compared = report.compared()
+    if compared:
+        ax.axhline(compared["peak_bytes"] / mib, color="m", lw=1.5, ls="--",
+                   label=f"predicted peak, {_shape(compared.get('batch'))}")
     host = report.measured.get("host_peak_bytes") or 0
     if host:
         ax.axhline(host / mib, color="#64b5cd", lw=1, ls=":", label="host peak (offloaded)")

@@ -18,13 +18,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import AdapterConfig, RunConfig
+from memtrain.model import CLASSIFIER_HEADS
 from memtrain.patches import ADAPTER, PatchRecord, add_records, register
 
 Config = AdapterConfig
 
 _TASKS = {"causal-lm": TaskType.CAUSAL_LM, "sequence-classification": TaskType.SEQ_CLS}
-# The names under which peft adds a classifier's head to `modules_to_save` (sequence classification).
-_HEAD_NAMES = ("classifier", "score")
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -79,7 +78,7 @@ def _trained_in_full(model: nn.Module, modules_to_save: list[str] | None, task: 
     """
     from transformers.pytorch_utils import Conv1D
 
-    saved = [*(modules_to_save or []), *(_HEAD_NAMES if task == "sequence-classification" else ())]
+    saved = [*(modules_to_save or []), *(CLASSIFIER_HEADS if task == "sequence-classification" else ())]
     return [name for name, module in model.named_modules()
             if name and isinstance(module, (nn.Linear, Conv1D)) and any(name.endswith(s) for s in saved)]
 

@@ -31,7 +31,7 @@ from memtrain.errors import MemtrainError, first_line
 from memtrain.estimator.estimate import Estimate, estimate
 from memtrain.memory import hostmem
 from memtrain.memory.meter import StepMemory
-from memtrain.memory.report import Report, build_report, save_report
+from memtrain.memory.report import Report, build_report, comparison, save_report
 from memtrain.model import count_parameters, load_tokenizer
 from memtrain.plan import autofit, planner
 from memtrain.reliability import checkpoints, rundir
@@ -41,6 +41,7 @@ from memtrain.run import launch
 from memtrain.trainer.build import build_model
 from memtrain.trainer.callbacks import MemoryMeterCallback
 from memtrain.trainer.trainer import add_derived_metrics, build_trainer
+from memtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +156,9 @@ def train(cfg: RunConfig, console: Console | None = None,
     metrics = add_derived_metrics(metrics, cfg, data)
     report = None
     if cfg.output.report and meter.worst is not None:
-        report = build_report(meter.worst, trainer.state.log_history,
-                              predicted.to_dict() if predicted else None,
-                              {"title": cfg.description or cfg.output.dir, "batch": str(batch)})
+        report = _report(cfg, meter.worst, trainer.state.log_history, predicted, batch, rows)
     _save_final(trainer, tokenizer, cfg, metrics, out, report, data.label_names)
-    _summary(console, metrics, out)
+    _summary(console, metrics, out, report)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
 
@@ -226,6 +225,29 @@ def _predict(cfg: RunConfig, rows: Rows) -> Estimate | None:
     except (MemtrainError, RuntimeError, ValueError, NotImplementedError) as err:
         log.warning("no memory prediction for the report: %s", err)
         return None
+
+
+def _report(cfg: RunConfig, measured: StepMemory, log_history: list[dict[str, Any]],
+            predicted: Estimate | None, batch: Batch, rows: Rows) -> Report:
+    """The memory report: the measured step beside the prediction for the run's longest batch and,
+    when the measured step held a smaller batch (the run ended before the longest), beside a
+    prediction for the batch it held."""
+    if predicted is None:
+        return build_report(measured, log_history, None, _run_info(cfg, batch))
+    # the batch the estimate traced (auto-fit may have stepped the micro-batch down since)
+    longest = [predicted.settings["micro_batch_size"], predicted.settings["seq_len"]]
+    worst = predicted.to_dict() | {"batch": longest, "rows": rows.describe(longest[0])}
+    same = None
+    if measured.batch and list(measured.batch) != longest:
+        held, tokens = measured.batch
+        like = Rows(longest=tokens, uniform=rows.uniform, packed=rows.packed, read=rows.read)
+        again = _predict(planner.with_values(cfg, {"training.micro_batch_size": held}), like)
+        same = again.to_dict() | {"batch": [held, tokens], "rows": like.describe(held)} if again else None
+    return build_report(measured, log_history, worst, _run_info(cfg, batch), same)
+
+
+def _run_info(cfg: RunConfig, batch: Batch) -> dict[str, Any]:
+    return {"title": cfg.description or cfg.output.dir, "batch": str(batch)}
 
 
 def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None,
@@ -318,7 +340,7 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
     console.print(table)
 
 
-def _summary(console: Console, metrics: dict[str, Any], out: Path) -> None:
+def _summary(console: Console, metrics: dict[str, Any], out: Path, report: Report | None) -> None:
     keys = [k for k in ("train_loss", "eval_loss", "eval_accuracy", "eval_majority_baseline",
                         "eval_perplexity", "train_runtime") if k in metrics]
     table = Table(title="result", show_header=False, title_justify="left")
@@ -326,5 +348,11 @@ def _summary(console: Console, metrics: dict[str, Any], out: Path) -> None:
     table.add_column()
     for key in keys:
         table.add_row(key, f"{metrics[key]:.4f}")
+    if report is not None:
+        compared = report.compared()
+        peak = f"measured {format_bytes(report.measured['peak_bytes'])}"
+        if compared:
+            peak += f", predicted {format_bytes(compared['peak_bytes'])}"
+        table.add_row("peak memory", f"{peak}: {comparison(report)}")
     table.add_row("saved to", str(out))
     console.print(table)

@@ -10,11 +10,19 @@ keys to ``logs`` in ``on_log`` is too late for them (the keys still reach ``stat
 Callbacks are never handed their Trainer or handler, so the Trainer is given explicitly:
 ``callback.attach(trainer)`` puts the callback right after ``DefaultFlowCallback``, ahead of the
 integrations.
+
+Which steps are measured: the first two, one in ``every`` and the last, and every step whose
+largest micro-batch is the largest the run has held so far (rows x tokens). The Trainer fetches an
+optimizer step's micro-batches before it calls ``on_step_begin``; ``attach`` lets the callback see
+their shapes then. So the step that holds the run's longest batch, the one the estimator predicts
+(:mod:`memtrain.data.rows`), is always measured, and the report compares like with like. Without
+``attach`` only the scheduled steps are measured, whose batches may be shorter.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,13 +36,30 @@ if TYPE_CHECKING:
     from transformers import Trainer
 
 
+Shape = tuple[int, int]  # (rows, tokens) of a micro-batch
+
+
+def batch_shape(inputs: Any) -> Shape | None:
+    """(rows, tokens) of a micro-batch: the shape of its ``input_ids`` (or of its first 2-D tensor)."""
+    if not isinstance(inputs, Mapping):  # a dict, or the collator's BatchEncoding
+        return None
+    tensors = [inputs.get("input_ids"), *inputs.values()]
+    first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
+    return None if first is None else (int(first.shape[0]), int(first.shape[1]))
+
+
+def _size(shape: Shape) -> tuple[int, int]:
+    return shape[0] * shape[1], shape[1]  # more tokens first; of as many, the longer rows
+
+
 class MemoryMeterCallback(TrainerCallback):
     """Measure training steps and log their memory into the Trainer's logs.
 
     Args:
         every: measure the first two optimizer steps of each ``train()`` call (before and after
             optimizer state exists; a resumed run is measured too), then one step in ``every``
-            (1 = all) and the last step. Default: the Trainer's logging interval, so that each log
+            (1 = all), the last step, and each step whose batch is the largest so far (see the
+            module docstring; needs :meth:`attach`). Default: the Trainer's logging interval, so that each log
             entry reports the step it is logged at: measuring adds a Python call per tensor op,
             17-24% of a CPU step (docs/bench/meter_cost.md), too much to pay on every step.
         keep_timeline: keep the per-op timeline of the measured step with the highest peak
@@ -50,6 +75,10 @@ class MemoryMeterCallback(TrainerCallback):
         self.predicted_bytes = predicted_bytes  # the estimator's peak, logged beside the measured one
         self.steps: dict[int, StepMemory] = {}  # global step -> measurement
         self.worst: StepMemory | None = None
+        self.shapes: dict[int, Shape] = {}  # global step -> its largest micro-batch, measured steps
+        self.largest: Shape | None = None  # the largest micro-batch of the run so far
+        self._upcoming: Shape | None = None  # the next step's largest micro-batch (see attach)
+        self._shape: Shape | None = None
         self._meter: MemoryMeter | None = None
         self._since_log: list[StepMemory] = []
         self._first = 0  # the global step training (re)started at
@@ -61,7 +90,24 @@ class MemoryMeterCallback(TrainerCallback):
         if self in callbacks:
             callbacks.remove(self)
         callbacks.insert(min(1, len(callbacks)), self)  # after DefaultFlowCallback
+        self._peek(trainer)
         return self
+
+    def _peek(self, trainer: Trainer) -> None:
+        """See each optimizer step's micro-batches when the Trainer fetches them (before
+        ``on_step_begin``): ``Trainer.get_batch_samples`` is wrapped on this instance."""
+        stock = trainer.get_batch_samples
+        if getattr(stock, "memtrain_peek", None) is self:
+            return
+
+        def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            batches, items = stock(epoch_iterator, num_batches, device)
+            shapes = [s for s in map(batch_shape, batches) if s is not None]
+            self._upcoming = max(shapes, key=_size) if shapes else None
+            return batches, items
+
+        get_batch_samples.memtrain_peek = self  # type: ignore[attr-defined]
+        trainer.get_batch_samples = get_batch_samples  # type: ignore[method-assign]
 
     # -- events ---------------------------------------------------------------------------
 
@@ -74,8 +120,14 @@ class MemoryMeterCallback(TrainerCallback):
                       model: torch.nn.Module | None = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
         step = state.global_step + 1
-        if step - self._first > 2 and step % self._every and step != state.max_steps:
-            return  # (the Trainer logs the last step too)
+        shape, self._upcoming = self._upcoming, None
+        largest = shape is not None and (self.largest is None or _size(shape) > _size(self.largest))
+        if largest:
+            self.largest = shape
+        if (step - self._first > 2 and step % self._every and step != state.max_steps  # (logged too)
+                and not largest):
+            return
+        self._shape = shape
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
         self._meter = MemoryMeter(model, inner if isinstance(inner, torch.optim.Optimizer) else None,
                                   timeline=self.keep_timeline)
@@ -88,6 +140,9 @@ class MemoryMeterCallback(TrainerCallback):
         self._meter.__exit__(None, None, None)
         result = self._meter.result()
         self._meter = None
+        result.batch = self._shape
+        if self._shape is not None:
+            self.shapes[state.global_step] = self._shape
         if self.worst is None or result.peak_bytes > self.worst.peak_bytes:
             self.worst = result
         if not self.keep_timeline or result is not self.worst:

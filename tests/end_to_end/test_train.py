@@ -71,6 +71,34 @@ def test_qlora_grads_survive_an_eval_pass(tmp_path: Path, corpus: Path) -> None:
     assert lora_grads and all(g.abs().sum() > 0 for g in lora_grads)
 
 
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_qlora_trains_a_sequence_classifier_with_its_head_in_full(
+        tmp_path: Path, tiny_classification_file: Path, quantization: str) -> None:
+    # transformers leaves unquantized the module named by the model's last parameter, which for a
+    # classifier is `classifier.bias`: the head was quantized and the first step asserted inside
+    # bitsandbytes (exit 1). The head must stay a float layer that peft trains in full.
+    import bitsandbytes as bnb
+
+    from memtrain.estimator.estimate import estimate
+
+    probe = GradProbe()
+    recipe = causal_recipe(tmp_path, tiny_classification_file, arch="bert",
+                           model={"quantization": quantization, "task": "sequence-classification"},
+                           data={"format": "classification"}, training={"max_steps": 2})
+    cfg = load_recipe(recipe)
+    assert estimate(cfg).peak_bytes > 0  # the fake build quantizes the same way
+    result = train(cfg, callbacks=[probe])
+    modules = dict(result.model.named_modules())
+    assert any(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in modules.values())
+    heads = {n: m for n, m in modules.items() if n.endswith("modules_to_save.default")}
+    assert heads and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+                         for m in heads.values())
+    grads = probe.grads[-1]
+    head_grads = [g for n, g in grads.items() if "modules_to_save" in n]
+    lora_grads = [g for n, g in grads.items() if "lora_" in n]
+    assert head_grads and lora_grads and all(g.abs().sum() > 0 for g in head_grads + lora_grads)
+
+
 def test_8bit_adamw_keeps_uint8_state(tmp_path: Path, corpus: Path) -> None:
     captured = {}
 

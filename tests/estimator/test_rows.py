@@ -82,3 +82,26 @@ def test_a_padded_batch_holds_more_than_full_rows(tmp_path: Path, tiny_text_file
     full = estimate(cfg, device="cpu", rows=rows_of(cfg, [48, 48])).peak_bytes
     padded = estimate(cfg, device="cpu", rows=rows_of(cfg, [48, 30])).peak_bytes
     assert padded > full  # the 4D mask and GQA's repeated keys and values
+
+
+def test_estimate_command_reads_the_data_when_asked(tmp_path: Path, tiny_text_file: Path) -> None:
+    # `memtrain estimate --data` traces the data's longest row and says so; without it, rows of
+    # data.max_length ("data is not read").
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from memtrain.cli.app import app
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(causal_recipe(tmp_path, tiny_text_file, data={"max_length": 64},
+                                                   training={"micro_batch_size": 2})))
+    runs = {flag: CliRunner().invoke(app, ["estimate", str(recipe), "--json", "--device", "cpu", *flag])
+            for flag in ((), ("--data",))}
+    assert all(r.exit_code == 0 for r in runs.values()), [r.output for r in runs.values()]
+    blind, read = (json.loads(r.stdout[r.stdout.index("{"):]) for r in runs.values())
+    assert blind["settings"]["seq_len"] == 64 and "data is not read" in blind["notes"][0]
+    assert 12 < read["settings"]["seq_len"] < 64 and read["notes"][0].startswith(
+        f"the data's longest row, {read['settings']['seq_len']} tokens")
+    assert read["peak_bytes"] < blind["peak_bytes"]

@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 
 from memtrain.cli.app import app
 from memtrain.config import load_recipe
-from memtrain.memory.report import REPORT_JSON, REPORT_PNG, load_report, summary_rows
+from memtrain.memory.report import REPORT_JSON, REPORT_PNG, comparison, load_report, summary_rows
 from memtrain.memory.trackers import CATEGORY_NAMES
 from memtrain.run.train import train
+from memtrain.units import format_bytes
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +48,49 @@ def test_summary_compares_with_the_prediction(run_dir: Path) -> None:
     assert rows[-1][0] == "peak (device)" and rows[-1][3] == "+1.0%"
 
 
+def uneven_recipe(tmp: Path, **training: object) -> dict:
+    """31 short lines and one long one: the batch holding the long line is the run's longest, and
+    (with this seed and data) it is step 5 of 8, where the logging interval measures nothing."""
+    data = tmp / "uneven.jsonl"
+    lines = [f"shall I compare thee {i}" for i in range(31)] + ["to be or not to be " * 5]
+    data.write_text("\n".join(json.dumps({"text": t}) for t in lines))
+    return causal_recipe(tmp, data, training={"max_steps": None, "epochs": 1, "logging_steps": 100,
+                                              **training}, output={"report": True})
+
+
+def test_the_step_with_the_longest_batch_is_measured_and_compared(tmp_path: Path) -> None:
+    # The meter used to measure the first two steps and one in `logging_steps` only: the report
+    # compared the prediction for the longest batch with a step of shorter rows (1.69x on the
+    # quickstart). Now the step holding the longest batch is measured, and compared like for like.
+    cfg = load_recipe(uneven_recipe(tmp_path))
+    result = train(cfg)
+    report = load_report(result.output_dir)
+    longest = [4, report.predicted["batch"][1]]
+    assert report.predicted["batch"] == longest and longest[1] > 20  # the long line, not a short one
+    assert report.measured["batch"] == longest and report.same_batch is None
+    ratio = report.predicted["peak_bytes"] / report.measured["peak_bytes"]
+    assert 1.0 <= ratio <= 1.10, ratio
+    assert "longest batch" in comparison(report) and f"{ratio:.3f}" in comparison(report)
+
+
+def test_a_run_that_never_holds_its_longest_batch_is_compared_for_the_batch_it_held(
+        tmp_path: Path) -> None:
+    cfg = load_recipe(uneven_recipe(tmp_path, max_steps=3))  # ends before the long line's step
+    report = load_report(train(cfg).output_dir)
+    held, longest = report.measured["batch"], report.predicted["batch"]
+    assert held[1] < longest[1] and report.same_batch["batch"] == held
+    ratio = report.same_batch["peak_bytes"] / report.measured["peak_bytes"]
+    assert 1.0 <= ratio <= 1.10, ratio
+    assert summary_rows(report)[-2][2] == format_bytes(report.same_batch["peak_bytes"])
+    assert "never held" in comparison(report)
+
+
 def test_report_command_rerenders(run_dir: Path) -> None:
     (run_dir / REPORT_PNG).unlink()
     result = CliRunner().invoke(app, ["report", str(run_dir)])
     assert result.exit_code == 0, result.output
     assert (run_dir / REPORT_PNG).is_file() and "peak (device)" in result.output
+    assert "compared: measured the step that held the run's longest batch, 4 rows x" in result.output
 
 
 def test_report_of_a_folder_without_one(tmp_path: Path) -> None:
