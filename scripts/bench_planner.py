@@ -23,8 +23,10 @@ Three methods per case, every one judged the same way:
 - **trivial**: no technique (the first value of every ``auto`` field: full AdamW, no checkpointing,
   the standard loss), and the micro-batch found by halving on out-of-memory from the whole effective
   batch: the largest of 4, 2, 1 whose real run fits. Each failed try is counted (on a GPU, a crash);
-- the **fastest that fits**, for context: the fastest of every setting run (both methods' picks and
-  the no-technique runs) whose measured peak fits the budget. It is not an exhaustive search.
+- for context, the planner's **runner-up** (the fastest-predicted setting it did not choose among
+  those predicted to fit) and the **fastest that fits**: the fastest of every setting run (the
+  picks, the runners-up and the no-technique runs) whose counted peak fits the budget. Neither is
+  an exhaustive search of the candidates.
 
 **Judge.** Each setting is run for real: ``memtrain train`` (the Trainer's own steps) with the
 settings fixed, 7 optimizer steps. Step 2 (optimizer state exists) is counted by
@@ -190,15 +192,17 @@ class Bench:
             train(cfg, console=Console(quiet=True), callbacks=[counted])
         return counted
 
-    def plan(self, case: Case) -> tuple[tuple | None, float]:
+    def plan(self, case: Case) -> tuple[tuple | None, tuple | None, float]:
         cfg = planner.with_values(self.cfg, {"adapter.method": "auto"}) if case.lora else self.cfg
         start = time.perf_counter()
         try:
             decided = planner.plan(cfg, case.budget_mib * MiB, device="cpu", rows=self.rows)
         except planner.NothingFits:
-            return None, time.perf_counter() - start
+            return None, None, time.perf_counter() - start
         seconds = time.perf_counter() - start
-        return self.settings(decided.chosen.values, decided.chosen.micro), seconds
+        runner_up = decided.alternatives[0] if decided.alternatives else None
+        return (self.settings(decided.chosen.values, decided.chosen.micro),
+                runner_up and self.settings(runner_up.values, runner_up.micro), seconds)
 
     def trivial(self, budget: int) -> tuple[tuple | None, int]:
         """Halving on out-of-memory from the whole effective batch, no technique: (pick, failed tries)."""
@@ -239,11 +243,12 @@ def main() -> None:
         results = []
         for case in CASES:
             budget = case.budget_mib * MiB
-            picked, plan_s = bench.plan(case)
-            if picked is not None:
-                bench.run(picked)
+            picked, second, plan_s = bench.plan(case)
+            for key in (picked, second):
+                if key is not None:
+                    bench.run(key)
             trivial, failed = bench.trivial(budget)
-            results.append((case, picked, plan_s, trivial, failed))
+            results.append((case, picked, plan_s, trivial, failed, second))
             print(f"{case.name}: planner {label(picked)}; trivial {label(trivial)}", flush=True)
         bench.retime()
         text = report(bench, plain, results, args.threads, time.perf_counter() - began)
@@ -254,7 +259,7 @@ def main() -> None:
 def report(bench: Bench, plain: dict[int, Measured], results: list, threads: int, seconds: float) -> str:
     runs = bench.runs
     rows, fits, beats, ties, loses = [], 0, [], [], []
-    for case, picked, plan_s, trivial, failed in results:
+    for case, picked, plan_s, trivial, failed, second in results:
         budget = case.budget_mib * MiB
         fitting = [k for k, m in runs.items() if m.peak <= budget
                    and (case.lora or dict(k)["adapter.method"] == "full")]
@@ -279,6 +284,7 @@ def report(bench: Bench, plain: dict[int, Measured], results: list, threads: int
             f"{_mib(p.peak) if p else '—'} | {'yes' if ok else '**no**' if p else '—'} | "
             f"{f'{p.step:.3f}' if p else '—'} | {plan_s:.1f} | {label(trivial)} | "
             f"{_mib(t.peak) if t else '—'} | {failed} | {f'{t.step:.3f}' if t else '—'} | {verdict} | "
+            f"{label(second)} | {f'{runs[second].step:.3f}' if second else '—'} | "
             f"{label(fastest)} | {f'{runs[fastest].step:.3f}' if fastest else '—'} |")
     load = os.getloadavg()
     lines = [
@@ -299,8 +305,8 @@ def report(bench: Bench, plain: dict[int, Measured], results: list, threads: int
         "where the trivial rule finds nothing.", "",
         "| case | budget MiB | planner's pick (micro x accumulation) | counted peak MiB | fits | s/step "
         "| plan s | trivial rule's pick | counted peak MiB | failed tries | s/step | planner vs trivial "
-        "| fastest run that fits | s/step |",
-        "|---|---:|---|---:|---|---:|---:|---|---:|---:|---:|---|---|---:|",
+        "| planner's runner-up | s/step | fastest run that fits | s/step |",
+        "|---|---:|---|---:|---|---:|---:|---|---:|---:|---:|---|---|---:|---|---:|",
         *rows, "",
         "Every run (memprobe's count of step 2, the fastest of its timed steps over both runs):", "",
         "| settings | counted peak MiB | s/step (fastest) | timed steps |",
