@@ -11,12 +11,12 @@ LoRA cases leave ``adapter.method`` (full, LoRA) too. The logits (31 MB a row) d
 above micro-batch 1; at micro-batch 1 the weights, gradients and optimizer state do.
 
 Inputs are fixed here, not derived from memtrain: each case is a budget in MiB (``CASES``), the same
-for every method, and the fields the recipe leaves ``auto``. The budgets are round sizes placed
-against the *measured* peaks of the no-technique runs (the first table of the output), to give: one
+for every method, and the fields the recipe leaves ``auto``. The budgets are sizes placed against
+the *measured* peaks of the no-technique runs (the last line of the output), to give: one
 case where everything fits, one where only smaller micro-batches with accumulation fit, one where
 only micro-batch 1 fits, and cases below the no-technique floor, where something must be given up.
 
-Three methods per case, every one judged the same way:
+Two methods per case, both judged the same way:
 
 - **planner**: ``memtrain.plan.planner.plan`` at the budget (margin 0: the budget is the limit; CPU;
   the rows of the data at hand), as ``memtrain train`` plans a recipe with ``auto`` fields;
