@@ -1,15 +1,18 @@
 """Benchmark auto-fit micro-batch against ``TrainingArguments(auto_find_batch_size=True)``.
 
 Two models (the pretrained MiniLM classifier with LoRA, as in ``recipes/quickstart.yaml``, and the
-tiny Llama trained in full, as in ``recipes/tiny-llama-shakespeare.yaml``), each under 6 simulated
-budgets (``memory.simulate_budget``: torch's out-of-memory error when live tensor bytes exceed the
-limit). The budgets are fixed sizes written below (``BUDGETS_MIB``), not derived from memtrain's
-estimate: a benchmark's inputs must not come from the thing it measures. They run in round steps
-from just above what micro-batch 1 needs (about 99 MiB for MiniLM and 115 MiB for the tiny Llama,
-read off the previous version of this table) to 170 MiB, where about 11 examples fit; where a
-budget falls close to what a micro-batch needs is left to chance, as it is for a user. The user's
+tiny Llama trained in full, as in ``recipes/tiny-llama-shakespeare.yaml``), each under the same 4
+budgets: ``BUDGETS_MIB``, a fixed ladder of round sizes written in this file, not derived from
+memtrain's estimate nor from an earlier run of this table, spanning from about what micro-batch 1
+needs to above what 6 need (memprobe's counts of each micro-batch, the table at the end). Four
+budgets, not more, to keep the run to minutes on 2 shared cores. The user's
 effective batch is 12 examples; every batch holds ``data.max_length`` tokens per example (packed
 text; classification texts longer than the limit), so every step is the worst case.
+
+A CPU has no device limit to run out of, so the out-of-memory errors both methods react to come
+from a simulated device: memtrain's ``memory.simulate_budget`` (torch's out-of-memory error when the
+live tensor bytes memtrain's tracker counts exceed the budget), the same for both. It is the
+environment, not the judge.
 
 - **HF**: a plain ``transformers.Trainer`` with ``per_device_train_batch_size=12`` and
   ``auto_find_batch_size=True`` (accelerate's ``find_executable_batch_size``: on out-of-memory,
@@ -19,12 +22,15 @@ text; classification texts longer than the limit), so every step is the worst ca
   training with out-of-memory recovery; with margin 0 (what the default ``memory.margin: auto``
   gives a simulated budget alone: it counts the live tensor bytes the estimator predicts exactly)
   and with the 10% margin ``auto`` keeps against a real device's budget. Both are reported.
-- **Truth**: real 2-step Trainer runs at fixed micro-batches under the budget, searched exhaustively
-  (binary search over a monotone fits/does-not-fit): the largest micro-batch that divides 12 (what
-  keeps the effective batch exact, run with accumulation min(12 / micro, 2), which reaches the
-  step's peak) and, for context, the largest of any size below the next divisor with accumulation
-  1 (HF's setting; without accumulation a micro-batch can fit that did not fit with it, so HF can
-  end above this column).
+- **Judge** (``scripts/memprobe.py``, no memtrain code in the count): every run of either method
+  carries memprobe's ``trainer_steps``, which counts the live tensor bytes of each real Trainer
+  step; the method's result *fits* when its step 2 (optimizer state exists) counted at most the
+  budget. The same callback counts the rows the model's forward is handed in each optimizer step:
+  the *effective batch* reported is that count, so the auto-fit invariant (12 rows a step) is
+  checked on what trained, not on the settings. *Truth*, the largest micro-batch that divides 12
+  (what keeps the effective batch exact) and fits, comes from real 2-step Trainer runs at each such
+  micro-batch with accumulation min(12 / micro, 2) (which reaches the step's peak), no budget,
+  counted by memprobe.
 
 Both sides train 2 optimizer steps; the clock runs from the start of sizing (prediction, or the
 Trainer's ``train()``) to the end of optimizer step 1. Model loading and data preparation are
@@ -75,21 +81,21 @@ from memtrain.reliability.budget import SimulatedBudgetCallback
 from memtrain.trainer.build import build_model
 from memtrain.trainer.trainer import build_trainer, optimizer_arguments
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memprobe import trainer_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "bench" / "autofit.md"
 EFFECTIVE = 12
-# Fixed budgets per recipe (see the module docstring for how they were chosen); --quick takes 2.
-BUDGETS_MIB: dict[str, tuple[int, ...]] = {
-    "quickstart": (100, 110, 120, 130, 145, 170),
-    "tiny-llama-shakespeare": (118, 124, 130, 140, 150, 170),
-}
+# Fixed budgets, the same for both models (see the module docstring); --quick takes 2.
+BUDGETS_MIB = (100, 120, 140, 165)
 MiB = 2**20
 
 
 @dataclass
 class Setup:
     name: str
-    recipe: str  # the shipped recipe it starts from (the key of BUDGETS_MIB)
+    recipe: str  # the shipped recipe it starts from
     cfg: RunConfig  # micro_batch_size: auto, effective 12, 2 steps, no budget yet
     tokenizer: Any
     data: PreparedData
@@ -112,6 +118,50 @@ class Timer(TrainerCallback):
             self.first_step_s = time.perf_counter() - self.start
             self.starts_before_first = self.starts
             self.micro_at_first = state.train_batch_size
+
+
+class Judge(TrainerCallback):
+    """memprobe's count of every optimizer step, and the rows the model's forward saw in it.
+
+    Put first among the callbacks: when HF restarts its loop after an out-of-memory error, the
+    counter of the step that raised is still open and must be left before the simulated budget
+    re-enters (dispatch modes leave in the reverse order they entered)."""
+
+    def __init__(self) -> None:
+        self.counter = trainer_steps()
+        self.rows: list[int] = []  # rows per optimizer step, of the last training loop
+        self._seen = 0
+        self._hook: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.counter.on_train_end(args, state, control)  # a step that raised: leave its count
+        self.counter.steps.clear()
+        self.rows, self._seen = [], 0
+        if self._hook is None:
+            self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: Any, positional: Any, named: Any) -> None:
+        ids = named.get("input_ids", positional[0] if positional else None)
+        if module.training and isinstance(ids, torch.Tensor):
+            self._seen += ids.shape[0]
+
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+        self.counter.on_step_begin(*args, **kwargs)
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        self.counter.on_step_end(*args, **kwargs)
+        self.rows.append(self._seen)
+        self._seen = 0
+
+    def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+        self.counter.on_train_end(*args, **kwargs)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def step2(self) -> int:
+        """Counted bytes of step 2 (device and host: on a CPU, the same RAM)."""
+        return next(s["total_peak"] for s in self.counter.steps if s["step"] == 2)
 
 
 class RestartingBudget(SimulatedBudgetCallback):
@@ -181,20 +231,17 @@ def hf_args(s: Setup, out: Path, micro: int, accumulation: int, auto: bool) -> T
         train_sampling_strategy="sequential", dataloader_num_workers=0)
 
 
-def run_fixed(s: Setup, tmp: Path, limit: int, micro: int, accumulation: int) -> bool:
-    """Truth: does a 2-step run at this fixed micro-batch fit the budget?"""
+def counted_peak(s: Setup, tmp: Path, micro: int, accumulation: int) -> int:
+    """Truth: memprobe's count of step 2 of a real 2-step run at this fixed micro-batch, no budget."""
     model = model_for(s)
     args = hf_args(s, tmp / "truth", micro, accumulation, auto=False)
-    budget = SimulatedBudgetCallback(limit)
+    judge = Judge()
     trainer = Trainer(model=model, args=args, train_dataset=s.data.train, data_collator=s.data.collator,
-                      callbacks=[budget])
+                      callbacks=[judge])
     try:
         trainer.train()
-        return True
-    except torch.OutOfMemoryError:
-        return False
+        return judge.step2()
     finally:
-        budget.close()
         del trainer, model
         gc.collect()
 
@@ -215,23 +262,30 @@ def run_hf(s: Setup, tmp: Path, limit: int) -> dict[str, Any]:
     model = model_for(s)
     args = hf_args(s, tmp / "hf", EFFECTIVE, 1, auto=True)
     budget = RestartingBudget(limit)
+    judge = Judge()
     start = time.perf_counter()
     timer = Timer(start)
     trainer = Trainer(model=model, args=args, train_dataset=s.data.train, data_collator=s.data.collator,
-                      callbacks=[budget, timer])
+                      callbacks=[judge, budget, timer])
     try:
         trainer.train()
     except RuntimeError as err:  # accelerate gives up: "No executable batch size found, reached zero."
         if "batch size" not in str(err):
             raise
+        judge.on_train_end(None, None, None)
         return {"failed": timer.starts, "later": 0, "seconds": time.perf_counter() - start, "micro": 0,
-                "micro_step1": 0, "effective": 0}
+                "micro_step1": 0, "effective": 0, "counted": None}
     finally:
         budget.close()
     micro = timer.micro_at_end
     return {"failed": timer.starts_before_first - 1, "later": timer.starts - timer.starts_before_first,
             "seconds": timer.first_step_s, "micro": micro, "micro_step1": timer.micro_at_first,
-            "effective": micro * args.gradient_accumulation_steps}
+            "effective": _effective(judge), "counted": judge.step2()}
+
+
+def _effective(judge: Judge) -> int | str:
+    """Rows a step, as counted at the model's forward; every step of the last loop must agree."""
+    return judge.rows[0] if len(set(judge.rows)) == 1 else "/".join(map(str, judge.rows))
 
 
 def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float | str) -> dict[str, Any]:
@@ -239,18 +293,21 @@ def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float | str) -> dict[s
     model = model_for(s)
     choices = valid_batches(cfg.training, cfg.distributed.processes)
     budget = SimulatedBudgetCallback(limit)
+    judge = Judge()
+    rows = s.data.rows(cfg)  # as `memtrain train` does: the longest batch of the data at hand
     search._TRACES.clear()  # every run traces, as each `memtrain train` process does
     start = time.perf_counter()
     timer = Timer(start)
     try:
-        planned, batch, _ = autofit.predict(cfg)
+        planned, batch, _ = autofit.predict(cfg, rows=rows)
     except MemtrainError:  # nothing fits the budget minus the margin: memtrain refuses, with numbers
         return {"failed": 0, "later": 0, "seconds": time.perf_counter() - start, "micro": 0,
-                "predicted": 0, "effective": EFFECTIVE, "refused": True}
-    trainer = build_trainer(planned, model, s.tokenizer, s.data, batch, str(tmp / "mt"), [budget, timer])
+                "predicted": 0, "effective": EFFECTIVE, "refused": True, "counted": None}
+    trainer = build_trainer(planned, model, s.tokenizer, s.data, batch, str(tmp / "mt"),
+                            [judge, budget, timer])
     trainer.args.train_sampling_strategy = "sequential"
     trainer.args.disable_tqdm = True
-    probe = autofit.confirm(trainer, planned, batch, choices=choices)
+    probe = autofit.confirm(trainer, planned, batch, choices=choices, rows=rows)
     try:
         trainer.train()
     finally:
@@ -260,21 +317,25 @@ def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float | str) -> dict[s
     micro = min([e["micro_batch"] for e in recovered] or [probe.batch.micro])
     return {"failed": probe.failed + len(before), "later": len(recovered) - len(before),
             "seconds": timer.first_step_s, "micro": micro, "predicted": batch.micro,
-            "effective": probe.batch.micro * probe.batch.accumulation}
+            "effective": _effective(judge), "counted": judge.step2()}
 
 
-def bench(s: Setup, tmp: Path, budgets_mib: tuple[int, ...]) -> list[dict[str, Any]]:
+def bench(s: Setup, tmp: Path, budgets_mib: tuple[int, ...], peaks: dict[int, int]) -> list[dict[str, Any]]:
+    """Every budget for one model; ``peaks`` (micro-batch -> memprobe's count) fills as truth is
+    searched, once per micro-batch for all budgets."""
     divisors = [m for m in range(1, EFFECTIVE + 1) if EFFECTIVE % m == 0]
+
+    def peak(micro: int) -> int:
+        # the peak is reached from the second micro-batch of step 2 on: 2 micro-batches show it
+        if micro not in peaks:
+            peaks[micro] = counted_peak(s, tmp, micro, min(EFFECTIVE // micro, 2))
+        return peaks[micro]
+
     rows = []
     for mib in budgets_mib:
         limit = mib * MiB
-        # the peak is reached from the second micro-batch of step 2 on: 2 micro-batches show it
-        valid = largest(lambda m, lim=limit: run_fixed(s, tmp, lim, m, min(EFFECTIVE // m, 2)), divisors)
-        nxt = [d for d in divisors if d > valid]
-        upper = nxt[0] - 1 if nxt else EFFECTIVE
-        any_size = largest(lambda m, lim=limit: run_fixed(s, tmp, lim, m, 1),
-                           list(range(max(valid, 1), upper + 1)))
-        row = {"model": s.name, "budget": limit, "valid": valid, "any": any_size,
+        valid = largest(lambda m, lim=limit: peak(m) <= lim, divisors)
+        row = {"model": s.name, "budget": limit, "valid": valid,
                "hf": run_hf(s, tmp, limit), "mt": run_memtrain(s, tmp, limit, "auto"),
                "mt1": run_memtrain(s, tmp, limit, 0.1)}
         rows.append(row)
@@ -283,17 +344,17 @@ def bench(s: Setup, tmp: Path, budgets_mib: tuple[int, ...]) -> list[dict[str, A
 
 
 def summary(r: dict[str, Any]) -> str:
-    return (f"{r['model']} {r['budget'] / MiB:.1f} MiB: truth {r['valid']}/{r['any']}; "
+    return (f"{r['model']} {r['budget'] / MiB:.1f} MiB: truth {r['valid']}; "
             + "; ".join(f"{k} micro {r[k]['micro']} failed {r[k]['failed']} {r[k]['seconds']:.2f}s"
                         f"{' refused' if r[k].get('refused') else ''}"
                         for k in ("hf", "mt", "mt1")))
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| model | budget MiB | truth: largest valid / any | method | micro-batch at the end "
-             "| found / valid | failed attempts before step 1 | later OOM restarts/recoveries | s to step 1 "
-             "| effective batch |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| model | budget MiB | truth: largest valid micro-batch | method | micro-batch at the end "
+             "| found / valid | step 2 counted MiB (memprobe) | fits | failed attempts before step 1 "
+             "| later OOM restarts/recoveries | s to step 1 | effective batch (rows a step, counted) |",
+             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---|"]
     names = {"hf": "HF auto_find_batch_size", "mt": f"memtrain auto ({LABELS['mt']})",
              "mt1": f"memtrain auto ({LABELS['mt1']})"}
     for r in rows:
@@ -306,8 +367,12 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             if m.get("micro_step1", m["micro"]) != m["micro"]:
                 found = f"{m['micro']} (step 1 ran at {m['micro_step1']})"
             share = f"{m['micro'] / r['valid']:.0%}" if r["valid"] else "— (nothing fits)"
-            lines.append(f"| {r['model']} | {r['budget'] / MiB:.0f} | {r['valid']} / {r['any']} | {label} | "
-                         f"{found} | {share} | {m['failed']} | {m['later']} | "
+            counted = "—" if m["counted"] is None else f"{m['counted'] / MiB:.1f}"
+            fits = "—" if m["counted"] is None else "yes" if m["counted"] <= r["budget"] else "**no**"
+            if m["counted"] is None:
+                kept = "— (did not train)"
+            lines.append(f"| {r['model']} | {r['budget'] / MiB:.0f} | {r['valid']} | {label} | "
+                         f"{found} | {share} | {counted} | {fits} | {m['failed']} | {m['later']} | "
                          f"{m['seconds']:.2f} | {kept} |")
     return lines
 
@@ -327,17 +392,23 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         no_fail = sum(1 for m in runs if m["failed"] == 0) / len(runs)
         ratios = [r["hf"]["seconds"] / r[key]["seconds"] for r in rows if not r[key].get("refused")]
         share = [r[key]["micro"] / r["valid"] for r in sized]
-        kept = all(m["effective"] == EFFECTIVE for m in runs)
+        trained = [m for m in runs if m["counted"] is not None]
+        kept = all(m["effective"] == EFFECTIVE for m in trained)
+        over = sum(1 for r in rows if r[key]["counted"] is not None and r[key]["counted"] > r["budget"])
         enough = sum(s >= 0.95 for s in share)
         refused = sum(1 for m in runs if m.get("refused"))
         speed = (f"median {statistics.median(ratios):.2f}×, min {min(ratios):.2f}×"
                  if key != "hf" and ratios else "—")
         cells[key] = [f"{no_fail:.0%} of cases", speed,
                       f"min {min(share):.0%}, median {statistics.median(share):.0%} ({enough}/{len(share)} "
-                      "cases ≥ 95%)" if share else "—", "always" if kept else "not always",
+                      "cases ≥ 95%)" if share else "—",
+                      f"{'always' if kept else 'not always'} ({len(trained)} runs that trained)",
+                      f"{len(trained) - over} of {len(trained)}",
                       f"{refused} of {len(runs)}" if key != "hf" else "—"]
     labels = ["no failed attempt (target ≥ 90% of cases)", "speed-up to step 1 vs HF (target ≥ 3×)",
-              "micro-batch / largest valid (target ≥ 95%)", "effective batch preserved (target: always)",
+              "micro-batch / largest valid (target ≥ 95%)",
+              "effective batch preserved, rows counted at the forward (target: always)",
+              "step 2 fits the budget, memprobe's count (target: every run that trained)",
               "refused (nothing fits the budget minus the margin)"]
     for i, label in enumerate(labels):
         out.append(f"| {label} | {cells['mt'][i]} | {cells['mt1'][i]} | {cells['hf'][i]} |")
@@ -354,11 +425,11 @@ def main() -> None:
     logging.disable(logging.WARNING)
     transformers.logging.set_verbosity_error()
     start = time.perf_counter()
-    rows = []
+    rows, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-autofit-") as tmp:
         for s in setups(Path(tmp), args.quick):
-            budgets = BUDGETS_MIB[s.recipe]
-            rows += bench(s, Path(tmp), budgets[1::3] if args.quick else budgets)
+            peaks[s.name] = {}
+            rows += bench(s, Path(tmp), BUDGETS_MIB[1::3] if args.quick else BUDGETS_MIB, peaks[s.name])
     load = os.getloadavg()
     command = "PYTHONPATH=$PWD python scripts/bench_autofit.py" + (" --quick" if args.quick else "")
     lines = [
@@ -370,7 +441,7 @@ def main() -> None:
         f"load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (cores shared with other "
         f"jobs); total run {time.perf_counter() - start:.0f} s.", "",
         __doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0], "",
-        "Budgets are simulated on CPU (exact live tensor bytes, no allocator caching). *Failed attempts*: "
+        "Budgets are simulated on CPU (live tensor bytes, no allocator caching). *Failed attempts*: "
         "out-of-memory errors before optimizer step 1 completed (HF: loop restarts; memtrain: probe steps "
         "that ran out of memory plus recoveries in step 1). *Later*: out-of-memory restarts (HF) or "
         "recoveries (memtrain) in step 2; HF's batch at the end is after those restarts (its step 1 can "
@@ -381,6 +452,15 @@ def main() -> None:
         "1 fits (truth 0) are left out of the micro-batch ratio.", "",
         "## Targets", "", *targets(rows), "",
         "## Every case", "", *table(rows), "",
+        "## Truth: memprobe's count of each micro-batch", "",
+        "Step 2 of a real 2-step Trainer run at accumulation min(12 / micro, 2), no budget (the "
+        "micro-batches the truth search needed):", "",
+        "| model | " + " | ".join(f"micro {m}" for m in sorted({m for p in peaks.values() for m in p}))
+        + " |",
+        "|---|" + "---:|" * len({m for p in peaks.values() for m in p}),
+        *[f"| {name} | " + " | ".join(f"{p[m] / MiB:.1f}" if m in p else "—"
+                                      for m in sorted({m for q in peaks.values() for m in q})) + " |"
+          for name, p in peaks.items()], "",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

