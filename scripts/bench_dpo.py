@@ -65,7 +65,7 @@ def main() -> None:
         f"{predicted.peak_bytes:,} B ({predicted.peak_bytes / MIB:.1f} MiB) |",
         f"| largest counted step (memprobe) | {counted:,} B ({counted / MIB:.1f} MiB) |",
         f"| counted - estimate | {counted - predicted.peak_bytes:+,} B (completion_mask, {2 * pairs} x "
-        f"{rows.longest} int64, is no forward argument; + 4 B, accelerate's divided loss) |",
+        f"{rows.longest} int64, is no forward argument) |",
         f"| time of `train`: CPU, wall (one thread, shared machine) | {cpu:.0f} s, {seconds:.0f} s |",
     ]
     print("\n".join(lines))

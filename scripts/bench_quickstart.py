@@ -140,9 +140,9 @@ def report(args: argparse.Namespace, user: dict[str, Any], counted: list[tuple[s
         "`scripts/memprobe.py` (no memtrain code). Target: predicted ≥ measured and ≤ 1.10 × "
         "measured.", "",
         *rows, "",
-        "The Trainer's step holds two fp32 scalars (8 bytes) that the estimated step does not "
+        "The estimated step holds what the Trainer's step holds, the two fp32 scalars included "
         "(`num_items_in_batch` and accelerate's divided loss; tests/end_to_end/"
-        "test_independent_count.py), so a ratio just under 1 by 8 bytes is an exact prediction.", "",
+        "test_independent_count.py), so an exact prediction differs by 0 bytes.", "",
         "What each run's own report said it compared (its meter measures the step that holds the "
         "longest batch):", "",
         *sentences, "",

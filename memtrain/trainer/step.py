@@ -57,13 +57,16 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
     steps = accumulation or (1 if single else len(batches))
     runs = ([batches] * (1 if held_gradients else steps)) if single else list(batches)
     model.train()
+    count = _token_count(runs[0])
     for i, batch in enumerate(runs):
         with _gradient_sync(model, i == len(runs) - 1):
             loss = model(**batch).loss if loss_fn is None else loss_fn(model, batch)
-            if steps > 1:
-                loss = loss / steps
-            loss.backward()
-            del loss
+            # accelerate's backward divides a copy of the loss by the accumulation steps (even
+            # at 1) and the Trainer keeps the undivided loss beside it through backward.
+            scaled = loss / steps
+            scaled.backward()
+            del loss, scaled
+    del count
     params = [p for p in model.parameters() if p.grad is not None]
     if max_grad_norm:
         # torch picks the multi-tensor norm for real tensors on CPU and CUDA, but never for fake
@@ -75,6 +78,17 @@ def training_step(model: nn.Module, batches: Batch | Sequence[Batch], optimizer:
             param.grad.zero_()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _token_count(batch: Batch) -> torch.Tensor | None:
+    """What the Trainer's step holds as ``num_items_in_batch``: the trained-token count, a 0-dim
+    float32 made before the first micro-batch and kept to the end of the step (None without labels,
+    as the Trainer: a DPO batch has none). Its value does not matter to memory; the model's own
+    loss is used as it is."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if labels is None:
+        return None
+    return torch.zeros((), dtype=torch.float32, device=labels.device)
 
 
 def hold_gradients(model: nn.Module) -> None:

@@ -14,14 +14,14 @@ exactly one micro-batch of rows, so every step runs the same batch); the estimat
 (``PreparedData.rows``, checked against the lengths written), and the counted step is a steady one
 (from the second on, when optimizer state exists; the maximum over them).
 
-Tolerance, stated beside each case (``Case.extra``): the count is the estimate plus exactly 8
-bytes, two 0-dim float32 tensors the Trainer's step holds at the peak (early in backward) and the
-estimator's step does not: ``num_items_in_batch`` (the trained-token count, made before the step,
-handed to the model's forward and divided by the parallel size: float32) and accelerate's
-``loss / gradient_accumulation_steps``, a copy of the loss made even at accumulation 1 and kept
-beside the undivided loss through backward (memtrain's step holds one mean loss). Both were found
-with the counter (the stacks that created the storages alive at the peak, recorded once by hand)
-and are the same in every case; nothing else may differ: the cases are byte-exact up to them.
+Tolerance, stated beside each case (``Case.extra``): the count equals the estimate, byte for byte.
+Two 0-dim float32 tensors the Trainer's step holds at the peak (early in backward) were found with
+the counter (the stacks that created the storages alive at the peak, recorded once by hand):
+``num_items_in_batch`` (the trained-token count, made before the step, handed to the model's
+forward and divided by the parallel size) and accelerate's ``loss / gradient_accumulation_steps``,
+a copy of the loss made even at accumulation 1 and kept beside the undivided loss through
+backward. The estimator's step holds both too (``memtrain.trainer.step``); it used to hold neither,
+and the estimate was 8 bytes under the count.
 The batch the forward is handed is checked too: the bytes of the rows as written, plus the count.
 
 Planted bugs (each planted, this module and the meter-vs-estimate tests run, the bug reverted; the
@@ -73,10 +73,10 @@ from scripts.memprobe import trainer_steps
 
 pytestmark = pytest.mark.slow
 
-# The Trainer's `num_items_in_batch`, one float32, and accelerate's divided loss beside the loss
-# (see the module docstring): what a Trainer step holds beyond the estimator's step.
+# The Trainer's `num_items_in_batch`, one float32 handed to the forward with the batch.
 TRAINER_TOKEN_COUNT = 4
-TRAINER_EXTRA = TRAINER_TOKEN_COUNT + 4
+# What the count may add to the estimate (see the module docstring): nothing.
+TRAINER_EXTRA = 0
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Case:
     same_batch: bool = True  # every step runs a batch of one shape
     # Tolerance: the count is the estimate plus exactly this many bytes, and why.
     extra: int = TRAINER_EXTRA
-    why: str = "the Trainer's num_items_in_batch and accelerate's divided loss: 2 x float32"
+    why: str = "byte-exact: the estimated step holds what the Trainer's step holds"
     # Weights a technique keeps in host memory: the counter files every resident tensor as device
     # memory, so they are taken off its device count here, sized from the architecture by hand.
     host_resident: int = 0
