@@ -38,4 +38,5 @@ def test_attention_dropout_is_the_math_path_on_a_cpu_and_an_upper_bound_for_cuda
 
 def test_eager_attention_says_it_is_quadratic(tmp_path: Path, tiny_text_file: Path) -> None:
     note = _note(tmp_path, tiny_text_file, "llama", "cuda", attn_implementation="eager")
-    assert note == "attention: eager, an s x s matrix of scores per head kept for backward (quadratic in length)"
+    assert note == ("attention: eager, an s x s matrix of scores per head kept for backward "
+                    "(quadratic in length)")

@@ -71,12 +71,13 @@ def test_plan_json_reports_the_length_and_estimate_asks_for_a_plan(
     path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_text_file, checkpointing="full")))
     cfg = load_recipe(str(path))
     budget = int(_total(cfg, 2 * step) / 0.9) + 1
-    result = CliRunner().invoke(app, ["plan", str(path), "--budget", str(budget), "--device", "cpu", "--json"])
+    args = ["plan", str(path), "--budget", str(budget), "--device", "cpu"]
+    result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     found = json.loads(result.output)
     assert found["settings"]["data.max_length"] == found["max_length"]["chosen"] >= 2 * step
     assert "data.max_length" in found["auto_fields"] and "leanest settings fit" in found["max_length"]["why"]
-    shown = CliRunner().invoke(app, ["plan", str(path), "--budget", str(budget), "--device", "cpu"])
+    shown = CliRunner().invoke(app, args)
     assert f"data.max_length={found['max_length']['chosen']}" in shown.output
     asked = CliRunner().invoke(app, ["estimate", str(path), "--device", "cpu"])
     assert asked.exit_code == 2 and "Traceback" not in asked.output
