@@ -37,7 +37,6 @@ def _total(cfg: object, tokens: int, **values: object) -> int:
     return estimate(planner.with_values(cfg, {"data.max_length": tokens, **values}), device="cpu").total_bytes
 
 
-@pytest.mark.slow
 def test_the_plan_is_the_longest_length_that_fits_and_the_next_does_not(
         tmp_path: Path, tiny_text_file: Path, step: int) -> None:
     cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full", loss="auto"))
@@ -64,7 +63,6 @@ def test_a_budget_that_fits_no_length_names_the_field_and_the_peak(
         planner.plan(cfg, "1MiB", device="cpu")
 
 
-@pytest.mark.slow
 def test_plan_json_reports_the_length_and_estimate_asks_for_a_plan(
         tmp_path: Path, tiny_text_file: Path, step: int) -> None:
     path = tmp_path / "recipe.yaml"
