@@ -5,9 +5,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr, ValidationInfo, create_model, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    create_model,
+    model_validator,
+)
 
-from memtrain.config.base import FractionOr, Problem, Section, _report
+from memtrain.config.base import Auto, FractionOr, Problem, Section, _report
 
 # ---------------------------------------------------------------------------------------- data
 
@@ -30,6 +38,12 @@ SHAREGPT_ROLES: dict[str, str] = {
     "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
     "tool": "tool", "observation": "tool", "function_call": "assistant",
 }
+
+
+def _positive_length(v: int | str) -> int | str:
+    if isinstance(v, int) and v <= 0:
+        raise ValueError("must be greater than 0")
+    return v
 
 
 class DatasetConfig(Section):
@@ -147,7 +161,10 @@ COMMON_DATA_KEYS = ("max_length", "packing", "eval_split", "mix", "mix_stopping"
 class DataConfig(DatasetConfig):
     """Where the examples come from and how they become tokens."""
 
-    max_length: int = Field(512, gt=0, description="Longest tokenized example; longer ones are cut.")
+    max_length: Annotated[int | Auto, AfterValidator(_positive_length)] = Field(
+        512, description="Longest tokenized example; longer ones are cut (a warning says how many). "
+        "`auto`: the planner finds the longest that fits the budget with the recipe's other settings "
+        "and every `auto` technique (a multiple of 256 tokens; `memtrain plan` shows it).")
     packing: bool = Field(
         False,
         description="Causal formats: put several examples in each `max_length` row. Positions restart "

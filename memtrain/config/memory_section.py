@@ -119,7 +119,8 @@ class MemoryConfig(Section):
     )
     loss_chunk_tokens: int | None = Field(
         None, gt=0, description="Tokens per chunk of the chunked loss; null = about as many logits "
-        "as hidden-state values (Liger-Kernel's rule)."
+        "as hidden-state values (Liger-Kernel's rule), between 32 and 256 MiB of fp32 logits per "
+        "chunk, in equal chunks."
     )
     tiled_mlp: bool | Auto = Field(
         False,

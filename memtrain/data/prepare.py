@@ -84,6 +84,10 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared
     saved with the run and used by ``memtrain generate``); in a mix, the first chat dataset's.
     """
     data = cfg.data
+    if data.max_length == "auto":
+        raise MemtrainError("`data.max_length` is `auto`: the planner decides it before the data is "
+                            "tokenized. Fix: plan first (`memtrain plan`, or `memtrain train`, which "
+                            "plans), or set `data.max_length` to a number.")
     _check_max_length(cfg, tokenizer)
     datasets = _with_chat_templates(data.datasets(), tokenizer)
     encoded = [_encode_dataset(d, cfg, tokenizer, need_eval_split=len(datasets) == 1) for d in datasets]

@@ -60,6 +60,11 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
             raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
                                 f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
                                 "run `memtrain plan`.")
+    if cfg.data.max_length == "auto" and rows is None:
+        raise MemtrainError("`data.max_length` is `auto`: the planner finds the longest length that fits "
+                            "the budget, and an estimate needs a length. Fix: run `memtrain plan` (it "
+                            "reports the length as `data.max_length`), or set `data.max_length` (e.g. "
+                            "`data.max_length=4096`).")
     target = device or device_type()
     if target not in ("cuda", "cpu"):
         raise MemtrainError(f"`--device` must be `cuda` or `cpu`, got {target!r}.")
@@ -75,6 +80,7 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
     if target == "cuda" and trace_device == "cpu":
         notes.append("CUDA run traced on CPU fake tensors, with CUDA's multi-tensor optimizer kernels; "
                      "int8 layers follow their CPU path")
+    notes.append(attention_note(cfg, config, target, trace_device, rows.packed or rows.padded(batch.micro)))
     notes += _process_notes(cfg)
     if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
         notes.append("optimizer offload traced with synchronous copies (its CPU mode): the state and "
@@ -86,6 +92,35 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
         notes.append("paged optimizer state counted as device memory (all pages resident)")
     depth = int(config.num_hidden_layers)
     return TraceSetup(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes, rows)
+
+
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def attention_note(cfg: RunConfig, config: PretrainedConfig, target: str, trace_device: str,
+                   masked: bool) -> str:
+    """Which attention kernel the trace ran and whether it holds a tokens x tokens matrix.
+
+    PyTorch's ``scaled_dot_product_attention`` picks a kernel per call: on a CPU (torch 2.x) its
+    flash kernel for any mask, but the math path (an s x s matrix per head, kept for backward)
+    when attention dropout is on; on CUDA flash (no mask) or memory-efficient (a mask; dropout
+    too), neither with an s x s matrix.
+    """
+    if cfg.model.attn_implementation == "eager":
+        return "attention: eager, an s x s matrix of scores per head kept for backward (quadratic in length)"
+    mask = "; the 4D attention mask (padded or packed batch) is s x s itself" if masked else ""
+    if trace_device == "cuda":
+        return f"attention: SDPA as this GPU's kernel choice (traced on fake CUDA tensors){mask}"
+    dropout = next((float(getattr(config, k)) for k in DROPOUT_KEYS if getattr(config, k, None)), 0.0)
+    if dropout > 0:
+        bound = ("; CUDA's flash and memory-efficient kernels keep no such matrix, so at long lengths "
+                 "this CUDA estimate is an upper bound") if target == "cuda" else ""
+        return (f"attention: SDPA with dropout {dropout:g} takes PyTorch's math path on a CPU, an s x s "
+                f"matrix per head kept for backward (quadratic in the length){bound}{mask}")
+    held = ("what CUDA's flash (no mask) and memory-efficient (masked) kernels keep" if target == "cuda"
+            else "what this CPU runs")
+    return (f"attention: SDPA traced as PyTorch's CPU flash kernel: no s x s matrix, its output and "
+            f"log-sum-exp kept for backward, {held}{mask}")
 
 
 def _process_notes(cfg: RunConfig) -> list[str]:
@@ -149,12 +184,18 @@ def _cached_config(cfg: ModelConfig) -> PretrainedConfig:
         ) from None
 
 
-def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
-    """Models with learned position embeddings cannot take longer sequences (fake tensors would)."""
+def position_limit(config: PretrainedConfig) -> int | None:
+    """The most tokens a model with learned position embeddings takes (None: no such limit)."""
     limit = getattr(config, "n_positions", None)
     if limit is None and config.model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
         offset = (config.pad_token_id or 0) + 1 if config.model_type != "bert" else 0
         limit = config.max_position_embeddings - offset
+    return limit
+
+
+def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
+    """Models with learned position embeddings cannot take longer sequences (fake tensors would)."""
+    limit = position_limit(config)
     if limit is not None and seq_len > limit:
         raise MemtrainError(f"`data.max_length`: {seq_len} tokens exceed the {limit} positions this model "
                             f"({config.model_type}) has. Fix: set `data.max_length` to {limit} or less.")

@@ -19,12 +19,16 @@ Granite's ``logits_scaling`` are applied per chunk as the models do. With labels
 carries the loss only (``logits`` is None); without labels (generation) the model's own forward
 runs unchanged.
 
-The chunk size follows Liger-Kernel's fused linear cross-entropy: chunks of
-``next_power_of_2(tokens / ceil(vocabulary / hidden))`` tokens, so that one chunk's logits are
-about as large as the hidden states, but at least 32 MiB of fp32 logits per chunk (small models
-would otherwise get chunks of a few tokens, and a much slower step). Liger's and Cut
-Cross-Entropy's fused kernels need Triton on CUDA; this pure-PyTorch version runs everywhere (CPU
-tests, fake-tensor estimates) and is what the estimator traces.
+The chunk size starts from Liger-Kernel's fused linear cross-entropy rule, ``tokens /
+ceil(vocabulary / hidden)`` tokens per chunk (one chunk's logits about as large as the hidden
+states), bounded on both sides in bytes of fp32 logits: at least ``MIN_CHUNK_BYTES`` (small models
+would otherwise get chunks of a few tokens, and a much slower step) and at most
+``MAX_CHUNK_BYTES`` (at long contexts Liger's rule grows with the length: 2 GiB of fp32 logits per
+chunk at 128k tokens of Llama-3; the cap keeps the loss's temporaries constant beyond 16k tokens).
+The tokens are then cut into equal chunks no larger than that, so the chunk, and the estimate, grow
+smoothly with the length (an earlier power-of-two rounding doubled the chunk one token past 2^k).
+Liger's and Cut Cross-Entropy's fused kernels need Triton on CUDA; this pure-PyTorch version runs
+everywhere (CPU tests, fake-tensor estimates) and is what the estimator traces.
 """
 
 from __future__ import annotations
@@ -51,14 +55,22 @@ _MARK = "_memtrain_chunked_loss"
 # measured on the tiny-llama recipe (hidden 128), Liger's rule alone gave 16-token chunks and a
 # step 2.5x slower than the standard loss on a CPU (docs/bench/floor_cpu.md).
 MIN_CHUNK_BYTES = 32 * 2**20
+# Chunks larger than this many fp32 logit bytes are cut: beyond it a chunk only adds temporaries
+# (about four fp32 copies of its logits in backward). 256 MiB is 523 tokens of Llama-3's 128,256
+# vocabulary, whose head matmul (523 x 4096 x 128,256) still keeps a GPU busy.
+MAX_CHUNK_BYTES = 256 * 2**20
 
 
 def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
-    """Liger-Kernel's rule (chunks whose logits are about the size of the hidden states), but
-    never chunks with fewer than ``MIN_CHUNK_BYTES`` of fp32 logits."""
-    per_chunk = max(math.ceil(tokens / max(1, math.ceil(vocab / hidden))),
-                    math.ceil(MIN_CHUNK_BYTES / (4 * vocab)))
-    return 1 << max(0, per_chunk - 1).bit_length()
+    """Tokens per chunk: Liger-Kernel's rule (logits about the size of the hidden states), kept
+    between ``MIN_CHUNK_BYTES`` and ``MAX_CHUNK_BYTES`` of fp32 logits, then evened out: the
+    tokens are cut into as few equal chunks as that size allows (the last one is not a sliver),
+    never below the floor."""
+    floor = math.ceil(MIN_CHUNK_BYTES / (4 * vocab))
+    cap = max(floor, MAX_CHUNK_BYTES // (4 * vocab))
+    size = min(max(math.ceil(tokens / max(1, math.ceil(vocab / hidden))), floor), cap)
+    chunks = max(1, math.ceil(tokens / size))
+    return max(1, math.ceil(tokens / chunks), min(floor, tokens))
 
 
 def logit_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -25,6 +25,10 @@ those the planner takes the candidate with the fewest memory techniques (recompu
 offload, quantization, approximation, sharding), then the one that leaves the most memory free: a
 technique or a fuller device that buys no measurable speed is not worth its risk.
 
+``data.max_length: auto`` is settled before the search: the longest multiple of 256 tokens at
+which the leanest settings fit (:mod:`memtrain.plan.length`), then the search above runs at that
+length. The plan reports the length as ``data.max_length`` (and how it was found).
+
 Approximate-gradient layers change the gradients, so they are candidates only when the recipe sets
 ``memory.allow_approximate: true``.
 
@@ -42,6 +46,7 @@ from typing import Any
 from memtrain.config import RunConfig
 from memtrain.data.rows import Rows
 from memtrain.errors import MemtrainError
+from memtrain.plan.length import LengthSearch, longest_length
 from memtrain.plan.search import _Search
 from memtrain.plan.space import Candidate, auto_fields, with_values
 from memtrain.reliability.budget import HostBudget, resolve_budget, usable_bytes
@@ -70,10 +75,13 @@ class Plan:
     rates_source: str
     seconds: float  # planning time
     host: HostBudget | None = None  # the host RAM the plan may keep (``memory.host_budget``)
+    length: LengthSearch | None = None  # how `data.max_length: auto` was decided
 
     def settings(self) -> dict[str, Any]:
         """The decided values, as ``dotted.field: value`` (batch fields included)."""
         out = dict(self.chosen.values)
+        if self.length is not None:
+            out["data.max_length"] = self.length.chosen
         out["training.micro_batch_size"] = self.chosen.micro
         out["training.gradient_accumulation"] = self.chosen.accumulation
         return out
@@ -121,6 +129,13 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     total = budget_bytes(cfg, budget, target)
     usable = usable_bytes(total, cfg.memory.margin_fraction)
     host = HostBudget.of(cfg.memory)
+    auto = auto_fields(cfg)
+    length = None
+    if cfg.data.max_length == "auto":  # the length first, then the fastest settings at that length
+        if rows is not None:
+            raise ValueError("data.max_length: auto is planned for the worst case; pass no rows")
+        length = longest_length(cfg, target, usable, host=host.usable)
+        cfg = with_values(cfg, {"data.max_length": length.chosen})
     search = _Search(cfg, target, usable, rows=rows, host=host)
     chosen = search.run()
     fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
@@ -146,8 +161,8 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             "to `auto` (or `memory.allow_approximate: true`), or train a smaller model.", smallest)
     if tune > 0:
         chosen, fits = tune_choice(cfg, search, [chosen, *fits], tune)
-    return Plan(total, usable, target, auto_fields(cfg), chosen, fits, rejected, search.rates.source,
-                time.perf_counter() - start, host)
+    return Plan(total, usable, target, auto, chosen, fits, rejected, search.rates.source,
+                time.perf_counter() - start, host, length)
 
 
 def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: int, steps: int = 3
@@ -225,7 +240,8 @@ def describe(p: Plan) -> dict[str, Any]:
             "auto_fields": p.auto,
             "chosen": row(p.chosen), "alternatives": [row(c) for c in p.alternatives],
             "rejected": [row(c) for c in p.rejected], "rates": p.rates_source,
-            "planning_seconds": round(p.seconds, 2)}
+            "planning_seconds": round(p.seconds, 2), "settings": p.settings(),
+            "max_length": None if p.length is None else {**p.length.to_dict(), "why": p.length.explain()}}
 
 
 __all__ = ["Candidate", "NothingFits", "Plan", "auto_fields", "budget_bytes", "describe", "fit_micro_batch",

@@ -66,8 +66,8 @@ class _Search:
         config, _ = resolve_config(cfg.model)
         self.depth = int(config.num_hidden_layers)
         self.hidden = int(getattr(config, "hidden_size", 0) or 0)
-        self.fields = [f for f in auto_fields(cfg) if not f.startswith("training.micro")
-                       and not f.startswith("training.gradient")] if fields is None else fields
+        skip = ("training.micro", "training.gradient", "data.")  # batches: below; the length: plan.length
+        self.fields = [f for f in auto_fields(cfg) if not f.startswith(skip)] if fields is None else fields
         self.batches = _batches(cfg)
         self.rates = costmodel.rates(device)
         self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates

@@ -46,7 +46,7 @@ class Candidate:
 
 def auto_fields(cfg: RunConfig) -> list[str]:
     """The dotted fields of ``cfg`` the planner must decide."""
-    paths = [*NEEDS_VALUE, "distributed.sharding"]
+    paths = [*NEEDS_VALUE, "distributed.sharding", "data.max_length"]
     return [p for p in paths if recipe_value(cfg, p) == "auto"]
 
 

@@ -18,6 +18,10 @@ def print_plan(console: Console, plan: Plan) -> None:
     fields = ", ".join(f"`{f}`" for f in plan.auto) or "none (checking the recipe as written)"
     console.print(f"[bold]plan[/] for {format_bytes(plan.usable)} usable of a {format_bytes(plan.budget)} "
                   f"budget on {plan.device}; deciding {fields}", highlight=False)
+    if plan.length is not None:
+        console.print(plan.length.explain(), highlight=False)
+        needed = _settings(plan.chosen)
+        console.print(f"at {plan.length.chosen:,} tokens the fastest that fits: {needed}", highlight=False)
     tuned = plan.chosen.measured is not None
     measured = ("measured s/step",) if tuned else ()
     table = Table("", "settings", "predicted peak", "predicted s/step", *measured, title_justify="left",

@@ -87,6 +87,9 @@ def train(cfg: RunConfig, console: Console | None = None,
             "memory). Fix: set `memory.budget` (e.g. `memory.budget=8GiB`, or `auto` for the free "
             "memory), or give `training.micro_batch_size` a number.")
     planning = planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ)
+    planned_length = cfg.data.max_length == "auto"
+    if planned_length:  # the longest length that fits, for the worst case; then the data is cut to it
+        cfg, planning = _plan(cfg, console, None), False
     if planning or not launch.launch_needed(cfg):
         # the data before the plan: the plan, the prediction and the auto-fit probe are for the
         # longest batch these rows make, not for rows of data.max_length (memtrain.data.rows)
@@ -94,6 +97,9 @@ def train(cfg: RunConfig, console: Console | None = None,
         tokenizer = load_tokenizer(cfg.model)
         data = prepare_data(cfg, tokenizer)
         rows = data.rows(cfg)
+        if planned_length and data.truncated:
+            console.print(f"{data.truncated:,} training examples were cut at the "
+                          f"planned data.max_length={cfg.data.max_length:,}", style="yellow", highlight=False)
     if planning:
         cfg = _plan(cfg, console, rows)  # once, before any process starts: every process gets the decision
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
@@ -204,7 +210,7 @@ def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tup
     return probe.batch
 
 
-def _plan(cfg: RunConfig, console: Console, rows: Rows) -> RunConfig:
+def _plan(cfg: RunConfig, console: Console, rows: Rows | None) -> RunConfig:
     """Decide the recipe's `auto` fields (or check the fixed ones fit its budget) and say why."""
     from memtrain.plan.view import print_plan
 

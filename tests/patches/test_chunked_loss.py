@@ -130,8 +130,9 @@ def test_models_without_a_decoder_and_head_are_refused() -> None:
 def test_chunk_rule() -> None:
     # Llama-3.1-8B: 4096 tokens, hidden 4096, vocabulary 128,256 -> 32 chunks of 128 tokens.
     assert chunked_loss.chunk_tokens(4096, 4096, 128256) == 128
-    # a small model: at least 32 MiB of fp32 logits per chunk (275 tokens -> 512)
-    assert chunked_loss.chunk_tokens(2048, 128, 30522) == 512
+    # a small model: at least 32 MiB of fp32 logits per chunk (275 tokens; evening out to 8 x 256
+    # would go below that floor)
+    assert chunked_loss.chunk_tokens(2048, 128, 30522) == 275
 
 
 def test_recipe_for_a_classifier_is_refused() -> None:
@@ -286,15 +287,30 @@ def test_chunks_follow_the_rule_for_tokens_hidden_and_vocabulary(monkeypatch: py
     labels = torch.randint(0, 64, (4, 25))
     with torch.no_grad():
         chunked_loss.chunked_cross_entropy(hidden, labels, head)
-    # 100 tokens, ceil(64 / 8) = 8 chunks' worth: 13 tokens, rounded up to 16: 7 calls
-    assert calls == [16] * 6 + [4]
+    # 100 tokens, ceil(64 / 8) = 8 chunks' worth: 13 tokens, 8 chunks of 13 (the last one 9)
+    assert calls == [13] * 7 + [9]
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "vocab", "expected"), [
-    (65536, 4096, 128256, 2048),  # Liger's rule above the floor: 65536 / 32
-    (4128, 4096, 128256, 256),  # 129 tokens rounded up to the next power of two
+    (65536, 4096, 128256, 521),  # Liger's 2048 capped at 256 MiB (523 tokens): 126 equal chunks
+    (4128, 4096, 128256, 129),  # Liger's rule above the floor: 4128 / 32, no rounding up
+    (16384, 4096, 128256, 512),  # Liger's 512 is under the cap
     (131072, 512, 256, 131072),  # a byte-level vocabulary smaller than the hidden size: one chunk
 ])
 def test_chunk_rule_beyond_its_floor(tokens: int, hidden: int, vocab: int, expected: int) -> None:
     """Mutants that survived ``test_chunk_rule``, whose two cases both land on 128 or the floor."""
     assert chunked_loss.chunk_tokens(tokens, hidden, vocab) == expected
+
+
+def test_the_chunk_grows_smoothly_with_the_length_and_its_logits_stay_under_the_cap() -> None:
+    """One token more never makes a chunk much larger (a power-of-two rounding doubled it one
+    token past 2^k, and with it the estimate), and no chunk's fp32 logits exceed the cap, however
+    long the context (Llama-3.1-8B: hidden 4096, vocabulary 128,256)."""
+    vocab = 128256
+    lengths = [*range(1, 300, 7), *range(4000, 4200), *range(65400, 65700), *range(262000, 262200), 1_000_000]
+    sizes = {t: chunked_loss.chunk_tokens(t, 4096, vocab) for t in lengths}
+    for t in lengths:
+        if t + 1 in sizes:
+            assert sizes[t + 1] <= sizes[t] + 1, (t, sizes[t], sizes[t + 1])
+        assert sizes[t] * 4 * vocab <= chunked_loss.MAX_CHUNK_BYTES + 4 * vocab
+        assert sizes[t] * 4 * vocab >= chunked_loss.MIN_CHUNK_BYTES or sizes[t] == t, t

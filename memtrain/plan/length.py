@@ -1,0 +1,170 @@
+"""``data.max_length: auto``: the longest context that fits the budget.
+
+The planner settles the length first, then chooses the recipe's other ``auto`` fields at that
+length with its usual search (:mod:`memtrain.plan.search`). A length *fits* when the recipe's
+leanest settings fit there: every ``auto`` field at the last value of its memory order
+(:func:`memtrain.plan.space._options`: full checkpointing, chunked loss, activation offload, ...)
+and the smallest micro-batch the effective batch allows. Memory grows with the length, so the
+longest length the leanest settings fit is the longest any settings fit; the search at that
+length then finds the fastest settings that fit it, which may keep more than the leanest.
+
+Lengths are multiples of ``LENGTH_STEP`` tokens. Each probe is one estimate (fake-tensor traces of
+the real step, seconds each; :func:`memtrain.estimator.estimate.estimate`), so the search probes
+few: two lengths give a line and its crossing with the budget, then regula falsi (Illinois) between
+the longest length that fits and the shortest that does not (a bisection every fourth probe, should
+the estimate bend), until they are one step apart. Estimates are kept per settings for the
+process, so planning the same recipe for several budgets (scripts/bench_long_context.py) starts
+from every length probed before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memtrain.config import RunConfig
+from memtrain.errors import MemtrainError
+from memtrain.estimator import estimate as est
+from memtrain.estimator.setup import position_limit, resolve_config
+from memtrain.plan.search import _Search
+from memtrain.plan.space import Candidate, _rank, with_values
+from memtrain.units import format_bytes
+
+LENGTH_STEP = 256  # planned lengths are multiples of this many tokens
+FIRST_PROBE = 4096
+LONGEST = 2**24  # no search beyond 16M tokens
+MAX_KEY = "data.max_length"
+
+_ESTIMATES: dict[tuple[str, int], est.Estimate] = {}  # (settings, length) -> estimate, for the process
+
+
+@dataclass
+class LengthSearch:
+    """The longest length that fits, and what the search saw on the way."""
+
+    chosen: int  # tokens (a multiple of ``step``)
+    step: int
+    usable: int
+    leanest: dict[str, Any]  # the settings each length was probed with (auto fields, batch)
+    probes: dict[int, int] = field(default_factory=dict)  # length -> predicted total bytes
+    limit: int | None = None  # the model's position limit, when it bounded the search
+    estimate: est.Estimate | None = None  # the leanest settings at ``chosen``
+
+    def explain(self) -> str:
+        """One sentence: the length, what the next one needs, and the settings it was found with."""
+        nxt = self.probes.get(self.chosen + self.step)
+        why = (f"{self.chosen + self.step:,} needs {format_bytes(nxt)}" if nxt is not None else
+               f"the model's {self.limit:,} positions" if self.limit is not None else "the search's end")
+        with_ = ", ".join(f"{k}={_short(v)}" for k, v in self.leanest.items()) or "the recipe as written"
+        return (f"data.max_length {self.chosen:,} tokens: the longest multiple of {self.step} whose "
+                f"leanest settings fit {format_bytes(self.usable)} ({format_bytes(self.probes[self.chosen])}"
+                f"; {why}); probed {len(self.probes)} lengths with {with_}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chosen": self.chosen, "step": self.step, "leanest": self.leanest,
+                "probes": {str(k): v for k, v in sorted(self.probes.items())}, "position_limit": self.limit}
+
+
+def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = None,
+                   host: int | None = None) -> LengthSearch:
+    """The longest ``data.max_length`` (a multiple of ``step``, default ``LENGTH_STEP``) whose
+    leanest settings fit ``usable`` device bytes (and ``host`` bytes of host memory, when given).
+
+    Raises:
+        MemtrainError: not even ``step`` tokens fit (the message gives the peak at ``step``).
+    """
+    step = step or LENGTH_STEP
+    config, _ = resolve_config(cfg.model)
+    limit = position_limit(config)
+    top = LONGEST
+    if limit is not None:
+        step = min(step, limit)
+        top = min(top, limit // step * step)
+    lean = _leanest(cfg, device, usable, step)
+    settings = {**lean.values, "training.micro_batch_size": lean.micro,
+                "training.gradient_accumulation": lean.accumulation}
+    found = LengthSearch(0, step, usable, settings, limit=limit)
+    base = with_values(cfg, {**settings, MAX_KEY: 1}).model_dump_json() + f"|{device}"
+
+    def at(length: int) -> est.Estimate:
+        if (base, length) not in _ESTIMATES:
+            _ESTIMATES[base, length] = est.estimate(with_values(cfg, {**settings, MAX_KEY: length}),
+                                                    device=device)
+        found.probes[length] = _ESTIMATES[base, length].total_bytes
+        if host is not None and _ESTIMATES[base, length].host_peak_bytes > host:
+            found.probes[length] = max(found.probes[length], usable + 1)  # does not fit: the host's
+        return _ESTIMATES[base, length]
+
+    for key, length in list(_ESTIMATES):  # lengths probed before with these settings, this process
+        if key == base and length % step == 0 and length <= top:
+            at(length)
+    lo = max((n for n, b in found.probes.items() if b <= usable), default=0)
+    hi = min((n for n, b in found.probes.items() if b > usable and n > lo), default=None)
+    count, kept, weight = 0, "", [1.0, 1.0]  # Illinois: an end kept twice counts half in the line
+    while (probe := _next(found.probes, lo, hi, usable, step, top, count, weight)) is not None:
+        at(probe)
+        side = "hi" if found.probes[probe] <= usable else "lo"  # the end this probe keeps
+        lo, hi = (probe, hi) if side == "hi" else (lo, probe)
+        weight[side == "hi"] = weight[side == "hi"] / 2 if kept == side else 1.0
+        weight[side == "lo"] = 1.0
+        kept, count = side, count + 1
+    if lo == 0:
+        raise MemtrainError(
+            f"`data.max_length`: `auto` finds no length that fits: {step} tokens need "
+            f"{format_bytes(found.probes[step])} with the leanest settings, more than the "
+            f"{format_bytes(usable)} usable. Fix: raise `memory.budget`, set more fields to `auto`, "
+            "or train a smaller model.")
+    found.chosen, found.estimate = lo, at(lo)
+    return found
+
+
+def _next(probes: dict[int, int], lo: int, hi: int | None, usable: int, step: int, top: int,
+          count: int, weight: list[float]) -> int | None:
+    """The next length to probe, or None when ``lo`` fits and ``lo + step`` does not (or is past
+    ``top``). ``weight`` scales the excess of (``lo``, ``hi``) in the line between them (regula
+    falsi's Illinois variant: an end kept by two probes in a row counts half)."""
+    if hi is not None and hi - lo <= step:
+        return None
+    if hi is None:
+        if lo >= top:
+            return None
+        if lo == 0:
+            return min(FIRST_PROBE, top)
+        below = [n for n in probes if n < lo]
+        if not below:  # one point: quadruple
+            return min(top, lo * 4)
+        a = max(below)
+        slope = (probes[lo] - probes[a]) / (lo - a)
+        if slope <= 0:
+            return min(top, lo * 4)
+        guess = lo + (usable - probes[lo]) / slope
+        return min(top, max(lo + step, _down(guess, step) + step))  # one step over: to bracket it
+    if lo == 0 or count % 4 == 3:  # nothing fits yet, or every fourth probe: bisect
+        middle = _down((lo + hi) / 2, step)
+        return max(step, middle) if middle > lo else lo + step
+    below, above = (usable - probes[lo]) * weight[0], (probes[hi] - usable) * weight[1]
+    guess = lo + below * (hi - lo) / (below + above)
+    return min(hi - step, max(lo + step, _down(guess, step)))
+
+
+def _down(tokens: float, step: int) -> int:
+    return int(tokens) // step * step
+
+
+def _leanest(cfg: RunConfig, device: str, usable: int, step: int) -> Candidate:
+    """The valid, applicable candidate that keeps least: the most fields at the end of their
+    memory order (:func:`memtrain.plan.space._rank`)."""
+    search = _Search(with_values(cfg, {MAX_KEY: step}), device, usable)
+    cands = sorted(search.candidates(), key=lambda c: -sum(
+        sum(_rank(f, v, search.depth)) for f, v in c.values.items()))
+    for cand in cands:
+        if search.batches_for(cand) and search.inapplicable(cand) is None:
+            cand.micro, cand.accumulation = search.batches_for(cand)[0]
+            return cand
+    raise MemtrainError("`data.max_length`: `auto` needs settings to probe lengths with, and no "
+                        "combination of the recipe's `auto` fields applies to this model. Fix: set "
+                        "`data.max_length` to a number.")
+
+
+def _short(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

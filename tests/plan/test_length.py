@@ -1,0 +1,130 @@
+"""`data.max_length: auto`: the planner finds the longest length that fits, reports it, and
+everything that needs a length before planning says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import causal_recipe
+from typer.testing import CliRunner
+
+from memtrain.cli.app import app
+from memtrain.config import RecipeError, load_recipe
+from memtrain.errors import MemtrainError
+from memtrain.estimator.estimate import estimate
+from memtrain.plan import length, planner
+
+STEP = 64  # a small step keeps the tiny model's lengths (and the test) short
+
+
+def _recipe(tmp_path: Path, corpus: Path, **memory: object) -> dict:
+    return causal_recipe(tmp_path, corpus, data={"max_length": "auto"}, memory=memory,
+                         training={"micro_batch_size": 1, "gradient_accumulation": 1})
+
+
+@pytest.fixture
+def step(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(length, "LENGTH_STEP", STEP)
+    monkeypatch.setattr(length, "FIRST_PROBE", STEP)
+    monkeypatch.setattr(length, "_ESTIMATES", {})  # no estimate from another test
+    return STEP
+
+
+def _total(cfg: object, tokens: int, **values: object) -> int:
+    return estimate(planner.with_values(cfg, {"data.max_length": tokens, **values}), device="cpu").total_bytes
+
+
+def test_the_plan_is_the_longest_length_that_fits_and_the_next_does_not(
+        tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+    cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full", loss="auto"))
+    lean = {"memory.loss": "chunked"}
+    below, above = _total(cfg, 3 * step, **lean), _total(cfg, 4 * step, **lean)
+    budget = int((below + above) / 2 / 0.9)  # 3 steps fit (10% margin), 4 do not
+    decided = planner.plan(cfg, budget, device="cpu")
+    assert decided.settings()["data.max_length"] == 3 * step
+    assert "data.max_length" in decided.auto
+    assert decided.length is not None and decided.length.probes[3 * step] == below
+    assert decided.length.probes[4 * step] == above
+    assert len(decided.length.probes) <= 4  # a line and regula falsi, not a walk over every step
+    assert decided.length.leanest["memory.loss"] == "chunked"  # probed with every technique on
+    resolved = decided.apply(cfg)
+    assert resolved.data.max_length == 3 * step
+    assert _total(resolved, 3 * step) <= decided.usable  # the settings chosen at that length fit
+
+
+def test_a_budget_that_fits_no_length_names_the_field_and_the_peak(
+        tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+    cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full"))
+    with pytest.raises(MemtrainError, match=r"`data.max_length`: `auto` finds no length that fits: "
+                                            rf"{step} tokens need .* Fix: raise `memory.budget`"):
+        planner.plan(cfg, "1MiB", device="cpu")
+
+
+def test_plan_json_reports_the_length_and_estimate_asks_for_a_plan(
+        tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_text_file, checkpointing="full")))
+    cfg = load_recipe(str(path))
+    budget = int(_total(cfg, 2 * step) / 0.9) + 1
+    args = ["plan", str(path), "--budget", str(budget), "--device", "cpu"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.output)
+    assert found["settings"]["data.max_length"] == found["max_length"]["chosen"] >= 2 * step
+    assert "data.max_length" in found["auto_fields"] and "leanest settings fit" in found["max_length"]["why"]
+    shown = CliRunner().invoke(app, args)
+    assert f"data.max_length={found['max_length']['chosen']}" in shown.output
+    asked = CliRunner().invoke(app, ["estimate", str(path), "--device", "cpu"])
+    assert asked.exit_code == 2 and "Traceback" not in asked.output
+    assert "`data.max_length` is `auto`" in asked.output and "memtrain plan" in asked.output
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0", "must be greater than 0"),
+    ("-4", "must be greater than 0"),
+    ("long", "expected an integer or 'auto'"),
+])
+def test_bad_lengths_are_refused_naming_the_field(tmp_path: Path, tiny_text_file: Path, value: str,
+                                                  message: str) -> None:
+    with pytest.raises(RecipeError, match=rf"`data.max_length`: {message}"):
+        load_recipe(_recipe(tmp_path, tiny_text_file), [f"data.max_length={value}"])
+
+
+def test_data_is_not_tokenized_before_the_length_is_planned(tmp_path: Path, tiny_text_file: Path) -> None:
+    from memtrain.data.prepare import prepare_data
+
+    with pytest.raises(MemtrainError, match=r"`data.max_length` is `auto`: the planner decides it"):
+        prepare_data(load_recipe(_recipe(tmp_path, tiny_text_file)), None)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_train_tokenizes_at_the_planned_length_and_says_how_many_examples_were_cut(
+        tmp_path: Path, step: int, caplog: pytest.LogCaptureFixture) -> None:
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from memtrain.run.train import train
+
+    corpus = tmp_path / "long.jsonl"
+    words = ["the quick brown fox jumps over the lazy dog"]
+    texts = [" ".join(words * (40 if i % 4 == 0 else 1)) for i in range(16)]  # 4 of 16 are long
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in texts), encoding="utf-8")
+    recipe = _recipe(tmp_path, corpus, checkpointing="full")
+    recipe["training"]["max_steps"] = 1
+    cfg = load_recipe(recipe)
+    budget = int(_total(cfg, 2 * step) / 0.9) + 1
+    assert _total(cfg, 3 * step) > budget * 0.9  # so the plan is 2 steps: the long examples are cut
+    recipe["memory"]["budget"] = f"{budget}B"
+    cfg = load_recipe(recipe)
+    out = io.StringIO()
+    with caplog.at_level(logging.WARNING):
+        result = train(cfg, Console(file=out, width=200))
+    assert f"4 training examples were cut at the planned data.max_length={2 * step}" in out.getvalue()
+    assert f"4 of 16 training examples were cut at data.max_length={2 * step}" in caplog.text
+    saved = load_recipe(str(result.output_dir / "recipe.yaml"))
+    assert saved.data.max_length == 2 * step
