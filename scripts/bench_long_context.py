@@ -47,7 +47,8 @@ HOST_BUDGET = 256 * GiB  # a GPU server's RAM (issue 27: memory.host_budget=256G
 UNSLOTH = {8: 2_972, 12: 21_848, 16: 40_724, 24: 78_475, 40: 153_977, 48: 191_728, 80: 342_733}
 BASE = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1", "training.effective_batch_size=1",
         "training.gradient_accumulation=1", "memory.checkpointing=full", "memory.loss=chunked",
-        "memory.offload.activations=true", "memory.tiled_mlp=true"]
+        "memory.offload.activations=true", "memory.tiled_mlp=true", "memory.offload.embeddings=true",
+        "memory.host_budget=256GiB"]
 # Techniques that exist in this version of memtrain are added when the schema has their field.
 OPTIONAL = {"lean_norm": "memory.lean_norm=true"}
 
