@@ -29,8 +29,8 @@ from memtrain.reliability.budget import HostBudget
 from memtrain.units import format_bytes
 
 # Predicted step times this close count as equal: the cost model's rank correlation with measured
-# steps is 0.89 on scripts/bench_planner.py (docs/bench/planner.md), not 1. Among equals the planner
-# takes the candidate with the fewest memory techniques, then the smallest peak.
+# steps was 0.89 over 40 candidates (scripts/bench_planner.py as of commit aa39ed3), not 1. Among
+# equals the planner takes the candidate with the fewest memory techniques, then the smallest peak.
 TIE = 0.05
 TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that fit)
 
