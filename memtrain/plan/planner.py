@@ -173,7 +173,8 @@ def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: i
     over 40 candidates, scripts/bench_planner.py as of commit aa39ed3), so the last word goes to a
     measurement: each (settings, micro-batch) pair's model is built, runs one warm-up optimizer
     step and ``steps`` timed ones on a worst-case batch (``data.max_length`` tokens per example),
-    and the fastest (best of its steps) wins. Each setting is timed at up to ``TUNE_MICROS`` micro-batches (:meth:`_Search.micro_options`).
+    and the fastest (best of its steps) wins. Each setting is timed at up to ``TUNE_MICROS``
+    micro-batches (:meth:`_Search.micro_options`).
     Returns the choice and every other fitting pair.
     """
     from memtrain.estimator.real_step import time_recipe_step
