@@ -4,7 +4,7 @@
     python scripts/bench_gpu.py --budget-s 300      # fewer rows (the time pruning below)
     python scripts/bench_gpu.py --profile P --skip-calibrate   # reuse a `memtrain calibrate` profile
 
-Built to finish in under 9 minutes on one H100 (default ``--budget-s 510``). On a machine without
+Built to finish in 9 minutes on one H100 (default ``--budget-s 540``). On a machine without
 CUDA it stops at once with a message and writes nothing.
 
 1. ``memtrain calibrate`` measures this GPU's CUDA context and allocator fragmentation and its
@@ -35,6 +35,20 @@ The rows are listed most informative first; two prunings then apply, both report
   predictions and the planner's candidates; at run time a row that would end after the deadline
   is not started;
 - *size*: a row whose predicted total exceeds the device's memory is not run (:func:`fits_device`).
+
+Long context (issue 27): :data:`LONG_CONTEXT` rows plan the longest context of a small model
+with ``data.max_length: auto`` (the planner's own search, :func:`memtrain.plan.length.longest_length`,
+in a child started with the predictions, working while the grid runs) under a fixed device budget
+(an input, :attr:`LongRow.budget`, not derived from any estimate) with every long-context
+technique on (full checkpointing, chunked loss, activation and embedding offload, tiled MLP, lean
+norm), QLoRA or LoRA at batch 1; then train that exact length on random token ids like any row,
+and hold the measured ``max_memory_allocated``, ``max_memory_reserved``, NVML's used memory and
+the process's peak host RSS against the plan's predicted tensors, device total and host bytes, and
+the measured device memory against the budget. The budget is small (3 GiB) on purpose: attention's
+cost grows with the square of the length, and at 3 GiB the planned tens of thousands of tokens
+train in seconds a step; a whole GPU's memory would plan hundreds of thousands, minutes a step.
+Their a-priori cost (:func:`long_seconds` at :data:`LONG_ASSUMED_TOKENS`) is reserved before the
+grid is pruned; at run time the planned length's cost must fit the time left.
 
 Targets (issue 15), after calibration: ``max_memory_allocated`` within 3% of the predicted live
 tensors, and ``max_memory_reserved`` within 8% of the predicted total. Reserved memory is the
@@ -168,6 +182,52 @@ PLAN_RECIPE: dict[str, Any] = {
 }
 PLAN_TOP = 3  # candidates measured
 
+# Long context (issue 27). The model's positions are raised so that its position limit does not
+# bound the search; the budget is the row's input; host RAM allowed is a GPU server's share.
+LONG_POSITIONS = 131072
+LONG_HOST_BUDGET = "32GiB"
+LONG_TECHNIQUES: dict[str, Any] = {"checkpointing": "full", "loss": "chunked", "tiled_mlp": True,
+                                   "lean_norm": True, "offload": {"activations": True, "embeddings": True}}
+LONG_ASSUMED_TOKENS = 61440  # a-priori length for the time reserve: 3 GiB plans 52,992 with the
+# default CUDA context (1 GiB; planned on a CPU); a calibrated, smaller context plans longer, and
+# the run-time check then uses the planned length
+
+
+@dataclass(frozen=True)
+class LongRow:
+    """A long-context run: a model, a method, and the device budget it is planned for."""
+
+    model: str
+    method: str  # lora (bf16) | qlora (nf4 base, bf16 compute)
+    budget: str  # memory.budget (the planner keeps memory.margin's 10% of it free)
+
+    def label(self) -> str:
+        return f"{self.method}, 1 x planned length, budget {self.budget}, every long-context technique"
+
+    def recipe(self, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The recipe planned (``data.max_length: auto``), or, given a plan (the ``--long`` child's
+        result), the recipe trained: every planned setting, the length first among them."""
+        base = dict(MODELS[self.model][0], max_position_embeddings=LONG_POSITIONS)
+        recipe: dict[str, Any] = {
+            "model": {"from_config": base, "tokenizer": TOKENIZER, "dtype": "bf16",
+                      "quantization": "nf4" if self.method == "qlora" else "none"},
+            "data": {"source": "builtin:shakespeare-text", "max_length": "auto"},
+            "adapter": {"method": "lora"},
+            "training": {"micro_batch_size": 1, "gradient_accumulation": 1, "optimizer": "adamw"},
+            "memory": {**json.loads(json.dumps(LONG_TECHNIQUES)), "budget": self.budget,
+                       "host_budget": LONG_HOST_BUDGET},
+        }
+        for dotted, value in (plan or {}).get("settings", {}).items():
+            *parents, leaf = dotted.split(".")
+            node = recipe
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return recipe
+
+
+LONG_CONTEXT: list[LongRow] = [LongRow(MID, "qlora", "3GiB")]
+
 # A-priori costs (seconds) for the time pruning, deliberately pessimistic for an H100.
 START_S = 10.0  # fresh Python: torch, transformers, peft, bitsandbytes imports and CUDA start
 GPU_FLOPS = 1.0e14  # bf16 training throughput assumed (an H100 reaches 3-5x this on large matmuls)
@@ -180,6 +240,18 @@ def row_seconds(row: Row) -> float:
     tokens = row.micro * row.seq * row.accumulation
     flops = 6 * params * tokens * (4 / 3 if row.checkpointing == "full" else 1.0)
     return START_S + build + (1 + STEPS) * flops / GPU_FLOPS
+
+
+def long_seconds(row: LongRow, tokens: int) -> float:
+    """A-priori wall time of a long-context row at ``tokens``: as :func:`row_seconds` with full
+    checkpointing and the tiled MLP's extra forward, plus attention's work, which grows with the
+    square of the length (causal: half of 4·s²·hidden per layer forward; backward and recompute
+    three times more)."""
+    config, params = MODELS[row.model]
+    build = params / 1e9 * (10.0 if row.method == "qlora" else 4.0)
+    linear = 6 * params * tokens * 5 / 3
+    attention = 8 * tokens**2 * config["hidden_size"] * config["num_hidden_layers"]
+    return START_S + build + (1 + STEPS) * (linear + attention) / GPU_FLOPS
 
 
 def select(rows: list[Row], seconds: float) -> tuple[list[Row], list[Row]]:
@@ -270,10 +342,12 @@ def _to_gpu(cfg: Any, config: Any) -> tuple[Any, str]:
     Weights are created on the GPU (a ``torch.device`` context: random initialisation of a 1B
     model on the CPU would cost more than the row's steps); bitsandbytes models are loaded onto
     the current GPU by ``load_model`` itself (an explicit ``device_map`` overrides the context).
-    Anything left on the CPU is moved.
+    Anything left on the CPU is moved, except what a patch keeps in host memory on purpose
+    (``memory.offload.embeddings``' table).
     """
     import torch
 
+    from memtrain.device import kept_on_host
     from memtrain.trainer.build import build_model
 
     how = "built on the GPU"
@@ -287,15 +361,21 @@ def _to_gpu(cfg: Any, config: Any) -> tuple[Any, str]:
     moved = 0
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.device.type != DEVICE:
+            if tensor.device.type != DEVICE and not kept_on_host(tensor):  # embedding offload's table
                 tensor.data = tensor.data.to(DEVICE)
                 moved += 1
     return model, how + (f"; {moved} tensors moved to the GPU" if moved else "")
 
 
 def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
-    """One row, in this (fresh) process: warm-up step, then ``STEPS`` measured and timed steps."""
+    """One row, in this (fresh) process: warm-up step, then ``STEPS`` measured and timed steps.
+
+    Host memory: the process's resident set before the model is built (``rss_start``, psutil) and
+    its peak over the whole process (``rss_peak``, ``getrusage``'s ``ru_maxrss``)."""
     before = nvml_memory("used")  # before this process creates its CUDA context
+    import resource
+
+    import psutil
     import torch
 
     from memtrain.config import load_recipe
@@ -308,11 +388,13 @@ def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
     settings = step_settings(cfg)
     torch.manual_seed(0)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "nvml_before": before,
-                           "device_bytes": torch.cuda.get_device_properties(0).total_memory}
+                           "device_bytes": torch.cuda.get_device_properties(0).total_memory,
+                           "rss_start": psutil.Process().memory_info().rss}
     try:
         model, out["built"] = _to_gpu(cfg, config)
         optimizer = build_optimizer(cfg, model)
         batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, DEVICE)
+        out["tokens"] = list(batch["input_ids"].shape)  # what the steps train: micro-batch x length
 
         def step() -> None:
             training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
@@ -333,6 +415,7 @@ def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
     out["allocated"] = torch.cuda.max_memory_allocated()
     out["reserved"] = torch.cuda.max_memory_reserved()
     out["nvml_after"] = nvml_memory("used")
+    out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return out
 
 
@@ -365,7 +448,26 @@ def plan_child(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-CHILDREN = {"measure": measure_child, "predict": predict_child, "plan": plan_child}
+def long_child(recipe: dict[str, Any]) -> dict[str, Any]:
+    """``memtrain plan`` of a ``data.max_length: auto`` recipe on CUDA: the planned settings (the
+    length as ``memtrain plan --json`` reports it, ``data.max_length``) and what the plan predicts
+    there: live tensors, device total, host bytes."""
+    from memtrain.config import load_recipe
+    from memtrain.plan import planner
+
+    try:
+        result = planner.plan(load_recipe(recipe), device="cuda")
+    except Exception as err:  # reported in its row
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    length = result.length
+    assert length is not None and length.estimate is not None, "data.max_length was not auto"
+    return {"settings": result.settings(), "length": result.settings()["data.max_length"],
+            "why": length.explain(), "probes": len(length.probes), "budget": result.budget,
+            "usable": result.usable, "tensors": length.estimate.peak_bytes, "total": result.chosen.peak,
+            "host": result.chosen.host, "overheads": length.estimate.overheads, "seconds": result.seconds}
+
+
+CHILDREN = {"measure": measure_child, "predict": predict_child, "plan": plan_child, "long": long_child}
 
 
 # ------------------------------------------------------------------------------ the parent
@@ -438,6 +540,39 @@ def measure_all(rows: list[Row], predicted: list[dict[str, Any]], env: dict[str,
     return out
 
 
+def plan_long(rows: list[LongRow], env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
+    """Each long-context row planned (``data.max_length: auto``), in parallel child processes."""
+    if not rows:
+        return []
+    with ThreadPoolExecutor(len(rows)) as pool:
+        return list(pool.map(lambda r: run_child("long", r.recipe(), env, timeout), rows))
+
+
+def measure_long(rows: list[LongRow], plans: list[dict[str, Any]], env: dict[str, str],
+                 deadline: float) -> list[dict[str, Any]]:
+    """Each long-context row trained at its planned length in a fresh process (``--measure``),
+    unless it was not planned, its budget exceeds the device, or its cost exceeds the time left."""
+    device_bytes = nvml_memory("total")
+    out = []
+    for row, plan in zip(rows, plans, strict=True):
+        record: dict[str, Any] = {"model": row.model, "run": row.label(), "spec": asdict(row), "plan": plan,
+                                  "measured": None, "skipped": None}
+        left = deadline - time.monotonic()
+        if "error" in plan:
+            record["skipped"] = f"not planned: {plan['error']}"
+        elif device_bytes and not fits_device(plan["budget"], device_bytes):
+            record["skipped"] = f"budget over the device's {device_bytes / GiB:.1f} GiB"
+        elif long_seconds(row, plan["length"]) > left:
+            record["skipped"] = (f"time budget: {max(left, 0):.0f} s left, about "
+                                 f"{long_seconds(row, plan['length']):.0f} s needed")
+        else:
+            record["measured"] = run_child("measure", row.recipe(plan), env, timeout=min(left, 300))
+        out.append(record)
+        print(f"{row.model} | {row.label()} | {plan.get('length')} tokens: "
+              f"{record['skipped'] or _brief(record['measured'])}", flush=True)
+    return out
+
+
 def _brief(measured: dict[str, Any]) -> str:
     if "allocated" not in measured:
         return measured.get("error", "no result")
@@ -500,6 +635,47 @@ def grid_lines(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+LONG_HEAD = ["| model | run | planned length | predicted tensors GiB | max allocated GiB "
+             "| allocated vs tensors (±3%) | predicted total GiB | max reserved GiB "
+             "| reserved vs total − context (±8%) | NVML used by the run GiB | NVML vs total (±8%) "
+             "| within the budget | predicted host GiB | host RSS growth GiB | host vs predicted (±8%) "
+             "| step s |",
+             "|---|---|---:|---:|---:|---|---:|---:|---|---:|---|---|---:|---:|---|---:|"]
+
+
+def within_budget(plan: dict[str, Any], meas: dict[str, Any]) -> str:
+    """The device memory the run used (NVML, else reserved + the predicted CUDA context) against
+    the row's budget: ``yes (2.61 of 3.00 GiB)`` or ``NO (...)``."""
+    used = nvml_run_bytes(meas)
+    how = "NVML"
+    if used is None:
+        used, how = meas["reserved"] + plan.get("overheads", {}).get("cuda_context", 0), "reserved + context"
+    return f"{'yes' if used <= plan['budget'] else 'NO'} ({_gib(used)} of {_gib(plan['budget'])} GiB, {how})"
+
+
+def long_lines(records: list[dict[str, Any]]) -> list[str]:
+    lines = list(LONG_HEAD)
+    for r in records:
+        plan, meas = r["plan"], r["measured"] or {}
+        length = f"{plan['length']:,}" if "length" in plan else "—"
+        trained = (meas.get("tokens") or [None, None])[-1]
+        if trained is not None and trained != plan.get("length"):
+            length += f" (trained {trained:,}: not the plan)"
+        cells = [r["model"], r["run"], length]
+        if r["skipped"] or "step_s" not in meas:
+            why = r["skipped"] or meas.get("error") or "no result"
+            lines.append("| " + " | ".join([*cells, f"not measured: {why}", *["—"] * 12]) + " |")
+            continue
+        c = comparisons(plan, meas)
+        growth = meas["rss_peak"] - meas["rss_start"]
+        cells += [_gib(plan["tensors"]), _gib(meas["allocated"]), c["allocated"], _gib(plan["total"]),
+                  _gib(meas["reserved"]), c["reserved"], _gib(nvml_run_bytes(meas)), c["nvml"],
+                  within_budget(plan, meas), _gib(plan["host"]), _gib(growth),
+                  verdict(growth, plan["host"], RESERVED_TOLERANCE), f"{meas['step_s']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def plan_lines(records: list[dict[str, Any]]) -> list[str]:
     lines = ["| planner's order | settings | predicted total GiB | max reserved GiB "
              "| NVML used by the run GiB | predicted s/step | measured s/step | measured / predicted |",
@@ -532,7 +708,7 @@ def summary_lines(records: list[dict[str, Any]]) -> list[str]:
 
 
 def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[str, Any]] | dict[str, Any],
-         dropped: list[Row]) -> str:
+         dropped: list[Row], long: list[dict[str, Any]] | None = None) -> str:
     """The markdown of docs/bench/gpu.md."""
     overheads = (meta.get("profile") or {}).get("overheads") or {}
     context = overheads.get("cuda_context_bytes")
@@ -563,6 +739,25 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
     if dropped:
         lines += ["Left out before the run by the time pruning (a-priori cost over the budget): "
                   + "; ".join(f"{r.model} {r.label()}" for r in dropped) + ".", ""]
+    lines += ["## Long context: the planned longest length, trained", "",
+              "`memtrain plan` (device cuda) of each recipe below with `data.max_length: auto`: the "
+              "planner's own search for the longest multiple of 256 tokens whose estimate fits the "
+              "row's budget less the 10% margin, with LoRA rank 8 (nf4 base for QLoRA), batch 1, "
+              f"full checkpointing, chunked loss, activation and embedding offload, tiled MLP and lean "
+              f"norm; the model's positions raised to {LONG_POSITIONS:,}, host RAM allowed "
+              f"{LONG_HOST_BUDGET}. Then trained at exactly that length on random token ids, as "
+              "above. *Within the budget*: the device memory the run used (NVML) against the budget "
+              "the plan was made for. *Host RSS growth*: the process's peak resident set "
+              "(`getrusage`) less its resident set before the model was built, against the plan's "
+              "host bytes (offloaded activations and embeddings); it also holds whatever the build "
+              "and CUDA keep in host memory.", ""]
+    if long:
+        lines += [*long_lines(long), ""]
+        lines += [f"- {r['model']}, budget {r['spec']['budget']}: {r['plan']['why']}." for r in long
+                  if "why" in r["plan"]]
+        lines += [""]
+    else:
+        lines += ["No long-context row ran.", ""]
     lines += ["## The planner's top candidates: predicted vs measured step time", "",
               f"`memtrain plan` (device cuda) of a full bf16 fine-tune of the 1B shape, 16 examples x "
               f"{PLAN_RECIPE['data']['max_length']} tokens per optimizer step, budget "
@@ -598,8 +793,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=510.0,
-                        help="seconds for the whole run, calibration included (default 510: under 9 minutes)")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="seconds for the whole run, calibration included (default 540: 9 minutes)")
     parser.add_argument("--out", type=Path, default=OUT, help="the page to write (raw JSON beside it)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="calibration profile to write (default: gpu_calibration.json beside --out)")
@@ -627,13 +822,21 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_calibrate:
         meta["calibrate_s"] = calibrate(profile, env, timeout=max(60.0, args.budget_s / 3))
     meta["profile"] = json.loads(profile.read_text(encoding="utf-8")) if profile.exists() else None
+    # the long-context plans run in the background, beside the predictions and the grid
+    long_reserve = sum(long_seconds(r, LONG_ASSUMED_TOKENS) for r in LONG_CONTEXT)
+    background = ThreadPoolExecutor(1)
+    long_plans = background.submit(plan_long, LONG_CONTEXT, env,
+                                   max(30.0, deadline - time.monotonic() - long_reserve))
     # at least two minutes stay for measuring, whatever the predictions cost
     predicted, candidates = predict_all(GRID, env, args.workers, max(30.0, deadline - time.monotonic() - 120))
     meta["predict_s"] = time.monotonic() - start - meta.get("calibrate_s", 0.0)
     planned_rows = plan_rows(candidates) if isinstance(candidates, list) else []
-    reserve = sum(row_seconds(r) for r in planned_rows)  # the planner's candidates run last
+    # the long-context rows and the planner's candidates run after the grid
+    reserve = sum(row_seconds(r) for r in planned_rows) + long_reserve
     rows, dropped = select(GRID, deadline - time.monotonic() - reserve)
     grid = measure_all(rows, [predicted[GRID.index(r)] for r in rows], env, deadline)
+    long = measure_long(LONG_CONTEXT, long_plans.result(), env, deadline)
+    background.shutdown()
     planned: list[dict[str, Any]] | dict[str, Any] = candidates
     if isinstance(candidates, list):
         planned = measure_all(planned_rows, candidates, env, deadline)
@@ -641,8 +844,9 @@ def run(args: argparse.Namespace) -> int:
     meta["device"] = devices[0] if devices else "unknown (no row ran)"
     meta["wall_s"] = time.monotonic() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(page(meta, grid, planned, dropped), encoding="utf-8")
-    raw = {"meta": meta, "grid": grid, "planner": planned, "dropped": [asdict(r) for r in dropped]}
+    args.out.write_text(page(meta, grid, planned, dropped, long), encoding="utf-8")
+    raw = {"meta": meta, "grid": grid, "long_context": long, "planner": planned,
+           "dropped": [asdict(r) for r in dropped]}
     args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str), encoding="utf-8")
     print(args.out.read_text(encoding="utf-8"))
     return 0
