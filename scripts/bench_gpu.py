@@ -393,8 +393,12 @@ def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
     try:
         model, out["built"] = _to_gpu(cfg, config)
         optimizer = build_optimizer(cfg, model)
-        batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, DEVICE)
+        # as the collator lays out a worst-case batch: padded to its longest row, so a batch of one
+        # row has no padding and attention runs unmasked (a padded row would add an s x s mask)
+        batch = example_batch(cfg, config, settings["micro_batch_size"], cfg.data.max_length, DEVICE,
+                              padded=settings["micro_batch_size"] > 1)
         out["tokens"] = list(batch["input_ids"].shape)  # what the steps train: micro-batch x length
+        out["padded"] = bool((batch.get("attention_mask", batch["input_ids"]) == 0).any())
 
         def step() -> None:
             training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])

@@ -251,6 +251,7 @@ def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.Monk
     assert "error" not in got and len(got["steps_s"]) == bench.STEPS
     assert (got["allocated"], got["reserved"], got["device_bytes"], got["device"]) == (1, 2, 3, "stub")
     assert bench.nvml_run_bytes(got) == 0
+    assert got["tokens"] == [2, 16] and got["padded"] is True  # two rows: the shorter one padded
 
 
 def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path,
@@ -335,6 +336,7 @@ def test_the_long_context_children_plan_a_length_and_train_it(monkeypatch: pytes
     trained["model"]["from_config"].update(shape)
     got = bench.measure_child(trained)
     assert "error" not in got and got["tokens"] == [1, length]
+    assert got["padded"] is False  # one row: no padding, unmasked attention, as the estimate traces it
     assert got["rss_peak"] >= got["rss_start"] > 0
     assert str(length) in bench.long_lines([{"model": row.model, "run": row.label(), "plan": plan,
                                              "measured": got, "skipped": None}])[2].replace(",", "")
