@@ -38,17 +38,18 @@ The rows are listed most informative first; two prunings then apply, both report
 
 Long context (issue 27): :data:`LONG_CONTEXT` rows plan the longest context of a small model
 with ``data.max_length: auto`` (the planner's own search, :func:`memtrain.plan.length.longest_length`,
-in a child started with the predictions, working while the grid runs) under a fixed device budget
-(an input, :attr:`LongRow.budget`, not derived from any estimate) with every long-context
-technique on (full checkpointing, chunked loss, activation and embedding offload, tiled MLP, lean
-norm), QLoRA or LoRA at batch 1; then train that exact length on random token ids like any row,
-and hold the measured ``max_memory_allocated``, ``max_memory_reserved``, NVML's used memory and
-the process's peak host RSS against the plan's predicted tensors, device total and host bytes, and
-the measured device memory against the budget. The budget is small (3 GiB) on purpose: attention's
-cost grows with the square of the length, and at 3 GiB the planned tens of thousands of tokens
-train in seconds a step; a whole GPU's memory would plan hundreds of thousands, minutes a step.
-Their a-priori cost (:func:`long_seconds` at :data:`LONG_ASSUMED_TOKENS`) is reserved before the
-grid is pruned; at run time the planned length's cost must fit the time left.
+in a child started with the predictions, working while the grid runs, no GPU visible to it) under
+a fixed device budget (an input, :attr:`LongRow.budget`, not derived from any estimate) with
+every long-context technique on (full checkpointing, chunked loss, activation and embedding
+offload, tiled MLP, lean norm), QLoRA or LoRA at batch 1; then train that exact length on random
+token ids like any row, and hold the measured ``max_memory_allocated``, ``max_memory_reserved``,
+NVML's used memory and the process's peak host RSS against the plan's predicted tensors, device
+total and host bytes, and the measured device memory against the budget. The budget is small
+(3 GiB) on purpose: attention's cost grows with the square of the length, and at 3 GiB the
+planned tens of thousands of tokens train in seconds a step; a whole GPU's memory would plan
+hundreds of thousands, minutes a step. Their a-priori cost (:func:`long_seconds` at
+:data:`LONG_ASSUMED_TOKENS`) is reserved before the grid is pruned; at run time the planned
+length's cost must fit the time left.
 
 Targets (issue 15), after calibration: ``max_memory_allocated`` within 3% of the predicted live
 tensors, and ``max_memory_reserved`` within 8% of the predicted total. Reserved memory is the
@@ -544,6 +545,14 @@ def measure_all(rows: list[Row], predicted: list[dict[str, Any]], env: dict[str,
     return out
 
 
+def planning_env(env: dict[str, str]) -> dict[str, str]:
+    """A child's environment with no GPU visible: the long-context plans run while rows are
+    measured, and a CUDA context of theirs (bitsandbytes' import creates one) would count in those
+    rows' NVML figures. The estimate needs no GPU (fake tensors, ``device="cuda"``), and the
+    calibrated overheads come from the profile file."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
 def plan_long(rows: list[LongRow], env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
     """Each long-context row planned (``data.max_length: auto``), in parallel child processes."""
     if not rows:
@@ -829,7 +838,7 @@ def run(args: argparse.Namespace) -> int:
     # the long-context plans run in the background, beside the predictions and the grid
     long_reserve = sum(long_seconds(r, LONG_ASSUMED_TOKENS) for r in LONG_CONTEXT)
     background = ThreadPoolExecutor(1)
-    long_plans = background.submit(plan_long, LONG_CONTEXT, env,
+    long_plans = background.submit(plan_long, LONG_CONTEXT, planning_env(env),
                                    max(30.0, deadline - time.monotonic() - long_reserve))
     # at least two minutes stay for measuring, whatever the predictions cost
     predicted, candidates = predict_all(GRID, env, args.workers, max(30.0, deadline - time.monotonic() - 120))

@@ -274,6 +274,7 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path,
                      "predicted_total": 3 * GiB, "predicted_s": 1.0, "chosen": True, "label": "ckpt=full"}]
         if mode == "long":
             assert payload["data"]["max_length"] == "auto"
+            assert env["CUDA_VISIBLE_DEVICES"] == ""  # planned beside measured rows: never on the GPU
             return long_plan
         calls.append(json.dumps(payload, sort_keys=True))
         return {"device": "Fake GPU", "allocated": GiB, "reserved": int(1.5 * GiB), "step_s": 0.5,
