@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memtrain.reliability.budget import SimulatedBudget, resolve_budget, usable_bytes
-from memtrain.trainer.step import measure_step
+from memtrain.trainer.step import measure_step, training_step
 from tests.memory.test_meter import batch, tiny_llama
 
 
@@ -23,14 +23,11 @@ def test_simulated_budget_raises_torch_oom_exactly_at_the_limit() -> None:
     measure_step(model, batch(), opt)  # optimizer state exists from here on
     peak = measure_step(model, batch(), opt).peak_bytes
     with SimulatedBudget(peak, model, opt) as fits:  # exactly enough: runs
-        model(**batch()).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        training_step(model, batch(), opt)
     assert fits.peak_bytes == peak
     too_small = SimulatedBudget(peak - 1, model, opt)
     with pytest.raises(torch.OutOfMemoryError, match="simulated budget"), too_small:
-        model(**batch()).loss.backward()
-        opt.step()
+        training_step(model, batch(), opt)
     opt.zero_grad(set_to_none=True)
     # after the failure nothing stays registered: a normal step runs and measures the same
     assert measure_step(model, batch(), opt).peak_bytes == peak
@@ -44,9 +41,7 @@ def test_a_deferring_budget_notes_the_first_crossing_and_lets_the_step_finish() 
     measure_step(model, batch(), opt)
     peak = measure_step(model, batch(), opt).peak_bytes
     with SimulatedBudget(peak - 1, model, opt, device="cpu:0", defer=True) as deferred:
-        model(**batch()).loss.backward()  # no error at the op
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        training_step(model, batch(), opt)  # no error at the op
     assert deferred.peak_bytes == peak
     note = deferred.take_overrun()
     assert note is not None and "simulated budget" in note
