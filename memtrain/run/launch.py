@@ -154,12 +154,20 @@ def _launch_error(err: Any, n: int) -> LaunchError:
     """The root cause among the failed processes, as memtrain reports it.
 
     The root cause is a process that reported an error (the others were stopped by the agent,
-    maybe within the same second), else one that exited on its own.
+    maybe within the same second), else one that exited on its own, else one ended by a signal
+    other than the SIGTERM the agent sends the survivors (SIGKILL: most often the kernel's
+    out-of-memory killer).
     """
     rank, failure = min(err.failures.items(), key=lambda item: (
-        not os.path.isfile(item[1].error_file), item[1].exitcode <= 0, item[1].timestamp, item[0]))
+        not os.path.isfile(item[1].error_file), item[1].exitcode <= 0,
+        item[1].exitcode == -signal.SIGTERM, item[1].timestamp, item[0]))
     code = failure.exitcode if failure.exitcode > 0 else 1
     where = f"training process {rank} of {n}"
+    if failure.exitcode == -signal.SIGKILL:
+        return LaunchError(
+            f"{where} was killed (SIGKILL), most often by the kernel's out-of-memory killer when host "
+            "RAM runs out. Fix: free host memory or lower what the run keeps there "
+            "(`training.micro_batch_size`, `memory.offload.*`, `memory.host_budget`).", code)
     if isinstance(failure.message, dict):  # an exception recorded by `record`: a bug
         return LaunchError(f"{where} failed: {failure.message.get('message')} (its traceback is "
                            "printed above)", code)

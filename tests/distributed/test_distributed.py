@@ -191,6 +191,12 @@ def test_launch_errors_name_the_root_cause(tmp_path: Path) -> None:
         "py_callstack": "...", "timestamp": str(killed.timestamp)}}})
     err = launch._launch_error(ChildFailedError("w", {0: killed, 1: bug}), 2)
     assert err.exit_code == 1 and "process 1 of 2 failed: KeyError: 'x'" in str(err)
+    # No error file anywhere: the process the agent did not stop (SIGTERM) is the cause, even
+    # when the agent's SIGTERM is stamped first; SIGKILL is explained as the OOM killer's.
+    oom = failure(tmp_path, 2, -9, None)
+    oom.timestamp = killed.timestamp + 5
+    err = launch._launch_error(ChildFailedError("w", {0: killed, 2: oom}), 3)
+    assert err.exit_code == 1 and "process 2 of 3 was killed (SIGKILL)" in str(err), str(err)
 
 
 def test_cli_nproc_sets_the_number_of_processes(tmp_path: Path, text_file: Path,
