@@ -27,7 +27,6 @@ import datetime
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.config import load_recipe
@@ -43,6 +41,7 @@ from memtrain.estimator.estimate import estimate
 from memtrain.patches import embedding_offload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_steps import llama, step, time_rounds
 from memprobe import LiveBytes, resident
 
 MiB, GiB = 2**20, 2**30
@@ -71,21 +70,10 @@ USABLE_8GIB = int(8 * GiB * 0.9)
 
 
 def build(args: argparse.Namespace) -> nn.Module:
-    config = AutoConfig.for_model(
-        "llama", hidden_size=args.hidden, intermediate_size=args.hidden * 7 // 2,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8,
-        vocab_size=args.vocab, max_position_embeddings=args.seq, use_cache=False, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = llama(args.hidden, args.hidden * 7 // 2, args.layers, 8, args.vocab, args.seq,
+                  tie_word_embeddings=False)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=targets)).train()
-
-
-def step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def measure(args: argparse.Namespace, ids: torch.Tensor) -> dict[str, dict[str, Any]]:
@@ -105,14 +93,6 @@ def measure(args: argparse.Namespace, ids: torch.Tensor) -> dict[str, dict[str, 
                       "host": table.numel() * table.element_size() if name == "offloaded" else 0,
                       "times": []}
     return runs
-
-
-def time_rounds(runs: dict[str, dict[str, Any]], ids: torch.Tensor, rounds: int) -> None:
-    for _ in range(rounds):
-        for run in runs.values():
-            start = time.perf_counter()
-            step(run["model"], run["opt"], ids)
-            run["times"].append(time.perf_counter() - start)
 
 
 def planned(quick: bool) -> list[str]:
@@ -144,7 +124,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(0))
     runs = measure(args, ids)
-    time_rounds(runs, ids, args.rounds)
+    time_rounds(runs, ids, args.rounds, say=False)
     plain_time = statistics.median(runs["plain"]["times"])
     lines = [
         "# Embedding offload (`memory.offload.embeddings`): memory and step time", "",

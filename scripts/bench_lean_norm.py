@@ -29,13 +29,13 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.patches import checkpointing, lean_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_steps import llama, step, time_rounds, weights_and_state
 from memprobe import LiveBytes
 
 MiB = 2**20
@@ -46,19 +46,8 @@ SETTINGS = [(dtype, ckpt, lean) for dtype in DTYPES for ckpt in ("none", "full")
 
 
 def build(args: argparse.Namespace, dtype: torch.dtype) -> nn.Module:
-    config = AutoConfig.for_model(
-        "llama", hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        vocab_size=args.vocab, max_position_embeddings=args.seq, use_cache=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(dtype).train()
-
-
-def step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    model.zero_grad(set_to_none=True)
+    model = llama(args.hidden, args.intermediate, args.layers, args.heads, args.vocab, args.seq)
+    return model.to(dtype).train()
 
 
 def measure(args: argparse.Namespace, ids: torch.Tensor) -> dict[tuple[str, str, bool], dict[str, Any]]:
@@ -72,23 +61,12 @@ def measure(args: argparse.Namespace, ids: torch.Tensor) -> dict[tuple[str, str,
         checkpointing.apply(model, ckpt)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step(model, opt, ids)
-        resident = sum(p.numel() * p.element_size() for p in model.parameters())
-        resident += sum(v.numel() * v.element_size() for s in opt.state.values()
-                        for v in s.values() if isinstance(v, torch.Tensor))
+        resident = weights_and_state(model, opt)
         with LiveBytes() as probe:
             step(model, opt, ids)
         runs[(dtype, ckpt, lean)] = {"model": model, "opt": opt, "peak": resident + probe.device_peak,
                                      "times": []}
     return runs
-
-
-def time_rounds(runs: dict[tuple[str, str, bool], dict[str, Any]], ids: torch.Tensor, repeats: int) -> None:
-    for rep in range(repeats):
-        print(f"timing round {rep + 1}/{repeats} ...", flush=True)
-        for run in runs.values():
-            start = time.perf_counter()
-            step(run["model"], run["opt"], ids)
-            run["times"].append(time.perf_counter() - start)
 
 
 def _fwd_bwd(norm: nn.Module, x: torch.Tensor, grad: torch.Tensor, times: int = 1) -> None:

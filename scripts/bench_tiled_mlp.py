@@ -18,7 +18,6 @@ import copy
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,12 @@ import torch
 import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.patches import checkpointing, tiled_mlp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_steps import llama, step, time_rounds, weights_and_state
 from memprobe import LiveBytes
 
 MiB = 2**20
@@ -40,19 +39,7 @@ SETTINGS = [(ckpt, tiled) for ckpt in ("none", "full", "selective") for tiled in
 
 
 def build(args: argparse.Namespace) -> nn.Module:
-    config = AutoConfig.for_model(
-        "llama", hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        vocab_size=args.vocab, max_position_embeddings=args.seq, use_cache=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).train()
-
-
-def step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    model.zero_grad(set_to_none=True)
+    return llama(args.hidden, args.intermediate, args.layers, args.heads, args.vocab, args.seq).train()
 
 
 def measure(base: nn.Module, ids: torch.Tensor, tiles: int | None) -> dict[tuple[str, bool], dict[str, Any]]:
@@ -66,23 +53,12 @@ def measure(base: nn.Module, ids: torch.Tensor, tiles: int | None) -> dict[tuple
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         with FlopCounterMode(display=False) as flops:
             step(model, opt, ids)  # also creates the optimizer state
-        resident = sum(p.numel() * p.element_size() for p in model.parameters())
-        resident += sum(v.numel() * v.element_size() for s in opt.state.values()
-                        for v in s.values() if isinstance(v, torch.Tensor))
+        resident = weights_and_state(model, opt)
         with LiveBytes() as probe:
             step(model, opt, ids)
         runs[(ckpt, tiled)] = {"model": model, "opt": opt, "flops": flops.get_total_flops(),
                                "peak": resident + probe.device_peak, "times": []}
     return runs
-
-
-def time_rounds(runs: dict[tuple[str, bool], dict[str, Any]], ids: torch.Tensor, repeats: int) -> None:
-    for rep in range(repeats):
-        print(f"timing round {rep + 1}/{repeats} ...", flush=True)
-        for run in runs.values():
-            start = time.perf_counter()
-            step(run["model"], run["opt"], ids)
-            run["times"].append(time.perf_counter() - start)
 
 
 def table(runs: dict[tuple[str, bool], dict[str, Any]], args: argparse.Namespace, tiles: int) -> list[str]:

@@ -133,7 +133,7 @@ def _uses(path: Path) -> set[str]:
 # Benchmarks whose subject is the meter itself (they time it; they measure no memory with it).
 METER_IS_THE_SUBJECT = {"bench_meter_cost.py"}
 # The measured side itself: the probes and the test that judges the estimate with them.
-PROBES = [SCRIPTS / "memprobe.py", SCRIPTS / "_fsdp_probe.py",
+PROBES = [SCRIPTS / "memprobe.py", SCRIPTS / "_fsdp_probe.py", SCRIPTS / "_bench_steps.py",
           ROOT / "tests" / "end_to_end" / "test_independent_count.py"]
 
 
