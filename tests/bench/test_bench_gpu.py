@@ -230,10 +230,9 @@ def test_on_a_machine_without_cuda_it_stops_with_a_message(tmp_path: Path) -> No
     assert not out.exists()
 
 
-@pytest.mark.slow
-def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The child's flow (build, optimizer, batch, warm-up, timed steps, statistics) on the CPU:
-    what breaks here would break on the GPU too (memtrain's build API, the recipe, the result)."""
+def _stub_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows run on the CPU with CUDA's statistics answering fixed numbers (allocated 1, reserved 2,
+    device 3 bytes, NVML 100)."""
     import torch
 
     monkeypatch.setattr(bench, "DEVICE", "cpu")
@@ -242,6 +241,14 @@ def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.Monk
                         "max_memory_allocated": 1, "max_memory_reserved": 2}.items():
         monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, **k: v)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 3}))
+
+
+@pytest.mark.slow
+def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's flow (build, optimizer, batch, warm-up, timed steps, statistics) on the CPU:
+    what breaks here would break on the GPU too (memtrain's build API, the recipe, the result)."""
+
+    _stub_cuda(monkeypatch)
     recipe = bench.Row(bench.TINY, "lora", "full", "adamw", 2, 16, 2).recipe()
     recipe["model"]["from_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
@@ -312,7 +319,6 @@ def test_the_long_context_children_plan_a_length_and_train_it(monkeypatch: pytes
     planner's `data.max_length: auto` search, device cuda, no calibration: a 1 GiB CUDA context),
     and the ``--measure`` child, given the recipe the parent builds from that plan, trains exactly
     that many tokens (CUDA's statistics stubbed, the row runner on the CPU). About 20 s."""
-    import torch
 
     row = bench.LongRow(bench.TINY, "lora", "1170MiB")
     shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1, "vocab_size": 512}
@@ -327,12 +333,7 @@ def test_the_long_context_children_plan_a_length_and_train_it(monkeypatch: pytes
     assert 0 < plan["tensors"] < plan["total"] and plan["host"] > 0  # offloaded layer inputs, embeddings
     assert f"{length:,} tokens" in plan["why"]
 
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "nvml_memory", lambda field: 100)
-    for name, value in {"synchronize": None, "reset_peak_memory_stats": None, "get_device_name": "stub",
-                        "max_memory_allocated": 1, "max_memory_reserved": 2}.items():
-        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, **k: v)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"total_memory": 3}))
+    _stub_cuda(monkeypatch)
     trained = row.recipe(plan)
     trained["model"]["from_config"].update(shape)
     got = bench.measure_child(trained)
