@@ -35,7 +35,7 @@ from torch import nn
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.errors import TRL_MISSING, MemtrainError
-from memtrain.trainer.trainer import MemtrainTrainer, argument_values, trainer_options
+from memtrain.trainer.trainer import MemtrainTrainer, argument_values, trainer_inputs
 
 try:
     from trl import DPOConfig, DPOTrainer
@@ -102,16 +102,7 @@ def build_dpo_trainer(cfg: RunConfig, model: nn.Module, tokenizer: Any, data: Pr
                       output_dir: str, callbacks: list[TrainerCallback] | None = None) -> MemtrainDPOTrainer:
     """A ready-to-train DPO Trainer for a resolved recipe with ``training.objective: dpo``."""
     args = dpo_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
-    return MemtrainDPOTrainer(
-        **trainer_options(cfg),
-        model=model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        data_collator=data.collator,
-        processing_class=tokenizer,
-        callbacks=callbacks or [],
-    )
+    return MemtrainDPOTrainer(**trainer_inputs(cfg, model, tokenizer, data, callbacks), args=args)
 
 
 # ------------------------------------------------------------------------ the estimator's step

@@ -250,6 +250,14 @@ class MemtrainTrainer(Trainer):
         return super()._clip_grad_norm(model)
 
 
+def trainer_inputs(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, data: PreparedData,
+                   callbacks: list[TrainerCallback] | None = None) -> dict[str, Any]:
+    """The constructor arguments every memtrain Trainer takes alike (the SFT one here, the DPO one
+    in :mod:`memtrain.trainer.preference`): memtrain's options, the model, data and callbacks."""
+    return {**trainer_options(cfg), "model": model, "train_dataset": data.train, "eval_dataset": data.eval,
+            "data_collator": data.collator, "processing_class": tokenizer, "callbacks": callbacks or []}
+
+
 def build_trainer(
     cfg: RunConfig,
     model: PreTrainedModel,
@@ -264,15 +272,9 @@ def build_trainer(
     args = training_arguments(cfg, batch, output_dir, has_eval=data.eval is not None)
     classification = cfg.model.task == "sequence-classification"
     trainer = MemtrainTrainer(
-        **trainer_options(cfg),
-        model=model,
+        **trainer_inputs(cfg, model, tokenizer, data, callbacks),
         args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval,
-        data_collator=data.collator,
-        processing_class=tokenizer,
         compute_metrics=compute_accuracy if classification else None,
-        callbacks=callbacks or [],
         fsdp_plugin=fsdp_plugin,
     )
     if classification:
