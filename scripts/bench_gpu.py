@@ -3,6 +3,9 @@
     python scripts/bench_gpu.py                     # calibrate, predict, measure: docs/bench/gpu.md
     python scripts/bench_gpu.py --budget-s 300      # fewer rows (the time pruning below)
     python scripts/bench_gpu.py --profile P --skip-calibrate   # reuse a `memtrain calibrate` profile
+    python scripts/bench_gpu.py --profile P --skip-calibrate --reuse-measured docs/bench/gpu.json
+                                                    # predict anew; keep an earlier run's measured rows
+    python scripts/bench_gpu.py --long-plans plans.json  # long-context plans made beforehand (below)
 
 Built to finish in 9 minutes on one H100 (default ``--budget-s 540``). On a machine without
 CUDA it stops at once with a message and writes nothing.
@@ -255,11 +258,25 @@ def long_seconds(row: LongRow, tokens: int) -> float:
     return START_S + build + (1 + STEPS) * (linear + attention) / GPU_FLOPS
 
 
-def select(rows: list[Row], seconds: float) -> tuple[list[Row], list[Row]]:
-    """Rows in order while their a-priori cost fits ``seconds``; returns (kept, dropped)."""
+def spec_key(spec: Row | dict[str, Any]) -> str:
+    """A row's identity across runs: its spec as JSON (tuples and lists alike)."""
+    return json.dumps(asdict(spec) if isinstance(spec, Row) else spec, sort_keys=True)
+
+
+def reusable(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """An earlier run's measured grid and planner rows (``gpu.json``) by :func:`spec_key`: those
+    with a timed step (a row that failed or was skipped is measured again)."""
+    rows = [*raw.get("grid", []), *(raw.get("planner") if isinstance(raw.get("planner"), list) else [])]
+    return {spec_key(r["spec"]): r["measured"] for r in rows if "step_s" in (r.get("measured") or {})}
+
+
+def select(rows: list[Row], seconds: float, reuse: dict[str, Any] | None = None
+           ) -> tuple[list[Row], list[Row]]:
+    """Rows in order while their a-priori cost fits ``seconds`` (a row measured by an earlier run,
+    in ``reuse``, costs nothing); returns (kept, dropped)."""
     kept, dropped, used = [], [], 0.0
     for row in rows:
-        cost = row_seconds(row)
+        cost = 0.0 if spec_key(row) in (reuse or {}) else row_seconds(row)
         if used + cost <= seconds:
             kept.append(row)
             used += cost
@@ -524,15 +541,18 @@ def plan_rows(candidates: list[dict[str, Any]]) -> list[Row]:
 
 
 def measure_all(rows: list[Row], predicted: list[dict[str, Any]], env: dict[str, str],
-                deadline: float) -> list[dict[str, Any]]:
-    """Each row in a fresh process, in order, unless it cannot fit the device or the time left."""
+                deadline: float, reuse: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Each row in a fresh process, in order, unless it cannot fit the device or the time left;
+    a row an earlier run measured (``reuse``) keeps that measurement (``reused`` in its record)."""
     device_bytes = nvml_memory("total")
     out = []
     for row, pred in zip(rows, predicted, strict=True):
         record: dict[str, Any] = {"model": row.model, "run": row.label(), "spec": asdict(row),
                                   "predicted": pred, "measured": None, "skipped": None}
         left = deadline - time.monotonic()
-        if device_bytes and not fits_device(pred.get("total") or pred.get("predicted_total"), device_bytes):
+        if spec_key(row) in (reuse or {}):
+            record["measured"], record["reused"] = reuse[spec_key(row)], True  # type: ignore[index]
+        elif device_bytes and not fits_device(pred.get("total") or pred.get("predicted_total"), device_bytes):
             record["skipped"] = f"predicted to need more than the device's {device_bytes / GiB:.1f} GiB"
         elif row_seconds(row) > left:
             record["skipped"] = (f"time budget: {max(left, 0):.0f} s left, about {row_seconds(row):.0f} s "
@@ -632,7 +652,7 @@ def grid_lines(records: list[dict[str, Any]]) -> list[str]:
     lines = list(GRID_HEAD)
     for r in records:
         pred, meas = r["predicted"], r["measured"] or {}
-        cells = [r["model"], r["run"]]
+        cells = [r["model"], r["run"] + (" †" if r.get("reused") else "")]
         if r["skipped"] or "step_s" not in meas:
             why = r["skipped"] or meas.get("error") or pred.get("error") or "no result"
             lines.append("| " + " | ".join([*cells, f"not measured: {why}", *["—"] * 8]) + " |")
@@ -695,7 +715,7 @@ def plan_lines(records: list[dict[str, Any]]) -> list[str]:
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(records, 1):
         pred, meas = r["predicted"], r["measured"] or {}
-        name = f"{pred['label']}{' (chosen)' if pred.get('chosen') else ''}"
+        name = f"{pred['label']}{' (chosen)' if pred.get('chosen') else ''}{' †' if r.get('reused') else ''}"
         if "step_s" not in meas:
             why = r["skipped"] or meas.get("error", "no result")
             lines.append(f"| {i} | {name} | {_gib(pred['predicted_total'])} | — | — | "
@@ -720,6 +740,26 @@ def summary_lines(records: list[dict[str, Any]]) -> list[str]:
             f"{counts['nvml']}/{n}."]
 
 
+def reuse_lines(meta: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """The note on rows kept from an earlier run (``--reuse-measured``), if any."""
+    kept = sum(bool(r.get("reused")) for r in records)
+    earlier = meta.get("reused_from")
+    if not kept or not earlier:
+        return []
+    return [f"Rows marked † ({kept}) were measured by an earlier run of this script, `{earlier['command']}` "
+            f"on {earlier['device']} ({earlier['date']}), kept from its `gpu.json`; their predictions "
+            "are this run's, with this run's calibration profile. The measured side does not depend on "
+            "the estimator, so a row measured once needs no second run.", ""]
+
+
+def calibration_words(meta: dict[str, Any]) -> str:
+    """Where the profile came from: this run's calibration, or an earlier one (--skip-calibrate)."""
+    if "calibrate_s" in meta:
+        return f"Calibration (`memtrain calibrate`, {meta['calibrate_s']:.0f} s)"
+    created = (meta.get("profile") or {}).get("created", "?")
+    return f"Calibration (an earlier `memtrain calibrate` profile, created {created}, --skip-calibrate)"
+
+
 def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[str, Any]] | dict[str, Any],
          dropped: list[Row], long: list[dict[str, Any]] | None = None) -> str:
     """The markdown of docs/bench/gpu.md."""
@@ -732,8 +772,7 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
         f"Device: **{meta['device']}** (driver {meta.get('driver') or '?'}), {meta['date']}  ",
         f"Versions: torch {meta['torch']} (CUDA {meta['cuda']}), transformers {meta['transformers']}, "
         f"peft {meta['peft']}, bitsandbytes {meta['bitsandbytes']}, Python {meta['python']}  ",
-        f"Calibration (`memtrain calibrate`, {meta.get('calibrate_s', 0):.0f} s): CUDA context "
-        f"{_gib(context)} GiB, allocator fragmentation "
+        f"{calibration_words(meta)}: CUDA context {_gib(context)} GiB, allocator fragmentation "
         f"{'—' if fragmentation is None else f'{fragmentation:.1%}'}; whole run {meta['wall_s']:.0f} s "
         f"(budget {meta['budget_s']:.0f} s; predictions and the plan {meta.get('predict_s', 0):.0f} s).", "",
         "Every row runs in a fresh process: the model built from its config the way training builds it, "
@@ -747,6 +786,7 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
         "total. No number on the measured side comes from memtrain's meter. How the grid was chosen "
         "and pruned: the docstring of `scripts/bench_gpu.py`.", "",
         *summary_lines(grid), "",
+        *reuse_lines(meta, [*grid, *(planned if isinstance(planned, list) else [])]),
         "## The grid", "", *grid_lines(grid), "",
     ]
     if dropped:
@@ -764,6 +804,9 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
               "(`getrusage`) less its resident set before the model was built, against the plan's "
               "host bytes (offloaded activations and embeddings); it also holds whatever the build "
               "and CUDA keep in host memory.", ""]
+    if meta.get("long_plans_from"):
+        lines += [f"These plans were made before the run, not on the GPU machine: {meta['long_plans_from']}.",
+                  ""]
     if long:
         lines += [*long_lines(long), ""]
         lines += [f"- {r['model']}, budget {r['spec']['budget']}: {r['plan']['why']}." for r in long
@@ -812,6 +855,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--profile", type=Path, default=None,
                         help="calibration profile to write (default: gpu_calibration.json beside --out)")
     parser.add_argument("--skip-calibrate", action="store_true", help="use --profile as it is")
+    parser.add_argument("--long-plans", type=Path, default=None,
+                        help="JSON {\"plans\": [...], \"where\": ...}: the long-context rows' plans, made "
+                             "beforehand by `--long` children with the same profile (the plan needs no GPU)")
+    parser.add_argument("--reuse-measured", type=Path, default=None,
+                        help="an earlier run's gpu.json: its measured rows are kept, not run again")
     parser.add_argument("--workers", type=int, default=min(6, max(1, (os.cpu_count() or 2) // 2)),
                         help="prediction processes")
     for mode in CHILDREN:
@@ -835,24 +883,34 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_calibrate:
         meta["calibrate_s"] = calibrate(profile, env, timeout=max(60.0, args.budget_s / 3))
     meta["profile"] = json.loads(profile.read_text(encoding="utf-8")) if profile.exists() else None
+    reuse: dict[str, dict[str, Any]] = {}
+    if args.reuse_measured is not None:
+        earlier = json.loads(args.reuse_measured.read_text(encoding="utf-8"))
+        reuse = reusable(earlier)
+        meta["reused_from"] = {k: earlier["meta"].get(k) for k in ("command", "device", "date")}
     # the long-context plans run in the background, beside the predictions and the grid
     long_reserve = sum(long_seconds(r, LONG_ASSUMED_TOKENS) for r in LONG_CONTEXT)
     background = ThreadPoolExecutor(1)
-    long_plans = background.submit(plan_long, LONG_CONTEXT, planning_env(env),
-                                   max(30.0, deadline - time.monotonic() - long_reserve))
+    if args.long_plans is not None:  # planned beforehand: the search is CPU work, minutes at 64k tokens
+        given = json.loads(args.long_plans.read_text(encoding="utf-8"))
+        meta["long_plans_from"] = given.get("where", str(args.long_plans))
+        long_plans = background.submit(lambda: given["plans"])
+    else:
+        long_plans = background.submit(plan_long, LONG_CONTEXT, planning_env(env),
+                                       max(30.0, deadline - time.monotonic() - long_reserve))
     # at least two minutes stay for measuring, whatever the predictions cost
     predicted, candidates = predict_all(GRID, env, args.workers, max(30.0, deadline - time.monotonic() - 120))
     meta["predict_s"] = time.monotonic() - start - meta.get("calibrate_s", 0.0)
     planned_rows = plan_rows(candidates) if isinstance(candidates, list) else []
     # the long-context rows and the planner's candidates run after the grid
-    reserve = sum(row_seconds(r) for r in planned_rows) + long_reserve
-    rows, dropped = select(GRID, deadline - time.monotonic() - reserve)
-    grid = measure_all(rows, [predicted[GRID.index(r)] for r in rows], env, deadline)
+    reserve = sum(0.0 if spec_key(r) in reuse else row_seconds(r) for r in planned_rows) + long_reserve
+    rows, dropped = select(GRID, deadline - time.monotonic() - reserve, reuse)
+    grid = measure_all(rows, [predicted[GRID.index(r)] for r in rows], env, deadline, reuse)
     long = measure_long(LONG_CONTEXT, long_plans.result(), env, deadline)
     background.shutdown()
     planned: list[dict[str, Any]] | dict[str, Any] = candidates
     if isinstance(candidates, list):
-        planned = measure_all(planned_rows, candidates, env, deadline)
+        planned = measure_all(planned_rows, candidates, env, deadline, reuse)
     devices = [r["measured"]["device"] for r in grid if r["measured"] and "device" in r["measured"]]
     meta["device"] = devices[0] if devices else "unknown (no row ran)"
     meta["wall_s"] = time.monotonic() - start

@@ -42,6 +42,20 @@ class _EventRecorder:
         self.ops = {"step": 0, "optimizer": 0}
         self.written = 0
         self.flops = 0
+        self._entry_fake_mode: Any = None
+
+    def __enter__(self) -> Any:
+        # The fake mode active when the trace starts: an op under another one is DTensor's layout
+        # propagation. Recorded here, not read from MemTracker, which keeps it only from torch 2.13
+        # (torch 2.11 on a GPU machine failed every estimate with an AttributeError).
+        if not getattr(self, "_depth", 0):
+            self._entry_fake_mode = active_fake_mode()
+        return super().__enter__()  # type: ignore[misc]
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        # torch 2.13's MemTracker skips DTensor's propagation ops itself; torch 2.11's tracks them
+        if active_fake_mode() is self._entry_fake_mode:
+            super()._track(reftype, t)  # type: ignore[misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
@@ -51,7 +65,7 @@ class _EventRecorder:
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
         if out is NotImplemented:  # a DTensor op (FSDP2): its local ops come back through here
             return out
-        if active_fake_mode() is not self._fake_mode_on_entry:  # type: ignore[attr-defined]
+        if active_fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's layout propagation (memtrain.estimator.fake): not part of the step
         self.ops["optimizer" if phase == "optimizer" else "step"] += 1
         count = flop_registry.get(func._overloadpacket)

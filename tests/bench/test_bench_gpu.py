@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -342,3 +343,41 @@ def test_the_long_context_children_plan_a_length_and_train_it(monkeypatch: pytes
     assert got["rss_peak"] >= got["rss_start"] > 0
     assert str(length) in bench.long_lines([{"model": row.model, "run": row.label(), "plan": plan,
                                              "measured": got, "skipped": None}])[2].replace(",", "")
+
+
+def test_rows_an_earlier_run_measured_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--reuse-measured gpu.json`: a row with a timed step in the earlier run keeps that measurement
+    (marked †, the earlier run named); a row that failed there is measured again; every row is
+    predicted anew."""
+    done, failed = bench.GRID[0], bench.GRID[1]
+    earlier = {"meta": {"command": "python scripts/bench_gpu.py", "device": "Old GPU", "date": "2026-11-26"},
+               "grid": [{"spec": asdict(done), "measured": {"device": "Old GPU", "allocated": GiB,
+                                                            "reserved": 2 * GiB, "step_s": 0.25}},
+                        {"spec": asdict(failed), "measured": {"error": "exit 1: boom"}}],
+               "planner": {"error": "x"}}
+    (tmp_path / "old.json").write_text(json.dumps(earlier))
+    measured: list[str] = []
+    predicted: list[int] = []
+
+    def child(mode: str, payload: object, env: dict, timeout: float) -> object:
+        if mode == "predict":
+            predicted.append(len(payload))
+            return [{"tensors": GiB, "total": 2 * GiB, "overheads": {}} for _ in payload]
+        if mode in ("plan", "long"):
+            return {"error": "not this test"}
+        measured.append(json.dumps(payload, sort_keys=True))
+        return {"device": "New GPU", "allocated": GiB, "reserved": GiB, "step_s": 0.5,
+                "device_bytes": 80 * GiB}
+
+    monkeypatch.setattr(bench, "run_child", child)
+    monkeypatch.setattr(bench, "nvml_memory", lambda field: 80 * GiB)
+    (tmp_path / "gpu_calibration.json").write_text("{}")
+    out = tmp_path / "gpu.md"
+    assert bench.run(bench.parse_args(["--out", str(out), "--budget-s", "100000", "--skip-calibrate",
+                                       "--reuse-measured", str(tmp_path / "old.json")])) == 0
+    assert sum(predicted) == len(bench.GRID)
+    assert json.dumps(done.recipe(), sort_keys=True) not in measured
+    assert json.dumps(failed.recipe(), sort_keys=True) in measured and len(measured) == len(bench.GRID) - 1
+    text = out.read_text()
+    assert f"{done.label()} † | 1.00 | 1.00 | +0.0% pass" in text and "on Old GPU (2026-11-26)" in text
+    assert f"{failed.label()} †" not in text
