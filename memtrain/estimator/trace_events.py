@@ -70,7 +70,7 @@ class _EventRecorder:
         self.ops["optimizer" if phase == "optimizer" else "step"] += 1
         count = flop_registry.get(func._overloadpacket)
         if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
-            self.flops += count(*args, **(kwargs or {}), out_val=out)
+            self.flops += flop_count(count, args, kwargs or {}, out)
         return out
 
     def _update_snap(self, u_type: _UpdateType, winfo: object, old_mem_consumed: int | None = None,
@@ -138,6 +138,24 @@ class _FSDPEventTracker(_EventRecorder, trackers._FSDPTracker):
                  host: torch.device, layers: list[nn.Module]) -> None:
         super().__init__(model, optimizer, device, host, timeline=False)
         self._init_events(layers)
+
+
+def flop_count(count: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
+    """``count`` (a ``flop_registry`` formula) of one op. Attention with fewer key/value heads
+    than query heads (grouped-query attention, which CUDA's flash kernel takes unexpanded) is
+    counted as the kernel works, with key and value broadcast to the query's heads: torch 2.13's
+    formula does so, torch 2.11's asserts equal heads (every micro-batch-1 estimate of a GQA model
+    failed on an H100 with it)."""
+    try:
+        return int(count(*args, **kwargs, out_val=out))
+    except AssertionError:
+        heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+        if not heads:
+            raise
+        grown = [torch.Size((a.shape[0], heads, *a.shape[2:]))
+                 if isinstance(a, torch.Tensor) and a.dim() == 4 and heads % a.shape[1] == 0 else a
+                 for a in args]
+        return int(count(*grown, **kwargs, out_val=out))
 
 
 def _round(n: int) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -288,9 +289,30 @@ def estimate_offloaded_bytes(model: nn.Module, batch_size: int, seq_len: int) ->
             ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
             model(input_ids=ids, attention_mask=torch.ones_like(ids))
         return hooks.dry_run_bytes
+    except (TypeError, RuntimeError, NotImplementedError) as err:
+        # torch 2.11's FakeTensorMode refuses bitsandbytes' Params4bit ("Multiple dispatch failed
+        # for aten.view"), where torch 2.13 runs it: seen on an H100 building a QLoRA model
+        why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+        return layer_input_bytes(model, batch_size, seq_len, why)
     finally:
         hooks.dry_run_bytes = None
         model.train(was_training)
+
+
+def layer_input_bytes(model: nn.Module, batch_size: int, seq_len: int, why: str) -> int:
+    """What the offload moves when the forward cannot be traced: each checkpointed layer's input
+    hidden states (batch × length × hidden in the embeddings' dtype), with a warning that says so
+    and what it leaves out (the saved tensors of layers that are not checkpointed)."""
+    layers = find_layers(model)
+    checkpointed = sum(is_checkpointed(layer) for _, layer in layers)
+    embeddings = model.get_input_embeddings()
+    hidden, dtype = embeddings.weight.shape[-1], embeddings.weight.dtype
+    missing = (f"; the saved tensors of its {len(layers) - checkpointed} layers that are not checkpointed "
+               "are not counted" if checkpointed < len(layers) else "")
+    warnings.warn(f"`memory.offload.activations`: the host-RAM check could not trace the forward ({why}); "
+                  f"it counts the inputs of the {checkpointed} checkpointed layers instead{missing}.",
+                  stacklevel=2)
+    return checkpointed * batch_size * seq_len * hidden * dtype.itemsize
 
 
 def check_host_ram(model: nn.Module, batch_size: int, seq_len: int,

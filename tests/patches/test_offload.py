@@ -118,6 +118,31 @@ def test_host_ram_check_refuses_with_the_numbers() -> None:
         offload.check_host_ram(model, BATCH, SEQ, available=16 * 2**10)
 
 
+def test_host_ram_check_counts_layer_inputs_when_the_forward_cannot_be_traced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's fake mode refuses bitsandbytes' 4-bit weights (seen on an H100): the check then
+    counts the checkpointed layers' inputs, what full checkpointing moves, and says so."""
+    traced = offload.estimate_offloaded_bytes(offloaded(build_model(layers=2), "full"), BATCH, SEQ)
+
+    class Refusing:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            raise TypeError("Multiple dispatch failed for 'torch._ops.aten.view.default'")
+
+        def __exit__(self, *exc: Any) -> None:
+            pass
+
+    monkeypatch.setattr(offload, "FakeTensorMode", Refusing)
+    with pytest.warns(UserWarning, match=r"could not trace the forward \(TypeError: Multiple dispatch.*"
+                                         r"inputs of the 2 checkpointed layers instead\.$"):
+        counted = offload.estimate_offloaded_bytes(offloaded(build_model(layers=2), "full"), BATCH, SEQ)
+    assert counted == traced == 2 * BATCH * SEQ * HIDDEN * 4
+    with pytest.warns(UserWarning, match="its 2 layers that are not checkpointed are not counted"):
+        assert offload.estimate_offloaded_bytes(offloaded(build_model(layers=2)), BATCH, SEQ) == 0
+
+
 def test_recipe_hook_and_undo(tmp_path: Any, tiny_text_file: Any) -> None:
     recipe = causal_recipe(tmp_path, tiny_text_file,
                            memory={"checkpointing": "full", "offload": {"activations": True}})
