@@ -10,6 +10,9 @@ that a step over the budget raises the real ``torch.OutOfMemoryError`` at the al
 crosses it, and reports the allocator's reserved peak. On a CPU there is no allocator to ask: budgets
 there are enforced on live tensor bytes (:class:`memtrain.reliability.budget.SimulatedBudget`).
 
+The allocator's settings (expandable segments, :mod:`memtrain.allocator`) are applied here too
+(:func:`configure_allocator`).
+
 Host RAM is asked here too (:func:`host_free_bytes`, :func:`host_budget_bytes`): offloaded
 activations, an offloaded optimizer and offloaded embeddings live there, under ``memory.host_budget``.
 """
@@ -22,7 +25,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain import allocator
 from memtrain.units import parse_size
+
+
+def configure_allocator() -> str:
+    """memtrain's allocator settings (:mod:`memtrain.allocator`) for this process and the ones it
+    starts, unless the user chose their own; returns the settings in effect. Where this process
+    already uses CUDA (a user's script calling the plugin after moving a model), they are also
+    applied to the running allocator, for the segments it maps from now on."""
+    chosen_by_user = bool(os.environ.get(allocator.ENV))
+    settings = allocator.set_default()
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if not chosen_by_user and cuda_available() and torch.cuda.is_initialized() and setter is not None:
+        setter(settings)
+    return settings
 
 
 def cuda_available() -> bool:

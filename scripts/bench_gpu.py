@@ -6,6 +6,7 @@
     python scripts/bench_gpu.py --profile P --skip-calibrate --reuse-measured docs/bench/gpu.json
                                                     # predict anew; keep an earlier run's measured rows
     python scripts/bench_gpu.py --long-plans plans.json  # long-context plans made beforehand (below)
+    python scripts/bench_gpu.py --render docs/bench/gpu.json  # the page again from a run's raw JSON (no GPU)
 
 Built to finish in 9 minutes on one H100 (default ``--budget-s 540``). On a machine without
 CUDA it stops at once with a message and writes nothing.
@@ -294,8 +295,12 @@ def fits_device(predicted_total: int | None, device_bytes: int) -> bool:
 
 
 def child_env(profile: Path) -> dict[str, str]:
+    """A child's environment: memtrain on the path, the profile, offline hubs, and the CUDA allocator
+    settings `memtrain train` gives its processes (``memtrain.allocator``)."""
+    from memtrain import allocator
+
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path,
+    return {**os.environ, "PYTHONPATH": path, allocator.ENV: allocator.settings(),
             "MEMTRAIN_CALIBRATION": str(profile), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -634,18 +639,33 @@ def nvml_run_bytes(measured: dict[str, Any]) -> int | None:
     return None if before is None or after is None else after - before
 
 
+def predicted_allocated(pred: dict[str, Any]) -> int:
+    """What ``max_memory_allocated`` should show: the traced tensors, the cuBLAS workspaces (held in
+    the caching allocator) and the 512-byte rounding of each allocation. Predictions made before
+    the workspace line existed have none (an H100 showed 64-66 MiB of them on every row)."""
+    overheads = pred.get("overheads", {})
+    return pred["tensors"] + overheads.get("cuda_workspaces", 0) + overheads.get("allocator_rounding", 0)
+
+
 def comparisons(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, str]:
-    """The three target cells of a row: allocated vs tensors, reserved vs allocator lines, NVML vs total."""
+    """The three target cells of a row: allocated vs the predicted allocated bytes, reserved vs the
+    allocator's lines, NVML vs total."""
     allocator = pred["total"] - pred.get("overheads", {}).get("cuda_context", 0)
-    return {"allocated": verdict(meas.get("allocated"), pred["tensors"], ALLOCATED_TOLERANCE),
+    return {"allocated": verdict(meas.get("allocated"), predicted_allocated(pred), ALLOCATED_TOLERANCE),
             "reserved": verdict(meas.get("reserved"), allocator, RESERVED_TOLERANCE),
             "nvml": verdict(nvml_run_bytes(meas), pred["total"], RESERVED_TOLERANCE)}
 
 
-GRID_HEAD = ["| model | run | predicted tensors GiB | max allocated GiB | allocated vs tensors (±3%) "
+GRID_HEAD = ["| model | run | predicted allocated GiB | max allocated GiB | allocated vs predicted (±3%) "
              "| predicted total GiB | max reserved GiB | reserved vs total − context (±8%) "
-             "| NVML used by the run GiB | NVML vs total (±8%) | step s |",
-             "|---|---|---:|---:|---|---:|---:|---|---:|---|---:|"]
+             "| NVML used by the run GiB | NVML vs total (±8%) | outside the allocator MiB | step s |",
+             "|---|---|---:|---:|---|---:|---:|---|---:|---|---:|---:|"]
+
+
+def outside_allocator(meas: dict[str, Any]) -> str:
+    """NVML's used memory less the allocator's reserved peak: the CUDA context as this run saw it."""
+    used = nvml_run_bytes(meas)
+    return "—" if used is None else f"{(used - meas['reserved']) / 2**20:.0f}"
 
 
 def grid_lines(records: list[dict[str, Any]]) -> list[str]:
@@ -655,21 +675,22 @@ def grid_lines(records: list[dict[str, Any]]) -> list[str]:
         cells = [r["model"], r["run"] + (" †" if r.get("reused") else "")]
         if r["skipped"] or "step_s" not in meas:
             why = r["skipped"] or meas.get("error") or pred.get("error") or "no result"
-            lines.append("| " + " | ".join([*cells, f"not measured: {why}", *["—"] * 8]) + " |")
+            lines.append("| " + " | ".join([*cells, f"not measured: {why}", *["—"] * 9]) + " |")
             continue
         if "error" in pred:  # measured all the same: the numbers stand without a verdict
             c = {"allocated": f"no prediction: {pred['error']}", "reserved": "—", "nvml": "—"}
+            allocated = None
         else:
-            c = comparisons(pred, meas)
-        cells += [_gib(pred.get("tensors")), _gib(meas["allocated"]), c["allocated"], _gib(pred.get("total")),
+            c, allocated = comparisons(pred, meas), predicted_allocated(pred)
+        cells += [_gib(allocated), _gib(meas["allocated"]), c["allocated"], _gib(pred.get("total")),
                   _gib(meas["reserved"]), c["reserved"], _gib(nvml_run_bytes(meas)), c["nvml"],
-                  f"{meas['step_s']:.3f}"]
+                  outside_allocator(meas), f"{meas['step_s']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-LONG_HEAD = ["| model | run | planned length | predicted tensors GiB | max allocated GiB "
-             "| allocated vs tensors (±3%) | predicted total GiB | max reserved GiB "
+LONG_HEAD = ["| model | run | planned length | predicted allocated GiB | max allocated GiB "
+             "| allocated vs predicted (±3%) | predicted total GiB | max reserved GiB "
              "| reserved vs total − context (±8%) | NVML used by the run GiB | NVML vs total (±8%) "
              "| within the budget | predicted host GiB | host RSS growth GiB | host vs predicted (±8%) "
              "| step s |",
@@ -701,7 +722,8 @@ def long_lines(records: list[dict[str, Any]]) -> list[str]:
             continue
         c = comparisons(plan, meas)
         growth = meas["rss_peak"] - meas["rss_start"]
-        cells += [_gib(plan["tensors"]), _gib(meas["allocated"]), c["allocated"], _gib(plan["total"]),
+        cells += [_gib(predicted_allocated(plan)), _gib(meas["allocated"]), c["allocated"],
+                  _gib(plan["total"]),
                   _gib(meas["reserved"]), c["reserved"], _gib(nvml_run_bytes(meas)), c["nvml"],
                   within_budget(plan, meas), _gib(plan["host"]), _gib(growth),
                   verdict(growth, plan["host"], RESERVED_TOLERANCE), f"{meas['step_s']:.3f}"]
@@ -734,10 +756,46 @@ def summary_lines(records: list[dict[str, Any]]) -> list[str]:
     counts = {key: sum(comparisons(r["predicted"], r["measured"])[key].endswith("pass") for r in done)
               for key in ("allocated", "reserved", "nvml")}
     n = len(done)
-    return [f"Measured {n} of {len(records)} grid rows. **Allocated within 3% of the predicted tensors: "
-            f"{counts['allocated']}/{n}; reserved within 8% of the predicted total less the CUDA "
+    measured = sum("step_s" in (r["measured"] or {}) for r in records)
+    return [f"{measured} of {len(records)} grid rows measured, {n} of them with a prediction. **Allocated "
+            f"within 3% of the predicted allocated bytes: {counts['allocated']}/{n}; reserved within 8% "
+            "of the predicted total less the CUDA "
             f"context: {counts['reserved']}/{n}**; NVML's used memory within 8% of the predicted total: "
             f"{counts['nvml']}/{n}."]
+
+
+def gap_lines(meta: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
+    """Where the measured rows differ from their predictions, line by line of the estimate: what
+    the allocator handed out beyond the predicted allocated bytes, what the device used outside the
+    allocator against the calibrated context, and the allocator's cached-but-unused bytes as a share
+    of the bytes a step allocates and frees (the base of the ``fragmentation`` line)."""
+    rows = [r for r in records if "error" not in r["predicted"] and "step_s" in (r["measured"] or {})]
+    if not rows:
+        return []
+    MiB = 2**20
+    over = [(r["measured"]["allocated"] - predicted_allocated(r["predicted"])) / MiB for r in rows]
+    outside = [(nvml_run_bytes(r["measured"]) - r["measured"]["reserved"]) / MiB for r in rows
+               if nvml_run_bytes(r["measured"]) is not None]
+    shares = []
+    for r in rows:
+        o = r["predicted"].get("overheads", {})
+        fraction = (((meta.get("profile") or {}).get("overheads") or {}).get("fragmentation") or 0)
+        transient = o.get("fragmentation", 0) / fraction if fraction else 0
+        if transient:
+            shares.append((r["measured"]["reserved"] - r["measured"]["allocated"]) / transient)
+    context = (((meta.get("profile") or {}).get("overheads") or {}).get("cuda_context_bytes") or 0) / MiB
+    lines = [f"Gaps, over the {len(rows)} rows with a prediction:",
+             f"- max allocated less the predicted allocated bytes: {min(over):.1f} to {max(over):.1f} MiB "
+             f"(median {statistics.median(over):.1f})."]
+    if outside:
+        lines.append(f"- device memory outside the allocator (NVML used less max reserved): "
+                     f"{min(outside):.0f} to {max(outside):.0f} MiB; the profile's CUDA context: "
+                     f"{context:.0f} MiB.")
+    if shares:
+        lines.append(f"- reserved less allocated, as a share of the bytes a step allocates and frees: "
+                     f"{min(shares):.0%} to {max(shares):.0%} (median {statistics.median(shares):.0%}); "
+                     f"the profile's fragmentation: {fraction:.0%}.")
+    return [*lines, ""]
 
 
 def reuse_lines(meta: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
@@ -750,6 +808,13 @@ def reuse_lines(meta: dict[str, Any], records: list[dict[str, Any]]) -> list[str
             f"on {earlier['device']} ({earlier['date']}), kept from its `gpu.json`; their predictions "
             "are this run's, with this run's calibration profile. The measured side does not depend on "
             "the estimator, so a row measured once needs no second run.", ""]
+
+
+def allocator_words(meta: dict[str, Any]) -> str:
+    """The CUDA allocator settings the rows ran with (runs before memtrain set them: the default)."""
+    if "allocator" not in meta:
+        return "PyTorch's default settings (`PYTORCH_CUDA_ALLOC_CONF` unset; memtrain did not set it yet)"
+    return f"`PYTORCH_CUDA_ALLOC_CONF={meta['allocator']}`, as `memtrain train` runs"
 
 
 def calibration_words(meta: dict[str, Any]) -> str:
@@ -772,21 +837,25 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
         f"Device: **{meta['device']}** (driver {meta.get('driver') or '?'}), {meta['date']}  ",
         f"Versions: torch {meta['torch']} (CUDA {meta['cuda']}), transformers {meta['transformers']}, "
         f"peft {meta['peft']}, bitsandbytes {meta['bitsandbytes']}, Python {meta['python']}  ",
+        f"Allocator: {allocator_words(meta)}  ",
         f"{calibration_words(meta)}: CUDA context {_gib(context)} GiB, allocator fragmentation "
         f"{'—' if fragmentation is None else f'{fragmentation:.1%}'}; whole run {meta['wall_s']:.0f} s "
         f"(budget {meta['budget_s']:.0f} s; predictions and the plan {meta.get('predict_s', 0):.0f} s).", "",
         "Every row runs in a fresh process: the model built from its config the way training builds it, "
         f"on the GPU, one warm-up optimizer step, then {STEPS} steps measured after "
         "`torch.cuda.reset_peak_memory_stats()` (step s: their median). *Predicted*: "
-        "`memtrain.estimate(recipe, device=\"cuda\")` with the calibrated profile: *tensors* is its "
-        "`peak_bytes`, *total* its `total_bytes` (tensors + CUDA context + allocator rounding + "
-        "fragmentation). *Reserved* is the caching allocator's pool, which never holds the CUDA context, "
-        "so it is held against the total less the `cuda_context` line; *NVML used by the run* is the "
-        "device's used memory after the steps minus before the process started, held against the whole "
-        "total. No number on the measured side comes from memtrain's meter. How the grid was chosen "
-        "and pruned: the docstring of `scripts/bench_gpu.py`.", "",
+        "`memtrain.estimate(recipe, device=\"cuda\")` with the calibrated profile: *predicted allocated* "
+        "is its `peak_bytes` (the traced tensors) plus its `cuda_workspaces` and `allocator_rounding` "
+        "lines, what `max_memory_allocated` counts (predictions made before the workspace line existed "
+        "have none); *total* is its `total_bytes` (tensors + CUDA context + cuBLAS workspaces + allocator"
+        " rounding + fragmentation). *Reserved* is the caching allocator's pool, which never holds the "
+        "CUDA context, so it is held against the total less the `cuda_context` line; *NVML used by the "
+        "run* is the device's used memory after the steps minus before the process started, held against "
+        "the whole total. No number on the measured side comes from memtrain's meter. How the grid was "
+        "chosen and pruned: the docstring of `scripts/bench_gpu.py`.", "",
         *summary_lines(grid), "",
         *reuse_lines(meta, [*grid, *(planned if isinstance(planned, list) else [])]),
+        *gap_lines(meta, grid),
         "## The grid", "", *grid_lines(grid), "",
     ]
     if dropped:
@@ -858,6 +927,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--long-plans", type=Path, default=None,
                         help="JSON {\"plans\": [...], \"where\": ...}: the long-context rows' plans, made "
                              "beforehand by `--long` children with the same profile (the plan needs no GPU)")
+    parser.add_argument("--render", type=Path, default=None,
+                        help="write the page from a run's raw JSON (gpu.json) and stop; needs no GPU")
     parser.add_argument("--reuse-measured", type=Path, default=None,
                         help="an earlier run's gpu.json: its measured rows are kept, not run again")
     parser.add_argument("--workers", type=int, default=min(6, max(1, (os.cpu_count() or 2) // 2)),
@@ -876,6 +947,7 @@ def run(args: argparse.Namespace) -> int:
     profile = args.profile or args.out.with_name("gpu_calibration.json")
     env = child_env(profile)
     meta = environment(args)
+    meta["allocator"] = env["PYTORCH_CUDA_ALLOC_CONF"]
     if args.skip_calibrate and not profile.exists():
         raise SystemExit(f"--skip-calibrate needs a profile, and {profile} does not exist. Fix: pass "
                          "--profile PATH of a `memtrain calibrate --output PATH` run, or drop "
@@ -923,12 +995,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def render(raw_path: Path, out: Path) -> int:
+    """The page of an earlier run from its raw JSON: the same numbers, the current page layout."""
+    raw = json.loads(raw_path.read_text(encoding="utf-8"))
+    dropped = [Row(**{**d, "extra": tuple(tuple(pair) for pair in d.get("extra", ()))})
+               for d in raw["dropped"]]
+    out.write_text(page(raw["meta"], raw["grid"], raw["planner"], dropped, raw.get("long_context")),
+                   encoding="utf-8")
+    print(f"wrote {out} from {raw_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     for mode, child in CHILDREN.items():
         if getattr(args, mode) is not None:
             _emit(child(json.loads(getattr(args, mode))))
             return 0
+    if args.render is not None:
+        return render(args.render, args.out)
     import torch
 
     if not torch.cuda.is_available():

@@ -23,7 +23,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from memtrain import lazy_setup
+from memtrain import allocator, lazy_setup
 from memtrain.cli import estimate as cli_estimate
 from memtrain.cli import runs as cli_runs
 from memtrain.cli.common import (
@@ -132,6 +132,7 @@ def main() -> None:
     """Console-script entry point."""
     atexit.register(_end_without_teardown)  # registered first, so it runs after every other one
     lazy_setup.install()  # before any command imports torch's and Hugging Face's libraries
+    allocator.set_default()  # before CUDA starts: this process and every worker it launches
     try:
         app()
     except KeyboardInterrupt:

@@ -202,8 +202,12 @@ def calibrate(
     overheads = profile["overheads"] or {}
     if "cuda_context_bytes" in overheads:
         table.add_row(overheads["device"], "CUDA context", fmt(overheads["cuda_context_bytes"]))
+    if "cuda_workspace_bytes" in overheads:
+        table.add_row(overheads["device"], "cuBLAS workspaces", fmt(overheads["cuda_workspace_bytes"]))
     if "fragmentation" in overheads:
-        table.add_row(overheads["device"], "allocator fragmentation", f"{overheads['fragmentation']:.1%}")
+        under = overheads.get("allocator", "default settings")
+        table.add_row(overheads["device"], f"allocator fragmentation ({under})",
+                      f"{overheads['fragmentation']:.1%}")
     console.print(table)
     for note in profile["notes"]:
         console.print(f"note: {note}", highlight=False)

@@ -4,16 +4,29 @@ What a GPU holds beyond live tensors is not visible to a trace, so the estimator
 named lines (:func:`overheads`), with documented defaults until this machine is measured:
 
 - ``cuda_context``: the CUDA context with its kernel images and library handles, taken before
-  the first tensor. Default 1 GiB: the Transformers guide "Model training anatomy"
-  (huggingface.co/docs/transformers/model_memory_anatomy) measured 1.3 GB of CUDA kernels
-  before any tensor; lazy module loading (CUDA 11.7+, used by recent PyTorch) needs less.
-  Measured here as the device memory the process uses after CUDA initialisation and a first
-  matmul, minus what PyTorch's allocator reserved (read with ``nvidia-smi`` before and after).
+  the first tensor. Default 764 MiB: what every training row of the first GPU session held
+  outside the allocator (NVML used less max reserved, 18 rows from a 19M to a 1.24B Llama, full,
+  LoRA and QLoRA; H100 80GB, driver 580, CUDA 13.0, torch 2.11; docs/bench/gpu.md). Before that
+  GPU measurement the default was 1 GiB, after the Transformers guide "Model training anatomy"
+  (1.3 GB of CUDA kernels before lazy module loading). Other GPUs and drivers differ: calibrate.
+  Measured here as the device memory the process uses after CUDA initialisation and a few
+  training steps, minus what PyTorch's allocator reserved (read with ``nvidia-smi`` before and
+  after): a step loads kernels (attention, loss, optimizer) that one matmul does not, 83 MiB of
+  them on an H100 (every training row there held 764 MiB outside the allocator).
+- ``cuda_workspaces``: what cuBLAS keeps allocated in the caching allocator once matmuls ran, a
+  workspace per thread that runs them (the main thread; autograd's backward thread). Default
+  64 MiB (2 x 32 MiB, torch's Hopper default; an H100 showed 64-66 MiB above the traced tensors on
+  every row of docs/bench/gpu.md); measured here as the bytes still allocated after one matmul's
+  forward and backward once the tensors are gone.
 - ``fragmentation``: memory the caching allocator reserves but does not hand out, as a fraction
   of the bytes a step allocates and frees (its peak minus the tensors that live across steps:
-  weights, buffers, optimizer state). Default 10% (an assumption, not a measurement); measured
+  weights, buffers, optimizer state). Default with expandable segments 10% (an assumption until a
+  GPU measures it); with PyTorch's default allocator settings 24%, the median of the first GPU
+  session's 14 rows (8% to 59%: one fraction does not predict that allocator well). Measured
   here as ``(max_memory_reserved - max_memory_allocated) / (max_memory_allocated - resident)``
-  over a few real training steps after the first.
+  over a few real training steps after the first, under the allocator settings memtrain's runs
+  use (:mod:`memtrain.allocator`: expandable segments unless ``PYTORCH_CUDA_ALLOC_CONF`` is set);
+  a profile measured under other settings is not used for it.
 
 The planner also needs speed rates, which :func:`calibrate` measures on the CPU and, when there
 is one, the GPU: matmul FLOP/s per dtype, memory bandwidth, host<->device copy bandwidth.
@@ -36,17 +49,24 @@ from typing import Any
 
 import torch
 
-from memtrain.device import cuda_available, synchronize
+from memtrain import allocator
+from memtrain.device import configure_allocator, cuda_available, synchronize
 
 ENV_VAR = "MEMTRAIN_CALIBRATION"
-DEFAULT_CUDA_CONTEXT = 2**30
-DEFAULT_FRAGMENTATION = 0.10
+DEFAULT_CUDA_CONTEXT = 764 * 2**20
+DEFAULT_FRAGMENTATION = 0.10  # expandable segments (memtrain's allocator settings): an assumption
+DEFAULT_FRAGMENTATION_CACHING = 0.24  # PyTorch's default settings: an H100's median (docs/bench/gpu.md)
+DEFAULT_CUDA_WORKSPACES = 64 * 2**20
 # Rates saved with an older version are measured again: version 1 divided the optimizer's step time
 # by a quarter of the parameters it updated (4x too slow per parameter).
 RATES_VERSION = 2
-_CONTEXT_DEFAULT_SOURCE = ("default 1 GiB (Transformers 'Model training anatomy' measured 1.3 GB of CUDA "
-                           "kernels; lazy loading needs less); run `memtrain calibrate` on the GPU")
+_CONTEXT_DEFAULT_SOURCE = ("default 764 MiB, measured outside the allocator on every training row of an "
+                           "H100 80GB (CUDA 13.0, torch 2.11; docs/bench/gpu.md); run `memtrain calibrate` "
+                           "on the GPU")
 _FRAGMENTATION_DEFAULT_SOURCE = "default assumption; run `memtrain calibrate` on the GPU to measure it"
+_WORKSPACE_DEFAULT_SOURCE = ("default 64 MiB: two cuBLAS workspaces (forward thread, backward thread) of "
+                             "32 MiB, torch's Hopper default, as measured on an H100 (docs/bench/gpu.md); "
+                             "run `memtrain calibrate` on the GPU")
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,8 @@ class Overheads:
     cuda_context_source: str
     fragmentation: float
     fragmentation_source: str
+    workspace_bytes: int = 0
+    workspace_source: str = ""
 
 
 def profile_path() -> Path:
@@ -79,16 +101,32 @@ def overheads(path: Path | None = None) -> Overheads:
     path = path or profile_path()
     measured = (load_profile(path) or {}).get("overheads") or {}
     context = measured.get("cuda_context_bytes")
+    workspace = measured.get("cuda_workspace_bytes")
     fragmentation = measured.get("fragmentation")
     device = measured.get("device", "the GPU")
+    fragmentation_source = f"measured on {device} ({path})"
+    # a profile without "allocator" predates memtrain's allocator settings: the default allocator
+    measured_under = measured.get("allocator", "the default allocator settings")
+    if fragmentation is not None and (allocator.expandable_segments(measured.get("allocator", "none"))
+                                      != allocator.expandable_segments()):
+        fragmentation_source += (f", under {measured_under}, while this run uses {allocator.settings()}: "
+                                 "run `memtrain calibrate` on the GPU again")
     return Overheads(
         cuda_context_bytes=int(context) if context is not None else DEFAULT_CUDA_CONTEXT,
         cuda_context_source=(f"measured on {device} ({path})" if context is not None
                              else _CONTEXT_DEFAULT_SOURCE),
-        fragmentation=float(fragmentation) if fragmentation is not None else DEFAULT_FRAGMENTATION,
-        fragmentation_source=(f"measured on {device} ({path})" if fragmentation is not None
-                              else _FRAGMENTATION_DEFAULT_SOURCE),
+        fragmentation=float(fragmentation) if fragmentation is not None else default_fragmentation(),
+        fragmentation_source=(fragmentation_source if fragmentation is not None
+                              else _FRAGMENTATION_DEFAULT_SOURCE + f" (under {allocator.settings()})"),
+        workspace_bytes=int(workspace) if workspace is not None else DEFAULT_CUDA_WORKSPACES,
+        workspace_source=(f"measured on {device} ({path})" if workspace is not None
+                          else _WORKSPACE_DEFAULT_SOURCE),
     )
+
+
+def default_fragmentation() -> float:
+    """The uncalibrated fragmentation fraction for the allocator settings in effect."""
+    return DEFAULT_FRAGMENTATION if allocator.expandable_segments() else DEFAULT_FRAGMENTATION_CACHING
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -114,6 +152,7 @@ def calibrate(path: Path | None = None, quick: bool = False) -> dict[str, Any]:
         "notes": [],
     }
     if cuda_available():
+        configure_allocator()  # measure under the settings memtrain's runs use
         release_cached_memory()  # a cached segment left by earlier work would take the first blocks
         profile["overheads"] = measure_gpu_overheads(before, quick)
         profile["rates"]["cuda"] = measure_rates("cuda", quick)
@@ -223,18 +262,37 @@ def _best_time(fn: Callable[[], Any], device: torch.device, repeats: int = 5) ->
 
 
 def measure_gpu_overheads(used_before: int | None, quick: bool = False) -> dict[str, Any]:
-    """CUDA context bytes and allocator fragmentation on the current GPU (see module docstring)."""
+    """CUDA context bytes, cuBLAS workspaces and allocator fragmentation on the current GPU, under
+    the allocator settings memtrain's runs use (see module docstring)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    x = torch.randn(1024, 1024, device=device)
-    (x @ x).sum().item()  # loads cuBLAS and the first kernels
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device)}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "allocator": allocator.settings()}
+    result["cuda_workspace_bytes"] = _workspace_bytes(device)
+    result["fragmentation"] = _fragmentation(device, quick)
+    # after real training steps: the kernels a step loads (attention, loss, optimizer) are in the
+    # context; after one matmul it was 83 MiB short of what every training run showed on an H100
     used_after = _device_used_bytes()
     if used_before is not None and used_after is not None:
         result["cuda_context_bytes"] = max(0, used_after - used_before - torch.cuda.memory_reserved(device))
-        result["cuda_context_method"] = "nvidia-smi memory.used before/after CUDA init, minus reserved"
-    del x
-    result["fragmentation"] = _fragmentation(device, quick)
+        result["cuda_context_method"] = ("nvidia-smi memory.used before CUDA init and after training steps, "
+                                         "minus reserved")
     return result
+
+
+def _workspace_bytes(device: torch.device) -> int:
+    """What cuBLAS keeps allocated once a step ran: a workspace per thread that runs matmuls (the
+    main thread and autograd's backward thread), held in the caching allocator, so counted by
+    ``max_memory_allocated`` beside the tensors (64-66 MiB above the traced tensors on every row of
+    an H100: 2 x 32 MiB, torch's Hopper default)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    w = torch.randn(512, 512, device=device, requires_grad=True)
+    (torch.randn(512, 512, device=device) @ w).sum().backward()  # forward here, backward on autograd's thread
+    del w
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.memory_allocated(device) - before)
 
 
 def release_cached_memory() -> int:

@@ -278,9 +278,9 @@ def _overheads(plan: TraceSetup, peak: int, rounded_peak: int, resident: int
     transient = max(0, peak - resident)
     fragmentation = int(profile.fragmentation * (transient + rounding))
     return (
-        {"cuda_context": profile.cuda_context_bytes, "allocator_rounding": rounding,
-         "fragmentation": fragmentation},
-        {"cuda_context": profile.cuda_context_source,
+        {"cuda_context": profile.cuda_context_bytes, "cuda_workspaces": profile.workspace_bytes,
+         "allocator_rounding": rounding, "fragmentation": fragmentation},
+        {"cuda_context": profile.cuda_context_source, "cuda_workspaces": profile.workspace_source,
          "allocator_rounding": "each allocation rounded up to 512 bytes, from the traced allocations",
          "fragmentation": f"{profile.fragmentation:.0%} of the {transient / 2**30:.2f} GiB the step "
                           "allocates and frees (peak minus parameters, buffers, optimizer state): "

@@ -46,6 +46,7 @@ from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from memtrain.data.rows import Rows
+from memtrain.device import configure_allocator
 from memtrain.errors import MemtrainError
 from memtrain.estimator.trainer_loss import TrainerEstimate
 from memtrain.memory import hostmem
@@ -319,6 +320,7 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     """
     from memtrain.plan import planner
 
+    configure_allocator()  # the settings the calibrated overheads were measured under
     try:
         total = resolve_budget(budget) if isinstance(budget, str) else budget
     except ValueError as err:

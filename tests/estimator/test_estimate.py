@@ -205,16 +205,27 @@ def test_cuda_estimate_has_named_overhead_lines(tmp_path: Path, tiny_text_file: 
     cfg = load_recipe(recipe(tmp_path, tiny_text_file))
     monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path / "missing.json"))
     default = estimate(cfg, device="cuda")
-    assert set(default.overheads) == {"cuda_context", "allocator_rounding", "fragmentation"}
-    assert default.overheads["cuda_context"] == 2**30
+    assert set(default.overheads) == {"cuda_context", "cuda_workspaces", "allocator_rounding",
+                                      "fragmentation"}
+    assert default.overheads["cuda_context"] == 764 * 2**20  # measured on an H100 (docs/bench/gpu.md)
+    assert default.overheads["cuda_workspaces"] == 64 * 2**20  # 2 x 32 MiB, as the H100 showed
     assert 0 < default.overheads["allocator_rounding"] < 0.05 * default.peak_bytes
     assert default.total_bytes == default.peak_bytes + sum(default.overheads.values())
     profile = tmp_path / "calibration.json"
     profile.write_text(json.dumps({"overheads": {"device": "Test GPU", "cuda_context_bytes": 300 * 2**20,
-                                                 "fragmentation": 0.2}}))
+                                                 "cuda_workspace_bytes": 16 * 2**20, "fragmentation": 0.2,
+                                                 "allocator": "expandable_segments:True"}}))
     monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(profile))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     calibrated = estimate(cfg, device="cuda")
     assert calibrated.overheads["cuda_context"] == 300 * 2**20
+    assert calibrated.overheads["cuda_workspaces"] == 16 * 2**20
+    assert "run `memtrain calibrate` on the GPU again" not in calibrated.overhead_sources["fragmentation"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the user's own settings
+    assert "measured on Test GPU (" in estimate(cfg, device="cuda").overhead_sources["fragmentation"]
+    assert "under expandable_segments:True, while this run uses max_split_size_mb:512" in estimate(
+        cfg, device="cuda").overhead_sources["fragmentation"]
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert "Test GPU" in calibrated.overhead_sources["cuda_context"]
     resident = sum(calibrated.by_category.get(name, 0)
                    for name in ("parameters", "buffers", "optimizer_state"))
