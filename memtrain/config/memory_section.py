@@ -130,8 +130,9 @@ class MemoryConfig(Section):
         "planner decides.",
     )
     tiled_mlp_tiles: int | None = Field(
-        None, ge=1, description="Tiles per MLP call of the tiled MLP (row blocks of the batch's "
-        "tokens); null = ceil(tokens / hidden_size), ALST's rule (tiles of about hidden_size tokens)."
+        None, ge=1, description="Tiles per MLP call of the tiled MLP (equal row blocks of the "
+        "batch's tokens); null = tiles of hidden_size tokens, the last one shorter (ALST's count, "
+        "ceil(tokens / hidden_size), with full tiles so memory never drops as the length grows)."
     )
     lean_norm: bool | Auto = Field(
         False,

@@ -260,6 +260,31 @@ def test_estimate_equals_the_measured_step_and_an_independent_count(tmp_path: Pa
     assert untiled.peak_bytes - predicted.peak_bytes > 3 * 2 * 2 * 128 * 1024 * 4
 
 
+def test_default_tiles_are_full_so_the_largest_never_shrinks() -> None:
+    hidden = 64
+    largest = [max(b - a for a, b in tiled_mlp._spans(n, tiled_mlp.tile_size(n, hidden)))
+               for n in range(1, 5 * hidden)]
+    assert largest == sorted(largest) and max(largest) == hidden
+    spans = tiled_mlp._spans(200, tiled_mlp.tile_size(200, hidden))
+    assert len(spans) == tiled_mlp.default_tiles(200, hidden)
+    assert tiled_mlp._spans(10, tiled_mlp.tile_size(10, hidden, tiles=3)) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_the_estimate_grows_with_the_length_past_each_multiple_of_hidden(tmp_path: Path,
+                                                                         tiny_text_file: Path) -> None:
+    """With ALST's equal tiles the estimate dropped just past a multiple of the hidden size (the
+    tile halves), and the longest-length search saw 3,840 tokens fail where 5,888 fitted."""
+    peaks = []
+    for length in (48, 64, 72, 96, 128, 136):
+        recipe = causal_recipe(tmp_path, tiny_text_file, data={"max_length": length},
+                               model={"from_config": {**TINY_CONFIGS["llama"], **WIDE,
+                                                      "intermediate_size": 32768}},  # the MLP's peak
+                               training={"micro_batch_size": 1},
+                               memory={"tiled_mlp": True, "checkpointing": "full"})
+        peaks.append(estimate(load_recipe(recipe), device="cpu").peak_bytes)
+    assert peaks == sorted(peaks), peaks
+
+
 # ---------------------------------------------------------------------------- bookkeeping
 
 
