@@ -48,7 +48,7 @@ UNSLOTH = {8: 2_972, 12: 21_848, 16: 40_724, 24: 78_475, 40: 153_977, 48: 191_72
 BASE = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1", "training.effective_batch_size=1",
         "training.gradient_accumulation=1", "memory.checkpointing=full", "memory.loss=chunked",
         "memory.offload.activations=true", "memory.tiled_mlp=true", "memory.offload.embeddings=true",
-        "memory.host_budget=256GiB"]
+        "memory.host_budget=256GiB", "memory.tiled_mlp_tile_tokens=auto"]
 # Techniques that exist in this version of memtrain are added when the schema has their field.
 OPTIONAL = {"lean_norm": "memory.lean_norm=true"}
 
@@ -83,7 +83,9 @@ def main() -> None:
         except MemtrainError as err:
             print(f"{row['gb']} GiB: {err}", file=sys.stderr, flush=True)
             continue
-        row.update(tokens=found.chosen, est=found.estimate, probes=len(found.probes))
+        size = found.leanest.get("memory.tiled_mlp_tile_tokens")
+        row.update(tokens=found.chosen, est=found.estimate, probes=len(found.probes),
+                   tile=f"{size:,}" if size else "4,096 (hidden_size)")
         print(f"{row['gb']} GiB: {found.chosen} tokens; {found.explain()} "
               f"[{time.perf_counter() - start:.0f} s]", flush=True)
         finish(rows, None, time.perf_counter() - start)  # each row as it comes: a stopped run keeps them
@@ -143,13 +145,17 @@ def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: floa
         f"{LENGTH_STEP} tokens that fits and the next one not. *Extrapolated* rows: the line through "
         "the two longest searched rows' estimates (device total and host RAM), not searched: an "
         "estimate costs minutes at these lengths on a CPU (its time grows with the tiled MLP's "
-        "tiles, one per 4,096 tokens).",
+        "tiles, one per 256 tokens at the finest size). *MLP tile*: the tokens per tiled-MLP tile the "
+        "search needed (`memory.tiled_mlp_tile_tokens: auto`: 4,096 = hidden_size, 1,024 or 256); "
+        "smaller tiles keep less and dequantize the 4-bit MLP weights once per tile and pass, so the "
+        "step is slower.",
         "",
         f"Settings: `{RECIPE}` with {', '.join(f'`{s}`' for s in settings())}; host RAM allowed "
         f"{HOST_BUDGET // GiB} GiB (activation offload keeps each layer's input there).",
         "",
-        "| GPU memory | memtrain plans | Unsloth | ratio | how | predicted on GPU (total) | host RAM |",
-        "|---|---:|---:|---:|---|---:|---:|",
+        "| GPU memory | memtrain plans | Unsloth | ratio | how | MLP tile | predicted on GPU (total) "
+        "| host RAM |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for row in rows:
         gb, tokens, est, extra = row["gb"], row["tokens"], row["est"], row["line"]
@@ -162,7 +168,8 @@ def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: floa
         else:
             how, total, host = "nothing fits", None, None
         cell = (lambda v, d: "-" if v is None else f"{v / GiB:.{d}f} GiB")  # noqa: E731
-        lines.append(f"| {gb} GiB | {tokens:,} | {unsloth:,} | {ratio} | {how} | {cell(total, 2)} | "
+        tile = row.get("tile") or ("as the line's rows" if extra is not None else "-")
+        lines.append(f"| {gb} GiB | {tokens:,} | {unsloth:,} | {ratio} | {how} | {tile} | {cell(total, 2)} | "
                      f"{cell(host, 1)} |")
     lines += ["", "GiB here is 2^30 bytes; Unsloth's table says GB. The usable memory is "
               "0.9 x the GPU's (memory.margin 10%). `estimates`: lengths the search estimated for "

@@ -134,6 +134,12 @@ class MemoryConfig(Section):
         "batch's tokens); null = tiles of hidden_size tokens, the last one shorter (ALST's count, "
         "ceil(tokens / hidden_size), with full tiles so memory never drops as the length grows)."
     )
+    tiled_mlp_tile_tokens: int | Auto | None = Field(
+        None, description="Tokens per tile of the tiled MLP (every tile full but the last); null = "
+        "hidden_size tokens. Smaller tiles keep less (one tile's intermediate exists at a time) and "
+        "cost more (4-bit weights are dequantized once per tile and pass). `auto`: the planner sizes "
+        "the tiles from the budget (hidden_size, hidden_size / 4 or hidden_size / 16 tokens).",
+    )
     lean_norm: bool | Auto = Field(
         False,
         description="Lean RMSNorm (as Liger-Kernel and Unsloth): every RMSNorm keeps only its input "
@@ -179,6 +185,24 @@ class MemoryConfig(Section):
         if isinstance(v, int) and v < 1:
             raise ValueError("a number of checkpointed layers must be at least 1")
         return v
+
+    @model_validator(mode="after")
+    def _tiles(self, info: ValidationInfo) -> MemoryConfig:
+        size = self.tiled_mlp_tile_tokens
+        if isinstance(size, int) and (isinstance(size, bool) or size < 1):
+            _report(info, Problem("memory.tiled_mlp_tile_tokens", size, "tokens per tile must be at least 1",
+                                  "use e.g. 1024, `auto` (the planner sizes it), or null for hidden_size."))
+        elif size is not None and self.tiled_mlp_tiles is not None:
+            _report(info, Problem("memory.tiled_mlp_tile_tokens", size,
+                                  "the tiles are sized twice: `memory.tiled_mlp_tiles` is set too",
+                                  "set one of `memory.tiled_mlp_tiles` (a count) and "
+                                  "`memory.tiled_mlp_tile_tokens` (a size), and null the other."))
+        elif size is not None and self.tiled_mlp is False:
+            _report(info, Problem("memory.tiled_mlp_tile_tokens", size,
+                                  "sizes tiles, but the tiled MLP is off",
+                                  "set `memory.tiled_mlp: true` (or `auto`), or drop "
+                                  "`memory.tiled_mlp_tile_tokens`."))
+        return self
 
     @model_validator(mode="after")
     def _bits_range(self, info: ValidationInfo) -> MemoryConfig:

@@ -75,15 +75,15 @@ def default_tiles(tokens: int, hidden: int) -> int:
     return max(1, math.ceil(tokens / max(1, hidden)))
 
 
-def tile_size(rows: int, hidden: int, tiles: int | None = None) -> int:
+def tile_size(rows: int, hidden: int, tiles: int | None = None, tokens: int | None = None) -> int:
     """Tokens per tile: ``rows / tiles`` rounded up when ``tiles`` is given (equal tiles), else
-    ``hidden`` (every tile full but the last). Full tiles keep the largest tile, and with it the
+    ``tokens`` or ``hidden`` (every tile full but the last). Full tiles keep the largest tile, and with it the
     MLP's transient memory, from shrinking as the length grows: ALST's equal tiles are half as
     large just past twice ``hidden`` as just below it, so the fit was not monotone in the length
     (at 8 GiB, Llama-3.1-8B QLoRA fitted 3,584 and 5,888 tokens but not 3,840-4,096)."""
     if tiles is not None:
         return math.ceil(rows / max(1, min(tiles, rows)))
-    return max(1, min(rows, hidden))
+    return max(1, min(rows, tokens or hidden))
 
 
 def _spans(rows: int, size: int) -> list[tuple[int, int]]:
@@ -171,7 +171,7 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def tiled(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
-          tiles: int | None = None, random: bool = False) -> torch.Tensor:
+          tiles: int | None = None, random: bool = False, tokens: int | None = None) -> torch.Tensor:
     """``run(x)`` for a per-token ``run``, computed tile by tile (see the module docstring).
 
     Args:
@@ -180,8 +180,9 @@ def tiled(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: 
         params: the trainable tensors ``run`` uses (their gradients are returned to autograd).
         tiles: number of equal row tiles (default: tiles of ``hidden`` rows, :func:`tile_size`).
         random: ``run`` draws random numbers (dropout): save the generator state to replay.
+        tokens: rows per tile when ``tiles`` is None (default: ``hidden``, the last dimension).
     """
-    size = tile_size(x.numel() // x.shape[-1], x.shape[-1], tiles)
+    size = tile_size(x.numel() // x.shape[-1], x.shape[-1], tiles, tokens)
     return _TiledMLP.apply(run, x, size, random, *params)
 
 
@@ -255,7 +256,7 @@ def _random(module: nn.Module, skip: nn.Module | None) -> bool:
                for m in module.modules() if m is not skip)
 
 
-def _tiling(module: nn.Module, kind: Kind, tiles: int | None
+def _tiling(module: nn.Module, kind: Kind, tiles: int | None, tokens: int | None
             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The forward wrapper of one MLP: tiled while it trains with grad, its own forward otherwise."""
 
@@ -278,7 +279,7 @@ def _tiling(module: nn.Module, kind: Kind, tiles: int | None
             params = [p for p in module.parameters() if p.requires_grad]
             if not (params or x.requires_grad):
                 return forward(*args, **kwargs)
-            out = tiled(run, x, params, tiles, _random(module, dropout))
+            out = tiled(run, x, params, tiles, _random(module, dropout), tokens)
             return dropout(out) if dropout is not None else out
 
         setattr(tiled_forward, _MARK, True)
@@ -287,33 +288,37 @@ def _tiling(module: nn.Module, kind: Kind, tiles: int | None
     return make
 
 
-def apply(model: nn.Module, tiles: int | None = None) -> nn.Module:
+def apply(model: nn.Module, tiles: int | None = None, tokens: int | None = None) -> nn.Module:
     """Tile every MLP inside the model's repeated blocks (see the module docstring).
 
     Args:
         model: a transformers model, possibly wrapped by peft and/or quantized.
-        tiles: tiles per MLP call; None: ``ceil(tokens / hidden_size)`` at each call.
+        tiles: equal tiles per MLP call; None: tiles of ``tokens`` tokens, the last one shorter.
+        tokens: tokens per tile when ``tiles`` is None; None: ``hidden_size``.
 
     Returns:
         The same model, patched in place; its record's ``undo`` (or :func:`undo`) reverts it.
 
     Raises:
         NoMatchError: the model has no MLP module this patch knows.
-        MemtrainError: ``tiles`` is not a positive integer.
+        MemtrainError: ``tiles`` or ``tokens`` is not a positive integer.
     """
-    if tiles is not None and (isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1):
-        raise MemtrainError(f"`memory.tiled_mlp_tiles` must be a positive integer or null, got "
-                            f"{tiles!r}. Fix: use e.g. 4, or null for ceil(tokens / hidden_size).")
+    for name, value in (("tiled_mlp_tiles", tiles), ("tiled_mlp_tile_tokens", tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise MemtrainError(f"`memory.{name}` must be a positive integer or null, got {value!r}. "
+                                "Fix: use e.g. 4 tiles or 1024 tokens, or null for tiles of hidden_size "
+                                "tokens.")
     mlps = [(n, m, k) for n, m, k in find_mlps(model)
             if not getattr(m.__dict__.get("forward"), _MARK, False)]
     if not mlps:
         return model  # patched already (prepare_for_budget run twice on one model)
     kind_of = {id(m): k for _, m, k in mlps}
     kinds = sorted({k.name for _, _, k in mlps})
-    detail = (f"tiled MLP: {len(mlps)} {'/'.join(kinds)} MLPs, "
-              f"{tiles if tiles is not None else 'ceil(tokens / hidden)'} tiles")
+    size = (f"{tiles} tiles" if tiles is not None else
+            f"tiles of {tokens if tokens is not None else 'hidden_size'} tokens")
+    detail = f"tiled MLP: {len(mlps)} {'/'.join(kinds)} MLPs, {size}"
     return wrap_each(model, "tiled_mlp", [(n, m) for n, m, _ in mlps],
-                     lambda m: _tiling(m, kind_of[id(m)], tiles), detail)
+                     lambda m: _tiling(m, kind_of[id(m)], tiles, tokens), detail)
 
 
 def undo(model: nn.Module) -> nn.Module:
@@ -325,4 +330,5 @@ def undo(model: nn.Module) -> nn.Module:
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if not decided(cfg.memory.tiled_mlp, "memory.tiled_mlp", "true or false"):
         return None
-    return apply(model, cfg.memory.tiled_mlp_tiles)
+    tokens = decided(cfg.memory.tiled_mlp_tile_tokens, "memory.tiled_mlp_tile_tokens", "a number or null")
+    return apply(model, cfg.memory.tiled_mlp_tiles, tokens)

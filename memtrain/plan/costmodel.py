@@ -104,7 +104,7 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
                  trainable: int, quantized_elements: int = 0, recompute_passes: float = 0.0,
                  offloaded_bytes: int = 0, optimizer_offloaded: bool = False,
                  optimizer_rates: Rates | None = None, parameter_bytes: int = 4,
-                 embedding_bytes: int = 0) -> StepCost:
+                 embedding_bytes: int = 0, extra_dequantized: int = 0) -> StepCost:
     """Seconds of an optimizer step of ``micro_batches`` micro-batches like the traced ones.
 
     Args:
@@ -123,6 +123,8 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
         embedding_bytes: rows looked up in a host embedding table per micro-batch
             (``memory.offload.embeddings``): gathered on the host, then copied to the device (both
             counted at the host-device copy rate).
+        extra_dequantized: 4-bit weight elements dequantized beyond one per pass (the tiled MLP
+            dequantizes its weights once per tile and pass).
     """
     per = 1.0 / max(1, work.micro_batches)
     compute = work.flops * per / rates.matmul(dtype)
@@ -131,7 +133,7 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
     dequant_rate = rates.values.get("dequantize_nf4_elements") or 0
     dequant = 0.0
     if quantized_elements and dequant_rate:  # every forward and backward pass dequantizes each weight
-        dequant = quantized_elements * (2 + recompute_passes) / dequant_rate
+        dequant = (quantized_elements * (2 + recompute_passes) + extra_dequantized) / dequant_rate
     offload = 2 * offloaded_bytes / rates.host_bandwidth
     offload += 2 * embedding_bytes / rates.host_bandwidth  # the host gather and the copy, at copy speed
     opt_rates = optimizer_rates or rates

@@ -14,11 +14,12 @@ from typing import Any
 
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
-from memtrain.estimator.setup import NEEDS_VALUE, recipe_value
+from memtrain.estimator.setup import NEEDS_VALUE, recipe_value, resolve_config
 
 # Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
 APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
 IN_BACKWARD = "training.optimizer_in_backward"
+TILE_TOKENS = "memory.tiled_mlp_tile_tokens"
 
 
 @dataclass
@@ -92,9 +93,18 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
                         and cfg.training.objective == "sft" else ["standard"]),
         "training.optimizer_in_backward": [False, True],
         "memory.tiled_mlp": [False, True],  # keeps only each MLP's input; one more MLP forward
+        # tokens per MLP tile: hidden_size, then a quarter and a sixteenth of it (one tile's
+        # intermediate exists at a time; 4-bit weights are dequantized once per tile and pass)
+        TILE_TOKENS: [None, *tile_ladder(cfg)],
         "memory.lean_norm": [False, True],  # keeps each norm's input and rstd; element-wise recompute
         "training.dpo_precompute_ref": [False, True],  # no reference forward in the step
     }[path]
+
+
+def tile_ladder(cfg: RunConfig) -> list[int]:
+    """The MLP tile sizes below the default (``hidden_size`` tokens) the planner tries."""
+    hidden = int(getattr(resolve_config(cfg.model)[0], "hidden_size", 0) or 0)
+    return sorted({max(1, hidden // 4), max(1, hidden // 16)}, reverse=True) if hidden else []
 
 
 def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
@@ -115,6 +125,8 @@ def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
         return {"none": (0, 1), "grad_op": (1, 0), "full": (2, 0)}[value]
     if path == "memory.loss":
         return (0,) if value == "standard" else (1,)
+    if path == TILE_TOKENS:  # smaller tiles keep less: hidden_size (None) < hidden/4 < hidden/16
+        return (0,) if value is None else ((2**16 // max(1, int(value))).bit_length() + 1,)
     return (0,) if value in (None, False) else (1,)
 
 

@@ -121,6 +121,7 @@ def build_optimizer(cfg: RunConfig, model: nn.Module,
             options = trainer_options(cfg)
             self.offload_optimizer = options["offload_optimizer"]
             self.optimizer_in_backward = options["optimizer_in_backward"]
+            self.host_budget = options["host_budget"]
             self.fsdp_plugin = None
 
     args = args or optimizer_arguments_for(cfg)

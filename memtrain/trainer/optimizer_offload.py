@@ -230,8 +230,9 @@ def host_bytes_needed(params: list[nn.Parameter], optimizer_class: type, minimal
 
 
 def build(groups: list[dict[str, Any]], optimizer_class: type, kwargs: dict[str, Any],
-          available: int | None = None) -> OffloadOptimizer:
-    """An :class:`OffloadOptimizer` for the Trainer's parameter groups, after checking host RAM.
+          available: int | None = None, field: str = "host RAM") -> OffloadOptimizer:
+    """An :class:`OffloadOptimizer` for the Trainer's parameter groups, after checking host RAM:
+    ``available`` bytes (the run's ``memory.host_budget``, named by ``field``; default the free RAM).
 
     Raises:
         MemtrainError: the optimizer is not one that runs per parameter on the CPU, or host RAM
@@ -250,8 +251,9 @@ def build(groups: list[dict[str, Any]], optimizer_class: type, kwargs: dict[str,
         raise MemtrainError(
             f"`memory.offload.optimizer`: the host copies of {len(params)} parameter tensors, "
             f"their gradients and {optimizer_class.__name__} state need {format_bytes(needed)}, "
-            f"but only {format_bytes(available)} of host RAM is available. Fix: train fewer "
-            "parameters (`adapter.method: lora`), use `training.optimizer: adafactor`, or set "
+            f"but the {field} is {format_bytes(available)} ({HOST_RAM_MARGIN:.0%} of it may be used). "
+            "Fix: raise `memory.host_budget` if the machine has more, train fewer parameters "
+            "(`adapter.method: lora`), use `training.optimizer: adafactor`, or set "
             "`memory.offload.optimizer: false`."
         )
     return OffloadOptimizer(groups, optimizer_class, **kwargs)

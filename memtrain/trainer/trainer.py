@@ -23,7 +23,7 @@ from transformers import (
 
 from memtrain.config import RunConfig, decided
 from memtrain.config.batch import Batch
-from memtrain.device import cuda_available
+from memtrain.device import cuda_available, host_budget_bytes
 from memtrain.errors import MemtrainError
 from memtrain.reliability import checkpoints
 from memtrain.reliability.eval_recovery import EvalBatchRecovery
@@ -140,8 +140,10 @@ class MemtrainTrainer(Trainer):
 
     def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,
                  fsdp_plugin: Any = None, recover_oom: bool = True, budget_bytes: int | None = None,
-                 optimizer_in_backward: bool = False, **kwargs: Any) -> None:
+                 optimizer_in_backward: bool = False, host_budget: tuple[int, str] | None = None,
+                 **kwargs: Any) -> None:
         self.offload_optimizer = offload_optimizer
+        self.host_budget = host_budget  # (bytes, what they are): the offloaded optimizer's RAM check
         self.optimizer_in_backward = optimizer_in_backward
         self.runtime_before = 0.0  # training seconds of the run before the checkpoint it resumed from
         self.started_at = time.time()
@@ -237,7 +239,8 @@ class MemtrainTrainer(Trainer):
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        self.optimizer = optim_offload.build([g for g in groups if g["params"]], cls, kwargs)
+        self.optimizer = optim_offload.build([g for g in groups if g["params"]], cls, kwargs,
+                                             *(self.host_budget or ()))
         return self.optimizer
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
@@ -306,6 +309,8 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
     decided(cfg.training.optimizer_in_backward, "training.optimizer_in_backward", "true or false")
     return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload),
             "budget_bytes": parse_size(budget) if budget else None,
+            "host_budget": ((host_budget_bytes(cfg.memory.host_budget),
+                             f"`memory.host_budget` ({cfg.memory.host_budget})") if offload else None),
             "optimizer_in_backward": cfg.training.optimizer_in_backward}
 
 

@@ -238,6 +238,8 @@ def test_build_refuses_8bit_and_small_host_ram() -> None:
     groups = [{"params": list(model.parameters())}]
     with pytest.raises(MemtrainError, match=r"memory\.offload\.optimizer.*host RAM"):
         build(groups, torch.optim.AdamW, {"lr": 1e-3}, available=2**20)
+    with pytest.raises(MemtrainError, match=r"the `memory\.host_budget` \(1MiB\) is 1\.00 MiB.*Fix: raise"):
+        build(groups, torch.optim.AdamW, {"lr": 1e-3}, 2**20, "`memory.host_budget` (1MiB)")
     fake_bnb = type("AdamW8bit", (torch.optim.AdamW,), {"__module__": "bitsandbytes.optim"})
     with pytest.raises(MemtrainError, match="bitsandbytes"):
         build(groups, fake_bnb, {"lr": 1e-3})
@@ -326,3 +328,16 @@ def test_dropped_gradients_skip_the_step() -> None:
     model.zero_grad(set_to_none=True)
     optimizer.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_the_trainer_checks_the_offloaded_optimizer_against_the_host_budget(tmp_path: Any,
+                                                                           tiny_text_file: Any) -> None:
+    """The optimizer offload's RAM check uses `memory.host_budget`, as activation offload's does
+    (it used the free RAM whatever the recipe said)."""
+    from memtrain.trainer.trainer import trainer_options
+
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file,
+                                    memory={"offload": {"optimizer": True}, "host_budget": "3MiB"}))
+    assert trainer_options(cfg)["host_budget"] == (3 * 2**20, "`memory.host_budget` (3MiB)")
+    plain = load_recipe(causal_recipe(tmp_path, tiny_text_file))
+    assert trainer_options(plain)["host_budget"] is None

@@ -390,3 +390,77 @@ def test_the_planner_tiles_only_when_the_budget_needs_it(tmp_path: Path, tiny_te
     tight = planner.plan(cfg, int(peaks[True] / 0.9) + 1, device="cpu")
     assert tight.chosen.values["memory.tiled_mlp"] is True
     assert tight.apply(cfg).memory.tiled_mlp is True
+
+
+# ------------------------------------------------------------------- tile size from the budget
+
+
+def test_tile_tokens_set_the_tile_size_and_keep_the_gradients() -> None:
+    torch.manual_seed(0)
+    plain = tiny_model("llama", **WIDE).train()
+    x = torch.randint(0, 100, (2, 40))
+    reference = _loss_and_all_grads(plain, x)
+    patched = tiled_mlp.apply(copy.deepcopy(plain), tokens=16)
+    assert "tiles of 16 tokens" in records(patched)[0].detail
+    got = _loss_and_all_grads(patched, x)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+    spans = tiled_mlp._spans(80, tiled_mlp.tile_size(80, 64, tokens=16))
+    assert spans == [(i, i + 16) for i in range(0, 80, 16)]
+
+
+def _loss_and_all_grads(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+
+
+@pytest.mark.parametrize(("memory", "message"), [
+    ({"tiled_mlp": True, "tiled_mlp_tile_tokens": 0}, "at least 1"),
+    ({"tiled_mlp": True, "tiled_mlp_tile_tokens": 64, "tiled_mlp_tiles": 4}, "sized twice"),
+    ({"tiled_mlp": False, "tiled_mlp_tile_tokens": 64}, "the tiled MLP is off"),
+])
+def test_conflicting_or_bad_tile_sizes_name_the_field(memory: dict, message: str, tmp_path: Path,
+                                                     tiny_text_file: Path) -> None:
+    with pytest.raises(RecipeError, match=rf"memory\.tiled_mlp_tile_tokens.*{message}.*Fix"):
+        load_recipe(causal_recipe(tmp_path, tiny_text_file, memory=memory))
+
+
+def test_the_planner_sizes_tiles_from_the_budget(tmp_path: Path, tiny_text_file: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memory.tiled_mlp_tile_tokens: auto`: hidden_size tokens when that fits (fewer, larger
+    tiles are faster), a quarter or a sixteenth of it when only they fit."""
+    from memtrain.plan import planner, space
+
+    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path / "calibration.json"))
+    shape = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 1,
+             "intermediate_size": 8192}  # one 512-token tile's intermediate: 16 MiB per fp32 copy
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, data={"max_length": 512},
+                                    model={"from_config": {**TINY_CONFIGS["llama"], **shape}},
+                                    training={"micro_batch_size": 2},
+                                    memory={"tiled_mlp": True, "tiled_mlp_tile_tokens": "auto",
+                                            "checkpointing": "full", "loss": "chunked"}))
+    assert space.tile_ladder(cfg) == [128, 32]
+    totals = {size: estimate(planner.with_values(cfg, {"memory.tiled_mlp_tile_tokens": size}),
+                             device="cpu").total_bytes for size in (None, 128, 32)}
+    assert totals[None] - totals[128] > 8 * 2**20 and totals[128] >= totals[32]
+    roomy = planner.plan(cfg, int(totals[None] / 0.9) + 1, device="cpu")
+    assert roomy.chosen.values["memory.tiled_mlp_tile_tokens"] is None
+    tight = planner.plan(cfg, int(totals[128] / 0.9) + 1, device="cpu")
+    assert tight.chosen.values["memory.tiled_mlp_tile_tokens"] == 128
+    assert tight.apply(cfg).memory.tiled_mlp_tile_tokens == 128
+
+
+def test_smaller_4bit_tiles_are_predicted_slower() -> None:
+    """Each tile dequantizes the 4-bit MLP weights again, in forward, recompute and backward."""
+    from memtrain.plan import costmodel
+
+    rates = costmodel.Rates("test", {"matmul_flops": {"bf16": 1e14}, "memory_bandwidth": 1e12,
+                                     "op_seconds": 1e-5, "dequantize_nf4_elements": 1e11,
+                                     "optimizer_seconds_per_parameter": {"adamw": 1e-11},
+                                     "host_to_device_bandwidth": 1e10, "device_to_host_bandwidth": 1e10})
+    work = costmodel.Work(1, 1e12, 1000, 1e9, 10)
+    costs = [costmodel.step_seconds(work, micro_batches=1, rates=rates, dtype="bf16", optimizer="adamw",
+                                    trainable=0, quantized_elements=10**9, extra_dequantized=extra).seconds
+             for extra in (0, 10**10)]
+    assert costs[1] - costs[0] == pytest.approx(0.1)
