@@ -84,14 +84,16 @@ def main() -> None:
             print(f"{row['gb']} GiB: {err}", file=sys.stderr, flush=True)
             continue
         size = found.leanest.get("memory.tiled_mlp_tile_tokens")
-        row.update(tokens=found.chosen, est=found.estimate, probes=len(found.probes),
+        row.update(tokens=found.chosen, est=found.estimate, probes=len(found.probes), leanest=found.leanest,
                    tile=f"{size:,}" if size else "4,096 (hidden_size)")
         print(f"{row['gb']} GiB: {found.chosen} tokens; {found.explain()} "
               f"[{time.perf_counter() - start:.0f} s]", flush=True)
         finish(rows, None, time.perf_counter() - start)  # each row as it comes: a stopped run keeps them
     later = finish(rows, None, time.perf_counter() - start)
     if args.check and later:
-        cfg = load_recipe(RECIPE, [*settings(), f"data.max_length={later[0]['tokens']}"])
+        lean = next(r["leanest"] for r in reversed(rows) if r["est"] is not None)  # the line's settings
+        chosen = [f"{k}={'null' if v is None else v}" for k, v in lean.items() if k.startswith("memory.")]
+        cfg = load_recipe(RECIPE, [*settings(), *chosen, f"data.max_length={later[0]['tokens']}"])
         exact = estimate(cfg, device="cuda")
         print(f"check: {later[0]['tokens']} tokens, line {later[0]['line'][0] / GiB:.3f} GiB, "
               f"estimate {exact.total_bytes / GiB:.3f} GiB [{time.perf_counter() - start:.0f} s]", flush=True)
