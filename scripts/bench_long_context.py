@@ -140,8 +140,10 @@ def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: floa
         f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}; "
         f"{seconds:.0f} s. **Planned, not trained**: every figure is memtrain's estimate for a CUDA "
         "GPU (`memtrain estimate --device cuda`: fake-tensor traces of the real training step, plus "
-        "the CUDA context and allocator fragmentation as `memtrain calibrate`'s defaults say, which "
-        "no GPU has measured yet), against the GPU's memory less the default 10% margin. Unsloth's "
+        "the CUDA context, cuBLAS workspaces and allocator fragmentation as `memtrain calibrate`'s "
+        "defaults say: the context and workspaces as an H100 measured them (docs/bench/gpu.md), the "
+        "fragmentation under expandable segments an assumption), against the GPU's memory less the "
+        "default 10% margin. Unsloth's "
         "figures are measured by Unsloth on real GPUs. Searched rows: the planner's "
         "`data.max_length: auto` search (`memtrain.plan.length`), the longest multiple of "
         f"{LENGTH_STEP} tokens that fits and the next one not. *Extrapolated* rows: the line through "
@@ -188,7 +190,8 @@ def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: floa
                   f"{row['line'][0] / GiB:.3f} GiB, the estimate {exact.total_bytes / GiB:.3f} GiB "
                   f"(usable {row['usable'] / GiB:.2f} GiB); host {exact.host_peak_bytes / GiB:.1f} GiB."]
     lines += ["", "What the device holds at the peak of each searched plan (GiB; the estimate's categories "
-              "at the length found), and the bytes per token added since the row above:", "",
+              "at the length found; the total adds the 0.06 GiB of cuBLAS workspaces and the allocator's "
+              "rounding), and the bytes per token added since the row above:", "",
               "| GPU memory | tokens | " + " | ".join(CATEGORIES + OVERHEADS) + " | per added token |",
               "|---|---:|" + "---:|" * (len(CATEGORIES) + len(OVERHEADS) + 1)]
     previous = None

@@ -147,4 +147,6 @@ def _batches(cfg: RunConfig) -> list[tuple[int, int]]:
 def _show(value: Any) -> str:
     if isinstance(value, dict):
         return f"ratio {value['ratio']}"
+    if value is None:
+        return "null"  # as a recipe writes it
     return str(value).lower() if isinstance(value, bool) else str(value)
