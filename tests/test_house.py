@@ -19,7 +19,7 @@ KNOWN_CYCLES: list[list[str]] = []
 # and the layers before it, never one after it. `memtrain/__init__.py` (the public face, lazy)
 # and `__main__` stand above them all.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "units", "device", "sources", "builtin_data", "lazy_setup"),  # shared leaves
+    ("errors", "units", "allocator", "device", "sources", "builtin_data", "lazy_setup"),  # shared leaves
     ("config",), ("model",), ("data",), ("memory",), ("patches",), ("distributed",), ("reliability",),
     ("trainer",), ("estimator",), ("plan",), ("run",), ("plugin",), ("cli",),
 ]

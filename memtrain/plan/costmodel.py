@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,19 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
     parts = {k: v * micro_batches for k, v in parts.items()}
     parts["optimizer"] = opt + transfer
     return StepCost(sum(parts.values()), parts)
+
+
+def tiled_dequantized(config: Any, tokens: int, tiles: int | None, tile_tokens: int | None,
+                      recompute_passes: float) -> int:
+    """4-bit MLP weight elements the tiled MLP dequantizes beyond the untiled passes, for one
+    micro-batch of ``tokens`` tokens: each tile runs the MLP in forward, in the layer's recompute
+    and twice in backward (its recompute with grad, then the backward), where the untiled MLP
+    dequantizes once per pass (:func:`step_seconds`' ``extra_dequantized``)."""
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    width = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    elements = int(config.num_hidden_layers) * 3 * hidden * width  # gate, up, down (Llama-style MLPs)
+    count = tiles or math.ceil(tokens / max(1, int(tile_tokens or hidden or tokens)))
+    return int(elements * max(0.0, count * (3 + recompute_passes) - (2 + recompute_passes)))
 
 
 def work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:

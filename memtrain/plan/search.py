@@ -24,16 +24,7 @@ from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, _quiet, in_batch, with_depth
 from memtrain.patches import NoMatchError
 from memtrain.plan import costmodel
-from memtrain.plan.space import (
-    IN_BACKWARD,
-    TILE_TOKENS,
-    Candidate,
-    _batches,
-    _options,
-    _rank,
-    auto_fields,
-    with_values,
-)
+from memtrain.plan.space import IN_BACKWARD, Candidate, _batches, _options, _rank, auto_fields, with_values
 from memtrain.reliability.budget import HostBudget
 from memtrain.units import format_bytes
 
@@ -270,7 +261,7 @@ class _Search:
                  "memory.offload.embeddings": False,
                  "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False,
                  "memory.tiled_mlp": False, "memory.lean_norm": False, "training.dpo_precompute_ref": False,
-                 TILE_TOKENS: None}
+                 "memory.tiled_mlp_tile_tokens": None}
         return {f: v for f, v in plain.items() if f in self.fields}
 
     def evaluate(self, cand: Candidate) -> None:
@@ -361,8 +352,10 @@ class _Search:
         passes = 1.0 if ckpt == "full" else (min(1.0, ckpt / self.depth) if isinstance(ckpt, int) else 0.0)
         frozen = counts[0] - counts[1]
         opt_off = bool(get("memory.offload.optimizer"))
-        tiled = (self._tiled_dequant(cfg, micro, passes) if quantized and get("memory.tiled_mlp") is True
-                 else 0)
+        m = cfg.memory  # the tiled MLP dequantizes its 4-bit weights once per tile and pass
+        tiled = (costmodel.tiled_dequantized(resolve_config(cfg.model)[0], micro * int(cfg.data.max_length),
+                                             m.tiled_mlp_tiles, m.tiled_mlp_tile_tokens, passes)
+                 if quantized and m.tiled_mlp is True else 0)
         return costmodel.step_seconds(
             work, micro_batches=accumulation, rates=self.rates, dtype=cfg.model.dtype,
             optimizer=str(get("training.optimizer")), trainable=counts[1],
@@ -370,18 +363,6 @@ class _Search:
             offloaded_bytes=offloaded, optimizer_offloaded=opt_off,
             optimizer_rates=self.host_rates if opt_off else None, parameter_bytes=element,
             embedding_bytes=rows, extra_dequantized=tiled)
-
-    def _tiled_dequant(self, cfg: RunConfig, micro: int, passes: float) -> int:
-        """4-bit MLP weight elements the tiled MLP dequantizes beyond the untiled passes: each tile
-        runs the MLP in forward, in the layer's recompute and twice in backward (its recompute with
-        grad, then the backward), where the untiled MLP dequantizes once per pass."""
-        config, _ = resolve_config(cfg.model)
-        width = int(getattr(config, "intermediate_size", 0) or 4 * self.hidden)
-        elements = self.depth * 3 * self.hidden * width  # gate, up, down (Llama-style MLPs)
-        tokens = micro * int(cfg.data.max_length)
-        size = cfg.memory.tiled_mlp_tile_tokens or self.hidden or tokens
-        tiles = cfg.memory.tiled_mlp_tiles or math.ceil(tokens / max(1, int(size)))
-        return int(elements * max(0.0, tiles * (3 + passes) - (2 + passes)))
 
     def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
         """Candidates and counts at micro-batch 2 and 3 (cached per settings and accumulation)."""
