@@ -63,9 +63,9 @@ class _Search:
         self.cfg, self.device, self.usable = cfg, device, usable
         self.host = host  # the host RAM a plan may keep (None: no limit)
         self.rows = rows  # the data's longest batch (None: the recipe's worst case)
-        config, _ = resolve_config(cfg.model)
-        self.depth = int(config.num_hidden_layers)
-        self.hidden = int(getattr(config, "hidden_size", 0) or 0)
+        self.config, _ = resolve_config(cfg.model)
+        self.depth = int(self.config.num_hidden_layers)
+        self.hidden = int(getattr(self.config, "hidden_size", 0) or 0)
         skip = ("training.micro", "training.gradient", "data.")  # batches: below; the length: plan.length
         self.fields = [f for f in auto_fields(cfg) if not f.startswith(skip)] if fields is None else fields
         self.batches = _batches(cfg)
@@ -353,7 +353,7 @@ class _Search:
         frozen = counts[0] - counts[1]
         opt_off = bool(get("memory.offload.optimizer"))
         m = cfg.memory  # the tiled MLP dequantizes its 4-bit weights once per tile and pass
-        tiled = (costmodel.tiled_dequantized(resolve_config(cfg.model)[0], micro * int(cfg.data.max_length),
+        tiled = (costmodel.tiled_dequantized(self.config, micro * int(cfg.data.max_length),
                                              m.tiled_mlp_tiles, m.tiled_mlp_tile_tokens, passes)
                  if quantized and m.tiled_mlp is True else 0)
         return costmodel.step_seconds(

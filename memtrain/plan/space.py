@@ -73,6 +73,8 @@ def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
 
 def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
     """Candidate values of one `auto` field, from most memory kept to least."""
+    if path == TILE_TOKENS:  # built only when asked: it reads the model's config
+        return [None, *tile_ladder(cfg)]
     approx = cfg.memory.allow_approximate
     return {
         "model.quantization": ["none", "nf4"],
@@ -93,16 +95,15 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
                         and cfg.training.objective == "sft" else ["standard"]),
         "training.optimizer_in_backward": [False, True],
         "memory.tiled_mlp": [False, True],  # keeps only each MLP's input; one more MLP forward
-        # tokens per MLP tile: hidden_size, then a quarter and a sixteenth of it (one tile's
-        # intermediate exists at a time; 4-bit weights are dequantized once per tile and pass)
-        TILE_TOKENS: [None, *tile_ladder(cfg)],
         "memory.lean_norm": [False, True],  # keeps each norm's input and rstd; element-wise recompute
         "training.dpo_precompute_ref": [False, True],  # no reference forward in the step
     }[path]
 
 
 def tile_ladder(cfg: RunConfig) -> list[int]:
-    """The MLP tile sizes below the default (``hidden_size`` tokens) the planner tries."""
+    """The MLP tile sizes below the default (``hidden_size`` tokens) the planner tries: a quarter
+    and a sixteenth of it (one tile's intermediate exists at a time; 4-bit weights are dequantized
+    once per tile and pass, so smaller tiles are slower)."""
     hidden = int(getattr(resolve_config(cfg.model)[0], "hidden_size", 0) or 0)
     return sorted({max(1, hidden // 4), max(1, hidden // 16)}, reverse=True) if hidden else []
 
