@@ -662,10 +662,16 @@ GRID_HEAD = ["| model | run | predicted allocated GiB | max allocated GiB | allo
              "|---|---|---:|---:|---|---:|---:|---|---:|---|---:|---:|"]
 
 
-def outside_allocator(meas: dict[str, Any]) -> str:
+def outside_allocator_bytes(meas: dict[str, Any]) -> int | None:
     """NVML's used memory less the allocator's reserved peak: the CUDA context as this run saw it."""
     used = nvml_run_bytes(meas)
-    return "—" if used is None else f"{(used - meas['reserved']) / 2**20:.0f}"
+    return None if used is None else used - meas["reserved"]
+
+
+def outside_allocator(meas: dict[str, Any]) -> str:
+    """:func:`outside_allocator_bytes` in MiB, for the table."""
+    outside = outside_allocator_bytes(meas)
+    return "—" if outside is None else f"{outside / 2**20:.0f}"
 
 
 def grid_lines(records: list[dict[str, Any]]) -> list[str]:
@@ -774,16 +780,15 @@ def gap_lines(meta: dict[str, Any], records: list[dict[str, Any]]) -> list[str]:
         return []
     MiB = 2**20
     over = [(r["measured"]["allocated"] - predicted_allocated(r["predicted"])) / MiB for r in rows]
-    outside = [(nvml_run_bytes(r["measured"]) - r["measured"]["reserved"]) / MiB for r in rows
-               if nvml_run_bytes(r["measured"]) is not None]
-    shares = []
-    for r in rows:
-        o = r["predicted"].get("overheads", {})
-        fraction = (((meta.get("profile") or {}).get("overheads") or {}).get("fragmentation") or 0)
-        transient = o.get("fragmentation", 0) / fraction if fraction else 0
+    outside = [b / MiB for r in rows if (b := outside_allocator_bytes(r["measured"])) is not None]
+    calibrated = (meta.get("profile") or {}).get("overheads") or {}
+    fraction = calibrated.get("fragmentation") or 0
+    context = (calibrated.get("cuda_context_bytes") or 0) / MiB
+    shares = []  # reserved less allocated over the transient bytes (the fragmentation line / fraction)
+    for r in rows if fraction else []:
+        transient = r["predicted"].get("overheads", {}).get("fragmentation", 0) / fraction
         if transient:
             shares.append((r["measured"]["reserved"] - r["measured"]["allocated"]) / transient)
-    context = (((meta.get("profile") or {}).get("overheads") or {}).get("cuda_context_bytes") or 0) / MiB
     lines = [f"Gaps, over the {len(rows)} rows with a prediction:",
              f"- max allocated less the predicted allocated bytes: {min(over):.1f} to {max(over):.1f} MiB "
              f"(median {statistics.median(over):.1f})."]
