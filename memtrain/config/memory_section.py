@@ -117,10 +117,12 @@ class MemoryConfig(Section):
         "(output head and cross-entropy over chunks of tokens, each recomputed in backward: full "
         "logits never exist; same loss and gradients) or `auto` (the planner decides).",
     )
-    loss_chunk_tokens: int | None = Field(
-        None, gt=0, description="Tokens per chunk of the chunked loss; null = about as many logits "
+    loss_chunk_tokens: int | Auto | None = Field(
+        None, description="Tokens per chunk of the chunked loss; null = about as many logits "
         "as hidden-state values (Liger-Kernel's rule), between 32 and 256 MiB of fp32 logits per "
-        "chunk, in equal chunks."
+        "chunk, in equal chunks. Larger chunks are faster (fewer head and cross-entropy calls) and "
+        "keep more (one chunk's logits exist at a time). `auto`: the planner sizes the chunk from "
+        "the budget (1 GiB of fp32 logits, the rule, or 8 MiB).",
     )
     tiled_mlp: bool | Auto = Field(
         False,
@@ -202,6 +204,19 @@ class MemoryConfig(Section):
                                   "sizes tiles, but the tiled MLP is off",
                                   "set `memory.tiled_mlp: true` (or `auto`), or drop "
                                   "`memory.tiled_mlp_tile_tokens`."))
+        return self
+
+    @model_validator(mode="after")
+    def _chunks(self, info: ValidationInfo) -> MemoryConfig:
+        size = self.loss_chunk_tokens
+        if isinstance(size, int) and (isinstance(size, bool) or size < 1):
+            _report(info, Problem("memory.loss_chunk_tokens", size, "tokens per chunk must be at least 1",
+                                  "use e.g. 512, `auto` (the planner sizes it), or null for the rule."))
+        elif size is not None and self.loss == "standard":
+            _report(info, Problem("memory.loss_chunk_tokens", size,
+                                  "sizes loss chunks, but the loss is `standard` (full logits)",
+                                  "set `memory.loss: chunked` (or `auto`), or drop "
+                                  "`memory.loss_chunk_tokens`."))
         return self
 
     @model_validator(mode="after")

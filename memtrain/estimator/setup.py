@@ -42,7 +42,8 @@ class TraceSetup:
 NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
                 "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
                 "memory.offload.optimizer", "memory.offload.embeddings", "memory.activation_bits",
-                "memory.randomized_linear", "memory.loss", "training.optimizer_in_backward",
+                "memory.randomized_linear", "memory.loss", "memory.loss_chunk_tokens",
+                "training.optimizer_in_backward",
                 "memory.tiled_mlp", "memory.tiled_mlp_tile_tokens", "memory.lean_norm",
                 "training.dpo_precompute_ref")
 

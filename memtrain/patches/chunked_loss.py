@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from memtrain.config import RunConfig
+from memtrain.config.base import decided
 from memtrain.errors import MemtrainError
 from memtrain.patches import LOSS, PatchRecord, add_records, register
 
@@ -198,4 +199,4 @@ def apply(model: nn.Module, chunk: int | None = None) -> nn.Module:
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if cfg.memory.loss != "chunked":
         return None
-    return apply(model, cfg.memory.loss_chunk_tokens)
+    return apply(model, decided(cfg.memory.loss_chunk_tokens, "memory.loss_chunk_tokens", "a number or null"))

@@ -156,7 +156,7 @@ def _leanest(cfg: RunConfig, device: str, usable: int, step: int) -> Candidate:
     memory order (:func:`memtrain.plan.space._rank`)."""
     search = _Search(with_values(cfg, {MAX_KEY: step}), device, usable)
     cands = sorted(search.candidates(), key=lambda c: -sum(
-        sum(_rank(f, v, search.depth)) for f, v in c.values.items()))
+        sum(_rank(f, v, search.depth, search.vocab)) for f, v in c.values.items()))
     for cand in cands:
         if search.batches_for(cand) and search.inapplicable(cand) is None:
             cand.micro, cand.accumulation = search.batches_for(cand)[0]

@@ -7,6 +7,7 @@ and how it breaks ties (``TIE``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -23,7 +24,7 @@ from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, _quiet, in_batch, with_depth
 from memtrain.patches import NoMatchError
-from memtrain.plan import costmodel
+from memtrain.plan import costmodel, space
 from memtrain.plan.space import IN_BACKWARD, Candidate, _batches, _options, _rank, auto_fields, with_values
 from memtrain.reliability.budget import HostBudget
 from memtrain.units import format_bytes
@@ -66,6 +67,7 @@ class _Search:
         self.config, _ = resolve_config(cfg.model)
         self.depth = int(self.config.num_hidden_layers)
         self.hidden = int(getattr(self.config, "hidden_size", 0) or 0)
+        self.vocab = int(getattr(self.config, "vocab_size", 0) or 0)
         skip = ("training.micro", "training.gradient", "data.")  # batches: below; the length: plan.length
         self.fields = [f for f in auto_fields(cfg) if not f.startswith(skip)] if fields is None else fields
         self.batches = _batches(cfg)
@@ -159,8 +161,7 @@ class _Search:
 
     def techniques(self, cand: Candidate) -> int:
         """How many memory techniques ``cand`` turns on (LoRA vs full fine-tuning is not one)."""
-        return sum(1 for f, v in cand.values.items() if f != "adapter.method" and (
-            v != "none" if f == "distributed.sharding" else any(_rank(f, v, self.depth))))
+        return sum(1 for f, v in cand.values.items() if space.turns_on(f, v, self.depth))
 
     def micro_options(self, cand: Candidate) -> list[Candidate]:
         """``cand`` (evaluated, fitting) at up to ``TUNE_MICROS`` of its largest micro-batches that fit.
@@ -195,8 +196,9 @@ class _Search:
         """
         if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
             return False
-        return all(a <= b for f in self.fields for a, b in zip(
-            _rank(f, cand.values[f], self.depth), _rank(f, small.values[f], self.depth), strict=True))
+        rank = functools.partial(_rank, depth=self.depth, vocab=self.vocab)
+        return all(a <= b for f in self.fields
+                   for a, b in zip(rank(f, cand.values[f]), rank(f, small.values[f]), strict=True))
 
     def lower_bound(self, cand: Candidate) -> float:
         """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base."""
@@ -261,7 +263,7 @@ class _Search:
                  "memory.offload.embeddings": False,
                  "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False,
                  "memory.tiled_mlp": False, "memory.lean_norm": False, "training.dpo_precompute_ref": False,
-                 "memory.tiled_mlp_tile_tokens": None}
+                 "memory.tiled_mlp_tile_tokens": None, "memory.loss_chunk_tokens": None}
         return {f: v for f, v in plain.items() if f in self.fields}
 
     def evaluate(self, cand: Candidate) -> None:

@@ -15,11 +15,21 @@ from typing import Any
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
 from memtrain.estimator.setup import NEEDS_VALUE, recipe_value, resolve_config
+from memtrain.patches.chunked_loss import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 # Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
 APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
 IN_BACKWARD = "training.optimizer_in_backward"
 TILE_TOKENS = "memory.tiled_mlp_tile_tokens"
+CHUNK_TOKENS = "memory.loss_chunk_tokens"
+# fp32 logit bytes per loss chunk the planner tries around the rule (None: 32-256 MiB): larger chunks
+# make fewer head and cross-entropy calls (faster), smaller ones keep less while the loss is the peak
+CHUNK_BYTES = (2**30, None, 8 * 2**20)
+# sizes whose default (None) sits inside their memory order: the tie rule counts a size other than
+# the default as one more technique, so ties keep the default. The cost model predicts the loss
+# chunks equal (same FLOPs); measured, a quarter of the rule's chunk took 1.14x the rule's step and
+# one chunk of everything 1.01x, at 1.8x its peak (docs/bench/loss_chunk.md, a shared 2-core CPU)
+SIZES = (CHUNK_TOKENS,)
 
 
 @dataclass
@@ -75,6 +85,8 @@ def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
     """Candidate values of one `auto` field, from most memory kept to least."""
     if path == TILE_TOKENS:  # built only when asked: it reads the model's config
         return [None, *tile_ladder(cfg)]
+    if path == CHUNK_TOKENS:
+        return chunk_ladder(cfg)
     approx = cfg.memory.allow_approximate
     return {
         "model.quantization": ["none", "nf4"],
@@ -108,9 +120,21 @@ def tile_ladder(cfg: RunConfig) -> list[int]:
     return sorted({max(1, hidden // 4), max(1, hidden // 16)}, reverse=True) if hidden else []
 
 
-def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
+def chunk_ladder(cfg: RunConfig) -> list[int | None]:
+    """The loss chunk sizes the planner tries, most memory first: chunks of 1 GiB of fp32 logits,
+    the rule (null: 32-256 MiB), chunks of 8 MiB; sizes in tokens of this model's vocabulary.
+
+    The rule keeps a chunk between 32 and 256 MiB of fp32 logits whatever the length, so the
+    ladder's order is an order in memory at every length (what :func:`_rank` needs)."""
+    vocab = int(getattr(resolve_config(cfg.model)[0], "vocab_size", 0) or 0)
+    if not vocab:
+        return [None]
+    return [None if size is None else max(1, size // (4 * vocab)) for size in CHUNK_BYTES]
+
+
+def _rank(path: str, value: Any, depth: int, vocab: int = 0) -> tuple[int, ...]:
     """Position of ``value`` in its field's memory order, as a vector (checkpointing is 2-D:
-    selective and n-of-L are not comparable)."""
+    selective and n-of-L are not comparable); ``vocab`` places a loss chunk size around the rule."""
     if path == "memory.checkpointing":
         return {"none": (0, 0), "selective": (1, 0), "full": (1, 1)}.get(value, (0, 1))  # type: ignore[arg-type]
     if path == "model.quantization":
@@ -126,9 +150,23 @@ def _rank(path: str, value: Any, depth: int) -> tuple[int, ...]:
         return {"none": (0, 1), "grad_op": (1, 0), "full": (2, 0)}[value]
     if path == "memory.loss":
         return (0,) if value == "standard" else (1,)
+    if path == CHUNK_TOKENS:  # above the rule's cap (256 MiB of logits) < the rule (None) < below its floor
+        logits = 4 * int(value) * vocab if value is not None else 0
+        return (1,) if value is None else (0,) if logits > MAX_CHUNK_BYTES else \
+            (2,) if logits < MIN_CHUNK_BYTES else (1,)
     if path == TILE_TOKENS:  # smaller tiles keep less: hidden_size (None) < hidden/4 < hidden/16
         return (0,) if value is None else ((2**16 // max(1, int(value))).bit_length() + 1,)
     return (0,) if value in (None, False) else (1,)
+
+
+def turns_on(path: str, value: Any, depth: int) -> bool:
+    """Whether ``value`` of ``path`` counts as one memory technique in the tie rule (LoRA vs full
+    fine-tuning is not one; a size other than its default is, see :data:`SIZES`)."""
+    if path == "adapter.method":
+        return False
+    if path == "distributed.sharding":
+        return value != "none"
+    return value is not None if path in SIZES else any(_rank(path, value, depth))
 
 
 def _batches(cfg: RunConfig) -> list[tuple[int, int]]:

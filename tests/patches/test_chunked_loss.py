@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import TINY_CONFIGS, causal_recipe, tiny_model
 
+from memtrain.config import RecipeError, load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.patches import chunked_loss, records
 from scripts.memprobe import LiveBytes
@@ -314,3 +316,68 @@ def test_the_chunk_grows_smoothly_with_the_length_and_its_logits_stay_under_the_
             assert sizes[t + 1] <= sizes[t] + 1, (t, sizes[t], sizes[t + 1])
         assert sizes[t] * 4 * vocab <= chunked_loss.MAX_CHUNK_BYTES + 4 * vocab
         assert sizes[t] * 4 * vocab >= chunked_loss.MIN_CHUNK_BYTES or sizes[t] == t, t
+
+
+# ------------------------------------------------------------------ chunk size from the budget
+
+
+@pytest.mark.parametrize(("memory", "message"), [
+    ({"loss": "chunked", "loss_chunk_tokens": 0}, "at least 1"),
+    ({"loss": "standard", "loss_chunk_tokens": 256}, "the loss is `standard`"),
+    ({"loss": "standard", "loss_chunk_tokens": "auto"}, "the loss is `standard`"),
+])
+def test_bad_chunk_sizes_name_the_field(memory: dict, message: str, tmp_path: Path,
+                                        tiny_text_file: Path) -> None:
+    with pytest.raises(RecipeError, match=rf"memory\.loss_chunk_tokens.*{message}.*Fix"):
+        load_recipe(causal_recipe(tmp_path, tiny_text_file, memory=memory))
+
+
+def test_an_estimate_of_an_auto_chunk_asks_for_the_planner(tmp_path: Path, tiny_text_file: Path) -> None:
+    from memtrain.estimator.estimate import estimate
+
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, memory={"loss": "chunked",
+                                                                      "loss_chunk_tokens": "auto"}))
+    with pytest.raises(MemtrainError, match=r"memory\.loss_chunk_tokens.*auto.*Fix"):
+        estimate(cfg, device="cpu")
+
+
+def test_the_planner_sizes_the_loss_chunk_from_the_budget(tmp_path: Path, tiny_text_file: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memory.loss_chunk_tokens: auto` on a model whose loss is its peak (vocabulary 32,768,
+    hidden 64, 2 x 1,024 tokens): one chunk of all 2,048 tokens (256 MiB of fp32 logits) keeps
+    most, the rule's 256-token chunks less, 64-token chunks (8 MiB) least; each budget gets the
+    largest chunk that fits it."""
+    from memtrain.estimator.estimate import estimate
+    from memtrain.plan import planner, space
+
+    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path / "calibration.json"))
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, data={"max_length": 1024},
+                                    model={"from_config": {**TINY_CONFIGS["llama"], "vocab_size": 32768,
+                                                           "num_hidden_layers": 1,
+                                                           "max_position_embeddings": 1024}},
+                                    training={"micro_batch_size": 2},
+                                    memory={"loss": "chunked", "loss_chunk_tokens": "auto"}))
+    assert space.chunk_ladder(cfg) == [8192, None, 64]
+    totals = {size: estimate(planner.with_values(cfg, {"memory.loss_chunk_tokens": size}),
+                             device="cpu").total_bytes for size in (8192, None, 64)}
+    assert totals[8192] - totals[None] > 256 * 2**20 and totals[None] - totals[64] > 32 * 2**20
+    chosen = {}
+    for size in (8192, None, 64):
+        plan = planner.plan(cfg, int(totals[size] / 0.9) + 1, device="cpu")
+        chosen[size] = plan.chosen.values["memory.loss_chunk_tokens"]
+        assert plan.apply(cfg).memory.loss_chunk_tokens == chosen[size]
+    assert chosen[None] is None and chosen[64] == 64  # the largest that fits, where the rule does not
+    assert chosen[8192] in (8192, None)  # roomy: the faster of the two (within 5%: the smaller peak)
+    with pytest.raises(MemtrainError):  # less than the smallest chunk needs: nothing fits
+        planner.plan(cfg, int(totals[64] * 0.8), device="cpu")
+
+
+def test_chunk_sizes_rank_around_the_rule() -> None:
+    """The dominance pruning's order: chunks above the rule's cap keep more than the rule, chunks
+    below its floor less (a mutant that ranks by tokens alone, without the vocabulary, fails)."""
+    from memtrain.plan.space import CHUNK_TOKENS, _rank
+
+    vocab = 32768
+    big, rule, small = (_rank(CHUNK_TOKENS, size, 1, vocab) for size in (8192, None, 64))
+    assert big < rule < small
+    assert _rank(CHUNK_TOKENS, 8192, 1, 512) == _rank(CHUNK_TOKENS, 64, 1, vocab) == (2,)  # 16 MiB: below
