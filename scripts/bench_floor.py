@@ -9,8 +9,10 @@ also fuse the optimizer step into backward, offload activations and use 8-bit Ad
 as overrides of one shipped recipe, and estimated with
 ``memtrain estimate --device cuda`` (fake-tensor trace, no weights, no GPU). torchtune's figures
 are copied from its documentation (the "published" column); nothing of them enters memtrain's
-estimate. The target (issue #13): memtrain's predicted tensor peak at most 1.10x torchtune's
-figure on every row, and at or below it on at least half.
+estimate. The target (issue #13): memtrain's predicted peak at most 1.10x torchtune's figure on
+every row, and at or below it on at least half. The predicted side is what ``max_memory_allocated``
+counts: live tensors rounded by the allocator plus the cuBLAS workspaces (the estimate's
+``cuda_workspaces`` line, which the first GPU run found in every allocated peak: docs/bench/gpu.md).
 """
 
 from __future__ import annotations
@@ -105,19 +107,25 @@ def main() -> None:
              f"{time.strftime('%Y-%m-%d')}. Every row is `memtrain estimate "
              f"{RECIPE.relative_to(ROOT)} --device cuda` with the overrides shown (common to all: "
              f"`{' '.join(COMMON)}`). Tensors: predicted live tensor bytes at the step's peak; "
-             "total adds the CUDA context, allocator rounding and fragmentation lines "
-             "(docs/estimate.md). torchtune's figures are its own measurements (`torch.cuda."
-             "max_memory_allocated`-style peaks), copied from its documentation.", "",
-             "| run | torchtune (source) | memtrain tensors | ratio | memtrain total | overrides |",
-             "|---|---|---|---|---|---|"]
+             "allocated: tensors plus what `max_memory_allocated` also counts, the allocator's "
+             "512-byte rounding and the cuBLAS workspaces (`cuda_workspaces`, 64 MiB as measured on "
+             "an H100: docs/bench/gpu.md), the figure torchtune's are compared with; total adds the "
+             "CUDA context and fragmentation lines (docs/estimate.md). torchtune's figures are its own "
+             "measurements (`torch.cuda.max_memory_allocated`-style peaks), copied from its "
+             "documentation.", "",
+             "| run | torchtune (source) | memtrain tensors | memtrain allocated | ratio | memtrain total | "
+             "overrides |", "|---|---|---|---|---|---|---|"]
     within, below = 0, 0
     for label, published, source, overrides in ROWS:
         est = estimate(RECIPE, [*COMMON, *overrides], device="cuda")
-        ratio = est.peak_bytes / GIB / published
+        allocated = est.peak_bytes + est.overheads.get("cuda_workspaces", 0) \
+            + est.overheads.get("allocator_rounding", 0)
+        ratio = allocated / GIB / published
         within += ratio <= 1.10
         below += ratio <= 1.0
         lines.append(f"| {label.strip()} | {published} GiB ({source}) | {est.peak_bytes / GIB:.2f} GiB | "
-                     f"{ratio:.2f} | {est.total_bytes / GIB:.2f} GiB | `{' '.join(overrides)}` |")
+                     f"{allocated / GIB:.2f} GiB | {ratio:.2f} | {est.total_bytes / GIB:.2f} GiB | "
+                     f"`{' '.join(overrides)}` |")
         print(lines[-1], flush=True)
     lines += ["", f"Within 1.10x of torchtune: **{within}/{len(ROWS)}** rows; at or below: "
               f"**{below}/{len(ROWS)}** (target: all within, at least half at or below).", ""]
