@@ -5,6 +5,7 @@
     python scripts/bench_gpu.py --profile P --skip-calibrate   # reuse a `memtrain calibrate` profile
     python scripts/bench_gpu.py --profile P --skip-calibrate --reuse-measured docs/bench/gpu.json
                                                     # predict anew; keep an earlier run's measured rows
+    python scripts/bench_gpu.py --plan-long plans.json   # make those plans on any machine (no GPU)
     python scripts/bench_gpu.py --long-plans plans.json  # long-context plans made beforehand (below)
     python scripts/bench_gpu.py --render docs/bench/gpu.json  # the page again from a run's raw JSON (no GPU)
 
@@ -72,6 +73,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -932,6 +934,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--long-plans", type=Path, default=None,
                         help="JSON {\"plans\": [...], \"where\": ...}: the long-context rows' plans, made "
                              "beforehand by `--long` children with the same profile (the plan needs no GPU)")
+    parser.add_argument("--plan-long", type=Path, default=None,
+                        help="plan the long-context rows with --profile (CPU work, minutes), write the "
+                             "JSON --long-plans reads, and stop; needs no GPU")
     parser.add_argument("--render", type=Path, default=None,
                         help="write the page from a run's raw JSON (gpu.json) and stop; needs no GPU")
     parser.add_argument("--reuse-measured", type=Path, default=None,
@@ -1000,6 +1005,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_long_only(args: argparse.Namespace) -> int:
+    """The long-context rows planned here, with ``--profile`` (default: the committed calibration),
+    written where ``--long-plans`` reads them: the next GPU session measures instead of searching."""
+    import torch
+
+    profile = args.profile or args.out.with_name("gpu_calibration.json")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:  # a copy: a CPU unlike the profile's gets its rates
+        copy = Path(tmp) / profile.name          # measured and saved into the file it plans with
+        shutil.copyfile(profile, copy)
+        plans = plan_long(LONG_CONTEXT, planning_env(child_env(copy)), timeout=1800.0)
+    seconds = time.monotonic() - start
+    where = (f"`scripts/bench_gpu.py --plan-long` on {platform.machine()}, {os.cpu_count()} cores, torch "
+             f"{torch.__version__}, {seconds:.0f} s, with the calibration profile {profile.name}, no GPU "
+             "(as `memtrain plan --device cuda` runs on any machine)")
+    args.plan_long.write_text(json.dumps({"plans": plans, "seconds": seconds, "where": where}, indent=1)
+                              + "\n", encoding="utf-8")
+    print(f"wrote {args.plan_long}: " + "; ".join(
+        p.get("why") or p.get("error", "no plan") for p in plans))
+    return 1 if any("error" in p for p in plans) else 0
+
+
 def render(raw_path: Path, out: Path) -> int:
     """The page of an earlier run from its raw JSON: the same numbers, the current page layout."""
     raw = json.loads(raw_path.read_text(encoding="utf-8"))
@@ -1019,6 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     if args.render is not None:
         return render(args.render, args.out)
+    if args.plan_long is not None:
+        return plan_long_only(args)
     import torch
 
     if not torch.cuda.is_available():

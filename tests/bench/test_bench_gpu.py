@@ -405,3 +405,28 @@ def test_rows_an_earlier_run_measured_are_kept(tmp_path: Path, monkeypatch: pyte
     text = out.read_text()
     assert f"{done.label()} † | 1.00 | 1.00 | +0.0% pass" in text and "on Old GPU (2026-11-26)" in text
     assert f"{failed.label()} †" not in text
+
+
+def test_plan_long_writes_the_plans_and_leaves_the_profile_alone(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--plan-long` plans on any machine with a copy of the GPU's profile: a planning child that
+    measures this CPU's rates saves them into the file it was given, which must not be the
+    committed GPU profile."""
+    profile = tmp_path / "gpu_calibration.json"
+    profile.write_text('{"cuda": {"threads": 16}}', encoding="utf-8")
+    seen: list[str] = []
+
+    def fake_plan_long(rows: list, env: dict, timeout: float) -> list[dict]:
+        used = Path(env["MEMTRAIN_CALIBRATION"])
+        seen.append(used.read_text(encoding="utf-8"))
+        used.write_text('{"cpu": {"threads": 2}}', encoding="utf-8")  # as costmodel.rates("cpu") does
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
+        return [{"length": 1024, "why": "planned"}]
+
+    monkeypatch.setattr(bench, "plan_long", fake_plan_long)
+    out = tmp_path / "plans.json"
+    assert bench.main(["--plan-long", str(out), "--profile", str(profile)]) == 0
+    assert seen == ['{"cuda": {"threads": 16}}']
+    assert profile.read_text(encoding="utf-8") == '{"cuda": {"threads": 16}}'
+    written = json.loads(out.read_text(encoding="utf-8"))
+    assert written["plans"] == [{"length": 1024, "why": "planned"}] and "--plan-long" in written["where"]
