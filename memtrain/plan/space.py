@@ -27,8 +27,8 @@ CHUNK_TOKENS = "memory.loss_chunk_tokens"
 CHUNK_BYTES = (2**30, None, 8 * 2**20)
 # sizes whose default (None) sits inside their memory order: the tie rule counts a size other than
 # the default as one more technique, so ties keep the default. The cost model predicts the loss
-# chunks equal (same FLOPs); measured, a quarter of the rule's chunk took 1.14x the rule's step and
-# one chunk of everything 1.01x, at 1.8x its peak (docs/bench/loss_chunk.md, a shared 2-core CPU)
+# chunks equal (same FLOPs); measured, a quarter of the rule's chunk took 1.07x the rule's step and
+# one chunk of everything 0.95x, at 1.8x its peak (docs/bench/loss_chunk.md, a 2-core CPU)
 SIZES = (CHUNK_TOKENS,)
 
 
