@@ -127,9 +127,14 @@ def launch(cfg: RunConfig, choices: list[tuple[int, int]] | None = None) -> list
 def _launch_config(m: Machines) -> Any:
     """What ``torchrun`` configures: ``--standalone --nproc-per-node N`` on one machine, else
     ``--nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint ADDR:PORT``."""
+    import dataclasses
+
     from torch.distributed.launcher.api import LaunchConfig
 
     several = m.nodes > 1
+    # torch without `LaunchConfig.shutdown_timeout` (2.11 has none): its agent waits 30 s, then kills
+    wait = ({"shutdown_timeout": SHUTDOWN_TIMEOUT_S}
+            if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {})
     return LaunchConfig(
         min_nodes=m.nodes, max_nodes=m.nodes, nproc_per_node=m.per_node,
         # every machine must name the same run; one machine's run is its own
@@ -137,7 +142,7 @@ def _launch_config(m: Machines) -> Any:
         rdzv_backend="c10d", rdzv_endpoint=m.endpoint,
         # machine 0 hosts the rendezvous store (without it, torch guesses from host names)
         rdzv_configs={"is_host": m.hosts_rendezvous} if several else {},
-        max_restarts=0, monitor_interval=0.1, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        max_restarts=0, monitor_interval=0.1, **wait)
 
 
 def _not_met(m: Machines, err: BaseException) -> MemtrainError:

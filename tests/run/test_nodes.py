@@ -118,3 +118,21 @@ def test_effective_batch_is_over_every_machines_processes(tmp_path: Path) -> Non
     with pytest.raises(RecipeError, match=r"multiple of micro_batch_size × processes = 16"):
         load_recipe(merge(base, {"training": {"effective_batch_size": 24, "micro_batch_size": 4,
                                               "gradient_accumulation": None}}))
+
+
+def test_the_launch_config_fits_torch_versions_without_a_shutdown_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's LaunchConfig has no `shutdown_timeout` (a TypeError failed every multi-process
+    run there); where it has one, the processes get 300 s to save on a signal."""
+    import dataclasses
+
+    import torch.distributed.launcher.api as api
+
+    m = nodes.machines(cfg(tmp_path, processes=2).distributed)
+    if "shutdown_timeout" in {f.name for f in dataclasses.fields(api.LaunchConfig)}:
+        assert launch._launch_config(m).shutdown_timeout == launch.SHUTDOWN_TIMEOUT_S
+    kept = [(f.name, f.type, f) for f in dataclasses.fields(api.LaunchConfig) if f.name != "shutdown_timeout"]
+    older = dataclasses.make_dataclass("LaunchConfig", kept)
+    monkeypatch.setattr(api, "LaunchConfig", older)
+    config = launch._launch_config(m)
+    assert isinstance(config, older) and config.nproc_per_node == 2
