@@ -44,19 +44,6 @@ class _EventRecorder:
         self.flops = 0
         self._entry_fake_mode: Any = None
 
-    def __enter__(self) -> Any:
-        # The fake mode active when the trace starts: an op under another one is DTensor's layout
-        # propagation. Recorded here, not read from MemTracker, which keeps it only from torch 2.13
-        # (torch 2.11 on a GPU machine failed every estimate with an AttributeError).
-        if not getattr(self, "_depth", 0):
-            self._entry_fake_mode = active_fake_mode()
-        return super().__enter__()  # type: ignore[misc]
-
-    def _track(self, reftype: Any, t: torch.Tensor) -> None:
-        # torch 2.13's MemTracker skips DTensor's propagation ops itself; torch 2.11's tracks them
-        if active_fake_mode() is self._entry_fake_mode:
-            super()._track(reftype, t)  # type: ignore[misc]
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
         if func is torch.ops.prim.device.default:

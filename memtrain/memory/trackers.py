@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import active_fake_mode
 from torch.autograd import Variable
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
@@ -129,6 +130,19 @@ class _MeterMixin:
         self.record_timeline = timeline
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self._backward_seen = False
+
+    def __enter__(self) -> Any:
+        # The fake mode active when tracking starts (None in eager): an op under another one is
+        # DTensor's layout propagation, no memory. torch 2.13's trackers skip those themselves;
+        # torch 2.11's counted them (AdamW's step on FSDP2 shards as 5x the optimizer state, and
+        # every estimate failed reading the attribute 2.13 keeps), so memtrain records the mode.
+        if not getattr(self, "_depth", 0):
+            self._entry_fake_mode = active_fake_mode()
+        return super().__enter__()  # type: ignore[misc]
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        if active_fake_mode() is getattr(self, "_entry_fake_mode", None):
+            super()._track(reftype, t)  # type: ignore[misc]
 
     def named(self, snap: dict | None) -> dict[str, int]:
         """A device snapshot keyed by torch's reference types -> bytes per memtrain category."""

@@ -101,3 +101,27 @@ def test_callback_logs_memory_with_gradient_accumulation(tmp_path) -> None:
     assert result.memory is not None and result.memory.peak_bytes > 0
     logged = [h for h in result.log_history if "memory/peak_mib" in h]
     assert logged and all(h["memory/peak_mib"] > 0 for h in logged)
+
+
+def test_tensors_of_a_nested_fake_mode_are_not_memory() -> None:
+    """DTensor computes an FSDP2 op's layout under a fake mode of its own; those tensors hold no
+    memory. torch 2.13's tracker skips them in its dispatch, torch 2.11's counted them (AdamW's
+    step on FSDP2 shards measured 5x the optimizer state): memtrain's trackers skip them at
+    ``_track`` on any torch (a tracker without the check counts the 4 MiB below)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
+
+    from memtrain.memory import trackers
+
+    cpu = torch.device("cpu")
+    tracker = trackers._Tracker(cpu, torch.device("cpu", 1), False)
+    with tracker:
+        total = lambda: tracker.get_tracker_snapshot("current").get(cpu, {}).get(_TOTAL_KEY, 0)  # noqa: E731
+        before = total()
+        with FakeTensorMode():
+            layout = torch.empty(2**20)  # fake: 4 MiB of nothing
+            tracker._track(_MemRefType.TEMP, layout)
+        assert total() == before
+        real = torch.empty(2**20)
+        tracker._track(_MemRefType.TEMP, real)
+        assert total() == before + 4 * 2**20
