@@ -149,7 +149,12 @@ def test_recipe_for_a_classifier_is_refused() -> None:
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_lora_keeps_its_bf16_input_once_with_the_same_gradients(dropout: float) -> None:
     """peft would save an fp32 copy of every adapted layer's bf16 input (with dropout, the dropped
-    copy and its mask); memtrain saves the input and recomputes the rest in backward."""
+    copy and its mask); memtrain saves the input and recomputes the rest in backward.
+
+    peft starts every ``lora_B`` at zero, and then every ``lora_A`` gradient is zero whatever the
+    backward computes; so ``lora_B`` is set to seeded random values first, and the gradients of
+    both (compared with peft's own forward and backward, which share no code with memtrain's) are
+    checked to be non-zero."""
     from peft import LoraConfig, get_peft_model
 
     from memtrain.patches.lora import lean_lora_layers
@@ -158,6 +163,11 @@ def test_lora_keeps_its_bf16_input_once_with_the_same_gradients(dropout: float) 
         model = tiny_model("llama", num_hidden_layers=2).to(torch.bfloat16)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
                                                  target_modules="all-linear"))
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
         if lean:
             assert lean_lora_layers(model) == 14  # 7 linear layers x 2 decoder layers
         ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -168,6 +178,9 @@ def test_lora_keeps_its_bf16_input_once_with_the_same_gradients(dropout: float) 
 
     (peft_grads, peft_peak), (lean_grads, lean_peak) = run(False), run(True)
     assert peft_grads.keys() == lean_grads.keys() and peft_grads
+    for kind in ("lora_A", "lora_B"):
+        mine = [name for name in peft_grads if kind in name]
+        assert len(mine) == 14 and all(peft_grads[name].abs().max() > 0 for name in mine), kind
     for name, grad in peft_grads.items():
         torch.testing.assert_close(lean_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert lean_peak < peft_peak, (lean_peak, peft_peak)
