@@ -24,7 +24,14 @@ from memtrain.data.chat import (
     pair_example,
     resolve_chat_template,
 )
-from memtrain.data.formats import CONVERSATION_READERS, PAIR_READERS, ROW, RowError
+from memtrain.data.formats import (
+    CONVERSATION_READERS,
+    PAIR_READERS,
+    PROBLEM,
+    ROW,
+    BadRows,
+    RowError,
+)
 
 log = logging.getLogger("memtrain.data.prepare")  # the logger these messages always had
 
@@ -65,14 +72,20 @@ def _rows(batch: dict[str, list]) -> list[dict[str, Any]]:
 
 
 def _map_rows(ds: Dataset, encode: Callable[[dict[str, Any]], list[dict[str, list[int]]]]) -> Dataset:
-    """Apply ``encode`` (one row -> zero or more examples) to every row."""
+    """Apply ``encode`` (one row -> zero or more examples) to every row; a bad row becomes an empty
+    example carrying its problem (:data:`PROBLEM`), for :func:`without_bad_rows`."""
 
     def batch_encode(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": []}
+        out: dict[str, list] = {"input_ids": [], "labels": [], PROBLEM: []}
         for row in _rows(batch):
-            for example in encode(row):
+            try:
+                examples = encode(row)
+            except RowError as err:
+                examples = [{"input_ids": [], "labels": [], PROBLEM: err.record()}]
+            for example in examples:
                 out["input_ids"].append(example["input_ids"])
                 out["labels"].append(example["labels"])
+                out[PROBLEM].append(example.get(PROBLEM, ""))
         return out
 
     return ds.map(batch_encode, batched=True, remove_columns=ds.column_names, desc="tokenizing")
@@ -138,6 +151,20 @@ def _encode_tokenized(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase
         return [{"input_ids": list(ids), "labels": list(labels)}]
 
     return _map_rows(ds, encode)
+
+
+def without_bad_rows(cfg: DataConfig, splits: list[Dataset | None], read: int) -> list[Dataset | None]:
+    """The encoded (train, eval) splits of ``read`` rows without the :data:`PROBLEM` column; if any
+    row of either is bad, :class:`BadRows` names them all, in the order of the data."""
+    named = cfg.eval_split if isinstance(cfg.eval_split, str) else None  # numbered on its own
+    records: list[tuple[str | None, str]] = []
+    for split, ds in zip((None, named), splits, strict=True):
+        if ds is not None and PROBLEM in ds.column_names:
+            records += [(split, r) for r in ds.unique(PROBLEM) if r]
+    if records:
+        raise BadRows(cfg, records, read)
+    return [ds.remove_columns(PROBLEM) if ds is not None and PROBLEM in ds.column_names else ds
+            for ds in splits]
 
 
 def _cut(ds: Dataset, max_length: int) -> Dataset:

@@ -6,12 +6,15 @@ Each reader turns a raw row into one of two shapes: a *prompt and response* pair
 (:mod:`memtrain.data.chat`), so the formats differ only here.
 
 A bad row raises :class:`RowError`, which names the row (counting from 1, as the lines of a JSONL
-file), the recipe field of the column and what is wrong with it.
+file), the recipe field of the column and what is wrong with it. The encoders catch it row by row
+(:func:`RowError.record`) so that every bad row is reported at once, in the order of the data, by
+one :class:`BadRows` error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from memtrain.config import DataConfig, Problem, RecipeError
@@ -19,6 +22,8 @@ from memtrain.config import DataConfig, Problem, RecipeError
 ROLES = ("system", "user", "assistant", "tool")
 Message = dict[str, str]
 ROW = "_row"  # hidden column: the row's number in the split as loaded (before shuffling)
+PROBLEM = "_problem"  # hidden column of encoded rows: a bad row's RowError.record(), "" for a good row
+LISTED = 10  # rows named per kind of problem, and kinds of problem listed; the others are counted
 
 
 class RowError(RecipeError):
@@ -28,6 +33,51 @@ class RowError(RecipeError):
         column = getattr(cfg, field)
         super().__init__([Problem(cfg.key(field), column, f"row {row}: {message}", fix)], cfg.source)
         self.row = row
+        self._parts = {"row": row, "path": cfg.key(field), "value": column, "message": message,
+                       "fix": fix}
+
+    def record(self) -> str:
+        """The problem as one JSON string, kept in the :data:`PROBLEM` column of the encoded rows."""
+        return json.dumps(self._parts, default=str)
+
+
+class BadRows(RecipeError):
+    """Every row of a dataset that cannot be used, grouped by problem, each group in the order of
+    the data with a count (at most :data:`LISTED` row numbers and groups are named)."""
+
+    def __init__(self, cfg: DataConfig, records: Sequence[tuple[str | None, str]], used: int) -> None:
+        """``records``: (the name of a named evaluation split or None, :meth:`RowError.record`);
+        ``used``: how many rows were read."""
+        found = sorted(((split or "", json.loads(r)) for split, r in records),
+                       key=lambda f: (f[0], f[1]["row"]))
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for split, f in found:
+            key = (split, f["path"], json.dumps(f["value"]), f["message"], f["fix"])
+            groups.setdefault(key, []).append(f["row"])
+        problems = [Problem(path, json.loads(value), f"{_row_numbers(split, rows)}: {message}", fix)
+                    for (split, path, value, message, fix), rows in groups.items()]
+        super().__init__(problems[:LISTED], cfg.source)
+        lines = [f"  - {p}" for p in problems[:LISTED]]
+        if len(problems) > LISTED:
+            rest = sorted(row for rows in list(groups.values())[LISTED:] for row in rows)
+            more = len(problems) - LISTED
+            lines.append(f"  - and {more} more kinds of problem, in {_row_numbers('', rest)}")
+        self.problems, self.count = problems, len(found)
+        self.args = (f"{cfg.source}: {len(found)} of the {used} rows cannot be used (rows count from "
+                     "1, in the order of the data):\n" + "\n".join(lines),)
+
+
+def _row_numbers(split: str, rows: Sequence[int]) -> str:
+    """``row 5``, ``rows 1, 2 and 3`` or ``rows 1, ..., 10 and 20 more`` (of a named split)."""
+    where = f"{split} " if split else ""
+    if len(rows) == 1:
+        return f"{where}row {rows[0]}"
+    shown = ", ".join(map(str, rows[:LISTED]))
+    if len(rows) <= LISTED:
+        shown = shown.rsplit(", ", 1)[0] + f" and {rows[-1]}"
+    else:
+        shown += f" and {len(rows) - LISTED} more"
+    return f"{where}rows {shown}"
 
 
 def _text(cfg: DataConfig, row: Mapping[str, Any], field: str, *, optional: bool = False) -> str:
@@ -74,8 +124,10 @@ def _message(cfg: DataConfig, row: Mapping[str, Any], field: str, index: int, tu
     role_key, content_key = keys
     where = f"message {index + 1}"
     if not isinstance(turn, Mapping) or turn.get(role_key) is None:
-        raise RowError(cfg, row[ROW], field, f"{where} has no `{role_key}`",
-                       f"give every message a `{role_key}` and a `{content_key}`.")
+        other = turn_shape(turn) if cfg.kind in CONVERSATION_KEYS else None
+        fix = (format_fix(cfg, other, getattr(cfg, field)) if other not in (None, cfg.kind) else
+               f"give every message a `{role_key}` and a `{content_key}`.")
+        raise RowError(cfg, row[ROW], field, f"{where} has no `{role_key}`", fix)
     name = str(turn[role_key])
     role = roles.get(name) if roles is not None else (name if name in ROLES else None)
     if role is None:
@@ -108,6 +160,56 @@ def messages_conversation(cfg: DataConfig, row: Mapping[str, Any]) -> list[Messa
 def sharegpt_conversation(cfg: DataConfig, row: Mapping[str, Any]) -> list[Message]:
     """ShareGPT ``{from, value}`` turns as ``{role, content}`` messages (``data.sharegpt_roles``)."""
     return _conversation(cfg, row, "conversations_column", ("from", "value"), cfg.sharegpt_roles)
+
+
+# the keys of one turn, per conversation format
+CONVERSATION_KEYS: dict[str, tuple[str, str]] = {"messages": ("role", "content"),
+                                                 "sharegpt": ("from", "value")}
+_COLUMN_FIELD = {"messages": "messages_column", "sharegpt": "conversations_column"}
+_STYLE = {"messages": "OpenAI-style", "sharegpt": "ShareGPT"}
+
+
+def turn_shape(turn: Any) -> str | None:
+    """The conversation format one turn is written in (``messages``: role/content, ``sharegpt``:
+    from/value), or None."""
+    if isinstance(turn, Mapping):
+        for kind, keys in CONVERSATION_KEYS.items():
+            if all(k in turn for k in keys):
+                return kind
+    return None
+
+
+def column_shape(value: Any) -> str | None:
+    """The conversation format a column value is written in (a list of turns), or None."""
+    if isinstance(value, list) and value:
+        return turn_shape(value[0])
+    return None
+
+
+def format_fix(cfg: DataConfig, kind: str, column: str) -> str:
+    """The fix for conversations of format ``kind`` stored in ``column`` but read as another
+    format: the format, and the column when the format's default column is not it."""
+    keys = CONVERSATION_KEYS[kind]
+    field = _COLUMN_FIELD[kind]
+    fix = (f"`{column}` holds {_STYLE[kind]} conversations (`{keys[0]}`/`{keys[1]}` turns): set "
+           f"`{cfg.key('format')}: {kind}`")
+    if getattr(cfg, field) != column:
+        fix += f" and `{cfg.key(field)}: {column}`"
+    return fix + "."
+
+
+def missing_column_fix(cfg: DataConfig, field: str, row: Mapping[str, Any]) -> str | None:
+    """When a conversation format's column is missing: the fix that reads the conversations the
+    row does hold (another column, or another format), else None."""
+    if cfg.kind not in CONVERSATION_KEYS or field != _COLUMN_FIELD[cfg.kind]:
+        return None
+    for column, value in row.items():
+        kind = column_shape(value)
+        if kind == cfg.kind:
+            return f"the conversations are in `{column}`: set `{cfg.key(field)}: {column}`."
+        if kind is not None:
+            return format_fix(cfg, kind, column)
+    return None
 
 
 PAIR_READERS: dict[str, Callable[[DataConfig, Mapping[str, Any]], tuple[str, str]]] = {

@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.config import DataConfig, Problem, RecipeError
 from memtrain.data.chat import IGNORE_INDEX, encode_spans, render
-from memtrain.data.formats import ROW, Message, RowError, _message, _text
+from memtrain.data.formats import PROBLEM, ROW, Message, RowError, _message, _text
 
 log = logging.getLogger("memtrain.data.prepare")
 
@@ -97,8 +97,13 @@ def encode_preference(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase
     """Every row (conversational when ``template`` is given, else plain) as prompt/chosen/rejected
     token ids; rows whose prompt fills ``data.max_length`` (no answer token left) are dropped, as
     TRL drops them."""
-    out = ds.map(lambda row: encode_pair(cfg, tok, row, template), remove_columns=ds.column_names,
-                 desc="tokenizing pairs")
+    def encode(row: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            return {**encode_pair(cfg, tok, row, template), PROBLEM: ""}
+        except RowError as err:  # reported with every other bad row (encoders.without_bad_rows)
+            return {**{key: [] for key in COLUMNS}, PROBLEM: err.record()}
+
+    out = ds.map(encode, remove_columns=ds.column_names, desc="tokenizing pairs")
     kept = out.filter(lambda row: len(row["prompt_ids"]) < cfg.max_length, desc="checking")
     if len(kept) == 0:
         raise RecipeError([Problem("data.max_length", cfg.max_length, "leaves no answer tokens in any "

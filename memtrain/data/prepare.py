@@ -25,8 +25,8 @@ from memtrain.builtin_data import BUILTINS
 from memtrain.config import DataConfig, Problem, RecipeError, RunConfig
 from memtrain.data import mixing, packing
 from memtrain.data.chat import IGNORE_INDEX, resolve_chat_template
-from memtrain.data.encoders import _ENCODERS, _cut, _drop_unlabelled
-from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW
+from memtrain.data.encoders import _ENCODERS, _cut, _drop_unlabelled, without_bad_rows
+from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW, missing_column_fix
 from memtrain.data.rows import Rows, rows_of
 from memtrain.errors import TRL_MISSING, MemtrainError
 
@@ -132,6 +132,7 @@ def _encode_dataset(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedToken
     encode = _ENCODERS[data.kind]
     splits = [encode(s, data, tokenizer, label_names) if s is not None else None
               for s in (train, evaluation)]
+    splits = without_bad_rows(data, splits, len(train) + len(evaluation or []))
     if data.kind not in ("classification", "preference") and not (data.packing and data.kind == "text"):
         splits = [_cut(s, data.max_length) if s is not None else None for s in splits]
     if data.kind not in ("text", "classification", "preference"):
@@ -321,9 +322,11 @@ def _numbered(ds: Dataset) -> Dataset:
 
 def _require_columns(ds: Dataset, cfg: DataConfig) -> None:
     columns = [c for c in ds.column_names if c != ROW]
+    first = {c: v for c, v in ds[0].items() if c != ROW} if len(ds) else {}
     problems = [
         Problem(cfg.key(key), getattr(cfg, key), "is not a column of the data",
-                f"set it to one of the columns the data has: {', '.join(columns)}.")
+                missing_column_fix(cfg, key, first)
+                or f"set it to one of the columns the data has: {', '.join(columns)}.")
         for key in REQUIRED_COLUMNS[cfg.kind] if getattr(cfg, key) not in columns
     ]
     if cfg.kind == "tokenized" and "input_ids" not in columns:

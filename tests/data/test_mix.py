@@ -142,8 +142,9 @@ def test_bad_rows_name_the_dataset_and_the_row(tmp_path: Path, tokenizer) -> Non
                                                                   {"from": "gpt", "value": "yo"}]},
                                                {"conversations": [{"from": "martian", "value": "?"}]}])
     cfg = mixed(tmp_path, a, [{"source": str(bad), "format": "sharegpt"}])
-    with pytest.raises(RecipeError, match=r"bad\.jsonl: 1 problem:\n  - `data.mix\[0\].conversations_"
-                                          r"column`: row 2: message 1 has the unknown role 'martian'"):
+    with pytest.raises(RecipeError, match=r"bad\.jsonl: 1 of the 2 rows cannot be used .*:\n  - "
+                                          r"`data.mix\[0\].conversations_column`: row 2: message 1 has "
+                                          r"the unknown role 'martian'"):
         prepare_data(cfg, tokenizer)
     missing = mixed(tmp_path, a, [{"source": str(bad), "format": "sharegpt", "conversations_column": "c"}])
     with pytest.raises(RecipeError, match=r"`data.mix\[0\].conversations_column`: is not a column"):

@@ -1,0 +1,102 @@
+"""Bad rows are reported together, in the order of the data, with a count; a conversation format
+that does not match the data names the format that does, and that fix works (issue 35)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import causal_recipe, write_jsonl
+
+from memtrain.config import RecipeError, load_recipe
+from memtrain.data.prepare import prepare_data
+
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+SHAREGPT = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+
+
+def prepare(tmp_path: Path, rows: list[dict], tokenizer, overrides: list[str] = (), **data):
+    f = write_jsonl(tmp_path / "rows.jsonl", rows)
+    cfg = load_recipe(causal_recipe(tmp_path, f, data={"eval_split": 0.0, "max_length": 64, **data}),
+                      list(overrides))
+    return prepare_data(cfg, tokenizer)
+
+
+def message(tmp_path: Path, rows: list[dict], tokenizer, **data) -> str:
+    with pytest.raises(RecipeError) as err:
+        prepare(tmp_path, rows, tokenizer, **data)
+    return str(err.value)
+
+
+def test_every_bad_row_is_named_in_order_with_a_count(tmp_path: Path, tokenizer) -> None:
+    """The issue's case: 30 bad rows gave "1 problem: row 5" (the first one met after shuffling)."""
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(30)]
+    text = message(tmp_path, rows, tokenizer, format="messages", eval_split=0.1)
+    assert "rows.jsonl: 30 of the 30 rows cannot be used" in text  # the eval part counts too
+    assert ("`data.messages_column`: rows 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 20 more: the conversation "
+            "has no assistant message") in text
+    assert text.count("\n  - ") == 1  # one kind of problem, one line
+
+
+def test_different_problems_each_list_their_rows_in_order(tmp_path: Path, tokenizer) -> None:
+    rows = [{"messages": CHAT} for _ in range(20)]
+    for i in (17, 3, 11):  # rows 18, 4, 12: no assistant message
+        rows[i] = {"messages": CHAT[:1]}
+    rows[6] = {"messages": [{"role": "robot", "content": "beep"}, *CHAT]}  # row 7
+    rows[14] = {"messages": []}  # row 15
+    text = message(tmp_path, rows, tokenizer, format="messages", eval_split=0.25)
+    assert "5 of the 20 rows cannot be used" in text
+    lines = [line for line in text.splitlines() if line.startswith("  - ")]
+    assert [re.search(r"`: (rows? [\d, and]+):", line).group(1) for line in lines] == [
+        "rows 4, 12 and 18", "row 7", "row 15"]
+    assert "unknown role 'robot'" in lines[1] and "conversation is empty" in lines[2]
+
+
+def test_more_kinds_of_problem_than_listed_are_counted(tmp_path: Path, tokenizer) -> None:
+    from memtrain.data.formats import LISTED
+
+    rows = [{"messages": [{"role": f"r{i}", "content": "x"}, *CHAT]} for i in range(LISTED + 3)]
+    text = message(tmp_path, rows, tokenizer, format="messages")
+    assert f"{LISTED + 3} of the {LISTED + 3} rows" in text
+    assert text.splitlines()[-1] == f"  - and 3 more kinds of problem, in rows {LISTED + 1}, " \
+        f"{LISTED + 2} and {LISTED + 3}"
+
+
+def test_bad_preference_pairs_are_reported_together(tmp_path: Path, tokenizer) -> None:
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c"} for _ in range(6)]
+    rows[1]["rejected"] = rows[4]["rejected"] = {"not": "text"}
+    f = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg = load_recipe(causal_recipe(tmp_path, f, data={"format": "preference", "max_length": 64},
+                                    training={"objective": "dpo"}))
+    with pytest.raises(RecipeError, match=r"2 of the 6 rows cannot be used.*\n  - `data.rejected_column`: "
+                                          r"rows 2 and 5: expected text, found dict"):
+        prepare_data(cfg, tokenizer)
+
+
+def applied(fix: str) -> list[str]:
+    """The recipe settings a fix names (`data.key: value`), as overrides."""
+    return [f"{key}={value}" for key, value in re.findall(r"`(data[\w.\[\]]*): ([^`]+)`", fix)]
+
+
+@pytest.mark.parametrize(("rows", "data", "names"), [
+    # the issue's case: ShareGPT rows read as messages; the old fix (messages_column) led to another error
+    ([{"conversations": SHAREGPT}], {"format": "messages"}, ["data.format=sharegpt"]),
+    # ... under another column name: the format and the column
+    ([{"dialog": SHAREGPT}], {"format": "messages"}, ["data.format=sharegpt",
+                                                      "data.conversations_column=dialog"]),
+    # the old fix taken: the column is found, its turns are ShareGPT's
+    ([{"conversations": SHAREGPT}], {"format": "messages", "messages_column": "conversations"},
+     ["data.format=sharegpt"]),
+    # the other way round
+    ([{"messages": CHAT}], {"format": "sharegpt"}, ["data.format=messages"]),
+    ([{"conversations": CHAT}], {"format": "sharegpt"}, ["data.format=messages",
+                                                         "data.messages_column=conversations"]),
+    # the right format, another column: only the column
+    ([{"dialog": CHAT}], {"format": "messages"}, ["data.messages_column=dialog"]),
+])
+def test_a_conversation_format_fix_names_what_works(tmp_path: Path, tokenizer, rows, data, names) -> None:
+    text = message(tmp_path, rows * 3, tokenizer, **data)
+    fix = text.split("Fix: ", 1)[1]
+    assert applied(fix) == names, text
+    assert len(prepare(tmp_path, rows * 3, tokenizer, applied(fix), **data).train) == 3  # it works
