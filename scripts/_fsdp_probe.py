@@ -1,7 +1,7 @@
 """Measure each process of a real multi-process ``memtrain train`` run with an independent counter.
 
-Private to ``scripts/bench_fsdp.py`` and ``tests/test_distributed.py``. Shares no code with
-``memtrain.memory``: :class:`LiveStorages` is ``tests/memprobe.py``'s dispatch-mode storage counter
+Private to ``scripts/bench_fsdp.py`` and ``tests/distributed/test_distributed.py``. Shares no code with
+``memtrain.memory``: :class:`LiveStorages` is ``scripts/memprobe.py``'s dispatch-mode storage counter
 (copied here so that scripts do not import from tests, as the brief of issue 14 allowed), extended
 for what a multi-process run does that a single process does not:
 

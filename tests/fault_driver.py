@@ -1,7 +1,7 @@
 """Run the ``memtrain`` command with a fault injected: ``python tests/fault_driver.py TARGET AFTER
 EXCEPTION ARGS...`` replaces ``TARGET`` (``module:attr.path``) by a function that calls the original
 ``AFTER`` times and then raises ``EXCEPTION`` (``RuntimeError`` or ``KeyboardInterrupt``), then
-runs :func:`memtrain.cli.app.main` as the console script does. Used by tests/test_exit_codes.py."""
+runs :func:`memtrain.cli.app.main` as the console script does. Used by tests/cli/test_exit_codes.py."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from memtrain.run.train import train
 
 
 def _lm_batch(vocab: int = 512, rows: int = 3, tokens: int = 24) -> dict[str, torch.Tensor]:
-    """Token ids with a padded row and a masked prompt (as tests/test_chunked_loss.py's batch)."""
+    """Token ids with a padded row and a masked prompt (as tests/patches/test_chunked_loss.py's batch)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (rows, tokens), generator=gen)
     mask = torch.ones_like(ids)
@@ -140,7 +140,7 @@ def test_logit_scaling_of_granite_and_cohere_matches_the_models_own_loss(
     batch = _lm_batch()
     loss, grads = _loss_and_grads(model, batch)
     patched_loss, patched_grads = _loss_and_grads(chunked_loss.apply(copy.deepcopy(model), chunk), batch)
-    torch.testing.assert_close(patched_loss, loss, rtol=1e-5, atol=0)  # as tests/test_chunked_loss.py
+    torch.testing.assert_close(patched_loss, loss, rtol=1e-5, atol=0)  # as tests/patches/test_chunked_loss.py
     assert patched_grads.keys() == grads.keys()
     for name, grad in grads.items():
         scale = grad.abs().max().clamp_min(1e-12)
@@ -239,7 +239,7 @@ class _AliasingGelu(nn.Module):
 def test_an_activation_that_overwrites_its_input_gets_the_gradients_of_its_input(
         inplace: Any, plain: Any, function: str) -> None:
     """Guards: the few-bit code taken after an in-place activation ran, i.e. of its output instead
-    of its input (553 of 1,001 SiLU gradients wrong). The in-place test in tests/test_fewbit.py uses
+    of its input (553 of 1,001 SiLU gradients wrong). The in-place test in tests/patches/test_fewbit.py uses
     ReLU, which maps every negative input to 0, the boundary its 1-bit table puts negatives under:
     its codes are the same either way.
 

@@ -27,7 +27,7 @@ run a few real ones: a probe, a quantization map) would wait forever for threads
 which is why torch's own DataLoader workers do the same. The garbage collector is frozen while
 workers run (``gc.freeze``, as the Python documentation advises before a fork): a full collection
 in either process would otherwise write to every object of the shared heap and copy its pages.
-Results do not depend on where a job ran: tests/test_trace_pool.py compares them.
+Results do not depend on where a job ran: tests/estimator/test_trace_pool.py compares them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ whose op count grows with depth) are each a fixed cost on top of state that grow
 their maximum is linear in ``L``. Ops that allocate nothing (views) record no row, so layers
 that differ only in views (Gemma-2's sliding-window layers) still align. If the layer structure
 does not align (layers of different shape), the caller traces the full depth instead.
-``tests/test_estimate.py`` checks extrapolated == full trace.
+``tests/estimator/test_estimate.py`` checks extrapolated == full trace.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def prepare_lean(model: nn.Module) -> int:
     reasons: transformers' RMSNorm/LayerNorm already compute their statistics in fp32 and cast back
     (as in plain bf16 training), and the loss upcasts logits to fp32. What does need fp32 is what
     the optimizer updates: LoRA weights (peft already keeps them fp32) and modules trained in full
-    (``modules_to_save``, a classifier's head), cast here. tests/test_floor.py compares loss
+    (``modules_to_save``, a classifier's head), cast here. tests/estimator/test_floor.py compares loss
     curves with peft's path.
 
     Returns:

@@ -284,7 +284,7 @@ def build_trainer(
         # Transformers 5 assumes a model whose forward takes **kwargs normalises its loss by
         # `num_items_in_batch`; sequence classifiers take **kwargs but return a plain mean, so
         # the Trainer would skip dividing by the accumulation steps and the gradient would grow
-        # with the accumulation (tests/test_train.py checks the equivalence).
+        # with the accumulation (tests/end_to_end/test_train.py checks the equivalence).
         trainer.loss_is_scaled_for_ga = False
     return trainer
 

@@ -1,6 +1,6 @@
 """Every command exits non-zero when its work failed (issue 26, point 1): 1 for a bug (an error
 injected into the library function the command calls, or into the optimizer mid-training), 2 for
-a user mistake (tests/test_mistakes.py), 130 for Ctrl-C; the error's own message is shown.
+a user mistake (tests/cli/test_mistakes.py), 130 for Ctrl-C; the error's own message is shown.
 
 The command leaves through ``os._exit`` (memtrain.cli.app._end_without_teardown), so an exception left
 to the interpreter would print its traceback and still exit 0: these tests run real processes.
