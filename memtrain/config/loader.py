@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from memtrain import sources
 from memtrain.config.schema import _MISSING, Problem, RunConfig, cross_section_problems
+from memtrain.config.suggest import did_you_mean, size_problem
 from memtrain.errors import MemtrainError
 
 _YAML_BOOL_WORDS = ("yes", "no", "on", "off", "y", "n")  # YAML 1.1 reads these bare words as booleans
@@ -315,12 +316,11 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
     value = first.get("input", _MISSING)
     kind = first["type"]
     if kind == "extra_forbidden":
-        model = field[1]
-        valid = list(model.model_fields)
-        key = path.rsplit(".", 1)[-1]
-        initials = [v for v in valid if "".join(w[0] for w in v.split("_")) == key.lower()]
-        close = initials or difflib.get_close_matches(key, valid, n=1)
-        hint = f"did you mean `{close[0]}`? " if close else ""
+        valid = list(field[1].model_fields)
+        section, _, key = path.rpartition(".")
+        sections = {name: m for name, f in RunConfig.model_fields.items()
+                    if (m := section_model(f.annotation)) is not None}
+        hint = did_you_mean(key, valid, sections, section)
         return Problem(path, _MISSING, "unknown key", f"{hint}Valid keys here: {', '.join(valid)}.")
     if kind == "missing":
         return Problem(path, _MISSING, "is required", f"add it: {field.description}")
@@ -330,6 +330,9 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
         about = f" ({field.description.rstrip('.')})" if field is not None and field.description else ""
         return Problem(path, constraint[0].get("input", value), msg[0].lower() + msg[1:],
                        f"choose a value that satisfies this{about}.")
+    size = size_problem(path, value)
+    if size is not None:
+        return size
     expected = describe_type(field.annotation) if field is not None else "another value"
     item = section_model(field.annotation) if field is not None and path.endswith("]") else None
     if item is not None:  # an entry of a list of mappings (data.mix[i])
