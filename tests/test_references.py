@@ -66,6 +66,18 @@ def test_every_reference_to_a_test_or_a_script_exists() -> None:
         "\n".join(broken)
 
 
+def test_every_relative_link_of_the_docs_exists() -> None:
+    """Markdown links to files of the repository (``[text](../memtrain/plan/costmodel.py)``)."""
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = [f"{page.relative_to(ROOT)}:{number}: {target}"
+              for page in pages
+              for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+              for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", line)
+              if "://" not in target and not target.startswith("mailto:")
+              and not (page.parent / target).exists()]
+    assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
+
+
 def test_a_reference_to_a_missing_file_or_name_is_found(tmp_path: Path) -> None:
     (tmp_path / "tests" / "data").mkdir(parents=True)
     (tmp_path / "tests" / "data" / "test_real.py").write_text("def test_there():\n    pass\n")
