@@ -85,13 +85,27 @@ def train(recipe: Recipe, overrides: Overrides = None,
 
 @app.command()
 @user_errors
-def validate(recipe: Recipe, overrides: Overrides = None) -> None:
-    """Check a recipe and print it fully resolved (every default filled in)."""
+def validate(recipe: Recipe, overrides: Overrides = None,
+             data: Annotated[bool, typer.Option(
+                 "--data", help="Also read, render and tokenize the recipe's data (the tokenizer, no "
+                 "model), as `memtrain train` does, and report every bad row.")] = False,
+             show: Annotated[bool, typer.Option(
+                 "--show", help="Then print the recipe fully resolved (every default filled in), as "
+                 "YAML on stdout.")] = False) -> None:
+    """Check a recipe: every mistake at once, each with its fix (with --data, its data's too)."""
     from memtrain.config import dump_recipe, load_recipe
 
     cfg = load_recipe(recipe, overrides or [])
-    console.print(dump_recipe(cfg), highlight=False, markup=False)
-    err_console.print(f"[green]ok:[/] {recipe} is a valid recipe")
+    if data:
+        from memtrain.data.check import check_data
+
+        read = f"data read: {check_data(cfg)}"
+    else:
+        read = "its data was not read (--data reads it)"
+    err_console.print(f"[green]ok:[/] {recipe} is a valid recipe; {escape(read)}", highlight=False,
+                      soft_wrap=True)
+    if show:  # not wrapped to the terminal: the YAML stays valid when saved
+        console.print(dump_recipe(cfg), highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

@@ -14,6 +14,7 @@ Modules, in the order a dataset goes through them:
   collator takes them, answers located by the same rule as every other format;
 - :mod:`~memtrain.data.packing` — several examples per row without cross-talk;
 - :mod:`~memtrain.data.mixing` — several datasets by weight (``data.mix``).
+- :mod:`~memtrain.data.check` — ``memtrain validate --data``: the data prepared as a run would, described.
 
 Imports only the shared leaves and :mod:`memtrain.config` (docs/architecture.md), and TRL's
 preference collator for ``data.format: preference``.

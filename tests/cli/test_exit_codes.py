@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # command line -> the library function it calls (the fault goes there)
 COMMANDS = {
     "train": (["train", "quickstart"], "memtrain.run.train:train"),
-    "validate": (["validate", "quickstart"], "memtrain.config:dump_recipe"),
+    "validate": (["validate", "quickstart", "--show"], "memtrain.config:dump_recipe"),
     "recipes": (["recipes"], "memtrain.config:shipped_recipes_dir"),
     "datasets": (["datasets"], "rich.table:Table.add_row"),
     "estimate": (["estimate", "quickstart"], "memtrain.estimator.estimate:estimate"),
@@ -50,7 +50,7 @@ def test_a_fault_in_any_command_exits_1_with_its_message(command: str) -> None:
 
 
 def test_ctrl_c_exits_130() -> None:
-    done = run_with_fault("memtrain.config:dump_recipe", ["validate", "quickstart"],
+    done = run_with_fault("memtrain.config:dump_recipe", ["validate", "quickstart", "--show"],
                           exception="KeyboardInterrupt")
     assert done.returncode == 130, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -43,10 +43,10 @@ def test_broken_recipe_exits_2_naming_each_field(path: Path) -> None:
         assert any(line.startswith(f"  - `{field}`") and "Fix:" in line for line in lines), field
 
 
-def test_validate_prints_the_resolved_recipe() -> None:
-    result = runner.invoke(app, ["validate", "quickstart", "training.epochs=2"])
+def test_validate_show_prints_the_resolved_recipe() -> None:
+    result = runner.invoke(app, ["validate", "quickstart", "training.epochs=2", "--show"])
     assert result.exit_code == 0
-    assert "epochs: 2.0" in result.output and "max_nonfinite_steps: 5" in result.output
+    assert "epochs: 2.0" in result.stdout and "max_nonfinite_steps: 5" in result.stdout
 
 
 STATED = [p for p in SHIPPED if "estimated peak" in load_recipe(p).description]

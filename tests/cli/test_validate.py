@@ -1,0 +1,78 @@
+"""`memtrain validate`: the verdict first, the data read with `--data` (every bad row, exit 2), the
+resolved recipe only with `--show` (issue 35: it said ok without reading the data, after 170 lines
+of YAML)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import causal_recipe, write_jsonl
+from typer.testing import CliRunner
+
+from memtrain.cli.app import app
+from memtrain.config import dump_recipe, load_recipe
+
+runner = CliRunner()
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def recipe_file(tmp_path: Path, rows: list[dict], **data) -> str:
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(causal_recipe(tmp_path, source, data={"max_length": 64, **data})))
+    return str(path)
+
+
+def validate(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["validate", *args])
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, " ".join(result.stdout.split()), " ".join(result.stderr.split())
+
+
+def test_bad_rows_pass_without_data_and_exit_2_with_it(tmp_path: Path) -> None:
+    path = recipe_file(tmp_path, [{"messages": CHAT[:1]}] * 12, format="messages", eval_split=0.25)
+    code, _, err = validate(path)
+    assert code == 0 and "its data was not read (--data reads it)" in err, err
+    code, _, err = validate(path, "--data")
+    assert code == 2, err
+    assert ("12 of the 12 rows cannot be used (rows count from 1, in the order of the data): - "
+            "`data.messages_column`: rows 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 2 more: the conversation has "
+            "no assistant message") in err, err
+
+
+def test_sharegpt_rows_name_the_format_and_the_fix_validates(tmp_path: Path) -> None:
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}] * 5
+    path = recipe_file(tmp_path, rows, format="messages")
+    code, _, err = validate(path, "--data")
+    assert code == 2 and "Fix: `conversations` holds ShareGPT conversations (`from`/`value` turns): " \
+        "set `data.format: sharegpt`." in err, err
+    code, _, err = validate(path, "data.format=sharegpt", "--data")
+    assert code == 0 and "ok:" in err and "data read: 5 training examples, the longest" in err, err
+
+
+def test_data_with_max_length_auto_is_read_uncut(tmp_path: Path) -> None:
+    path = recipe_file(tmp_path, [{"text": "word " * 300}] * 4, max_length="auto")
+    code, _, err = validate(path, "--data")
+    assert code == 0, err
+    assert "4 training examples, the longest" in err and "(uncut: data.max_length is auto" in err, err
+    longest = int(err.split("the longest ")[1].split()[0])
+    assert longest > 300  # not cut at 512 or at any other default
+
+
+def test_the_verdict_comes_first_and_the_recipe_only_when_asked() -> None:
+    code, out, err = validate("quickstart", "training.epochs=2")
+    assert code == 0 and out == "" and err.startswith("ok: quickstart is a valid recipe"), (out, err)
+    result = runner.invoke(app, ["validate", "quickstart", "training.epochs=2", "--show"])
+    assert result.exit_code == 0
+    assert result.output.index("ok: quickstart") < result.output.index("model:")
+    assert yaml.safe_load(result.stdout) == yaml.safe_load(dump_recipe(load_recipe("quickstart",
+                                                                                   ["training.epochs=2"])))
+
+
+@pytest.mark.parametrize("flag", ["--data", "--show"])
+def test_a_bad_recipe_still_exits_2_before_anything_is_read(tmp_path: Path, flag: str) -> None:
+    path = recipe_file(tmp_path, [{"messages": CHAT}], format="messages")
+    code, out, err = validate(path, "adapter.rank=4", flag)
+    assert code == 2 and out == "" and "`adapter.rank`: unknown key. Fix: did you mean `r`?" in err, err
