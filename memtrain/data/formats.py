@@ -132,7 +132,8 @@ def _message(cfg: DataConfig, row: Mapping[str, Any], field: str, index: int, tu
     role = roles.get(name) if roles is not None else (name if name in ROLES else None)
     if role is None:
         known = ", ".join(roles or ROLES)
-        fix = ("add it to `data.sharegpt_roles`." if roles is not None else f"use one of {known}.")
+        fix = _roles_fix(cfg, row.get(getattr(cfg, field)), name, roles) if roles is not None else \
+            f"use one of {known}."
         raise RowError(cfg, row[ROW], field, f"{where} has the unknown role {name!r} "
                        f"(known: {known})", fix)
     content = turn.get(content_key)
@@ -140,6 +141,18 @@ def _message(cfg: DataConfig, row: Mapping[str, Any], field: str, index: int, tu
         raise RowError(cfg, row[ROW], field, f"{where} has no `{content_key}`",
                        f"give every message a `{content_key}`.")
     return {"role": role, "content": str(content)}
+
+
+def _roles_fix(cfg: DataConfig, turns: Any, name: str, roles: Mapping[str, str]) -> str:
+    """A ``data.sharegpt_roles`` that reads this row: it replaces the default mapping, so the names
+    the row uses are kept, and the unknown one is mapped (to the assistant when no other turn is)."""
+    used = {str(t["from"]): roles[str(t["from"])] for t in turns or []
+            if isinstance(t, Mapping) and str(t.get("from")) in roles}
+    mapping = {**used, name: "user" if "assistant" in used.values() else "assistant"}
+    key = cfg.key("sharegpt_roles")
+    return (f"map {name!r} to user, assistant, system or tool in `{key}`; that mapping replaces the "
+            "default one, so keep the names the data uses, e.g. "
+            f"`{key}: {{{', '.join(f'{n}: {r}' for n, r in mapping.items())}}}`.")
 
 
 def _conversation(cfg: DataConfig, row: Mapping[str, Any], field: str, keys: tuple[str, str],

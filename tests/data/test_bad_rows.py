@@ -94,6 +94,9 @@ def applied(fix: str) -> list[str]:
                                                          "data.messages_column=conversations"]),
     # the right format, another column: only the column
     ([{"dialog": CHAT}], {"format": "messages"}, ["data.messages_column=dialog"]),
+    # an unknown ShareGPT name: `sharegpt_roles` replaces the default mapping, so the fix keeps `human`
+    ([{"conversations": [SHAREGPT[0], {"from": "robot", "value": "beep"}]}], {"format": "sharegpt"},
+     ["data.sharegpt_roles={human: user, robot: assistant}"]),
 ])
 def test_a_conversation_format_fix_names_what_works(tmp_path: Path, tokenizer, rows, data, names) -> None:
     text = message(tmp_path, rows * 3, tokenizer, **data)
