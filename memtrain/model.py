@@ -72,7 +72,51 @@ def build_config(cfg: ModelConfig, num_labels: int | None = None) -> PretrainedC
         config = _from_pretrained(AutoConfig, "model.name", cfg.name, cfg, {})
     if num_labels is not None:
         config.num_labels = num_labels
+    return apply_config_overrides(config, cfg)
+
+
+ROPE_KEYS = ("rope_parameters", "rope_scaling")  # transformers 5's name first, then the older one
+_ROPE_KEPT = ("rope_theta", "partial_rotary_factor")  # what a new `rope_type` keeps of the old settings
+
+
+def apply_config_overrides(config: PretrainedConfig, cfg: ModelConfig) -> PretrainedConfig:
+    """Set ``model.config_overrides`` on ``config`` (in place; returned for chaining).
+
+    Both real loads and the estimator's fake build pass through here. A RoPE dict
+    (``rope_scaling`` or ``rope_parameters``) is merged into the model's own RoPE settings, so
+    ``rope_theta`` and the like survive; with a new ``rope_type`` only ``rope_theta`` (and a partial
+    rotary factor) are kept. Per-layer-type RoPE settings (Gemma 3) get the dict in each layer type.
+
+    Raises:
+        RecipeError: a key the model's config does not have (a misspelt key would change nothing).
+    """
+    for key, value in (cfg.config_overrides or {}).items():
+        if key in ROPE_KEYS and isinstance(value, dict):
+            attr = next((k for k in ROPE_KEYS if hasattr(config, k)), key)
+            setattr(config, attr, _merge_rope(getattr(config, attr, None) or {}, value))
+        elif hasattr(config, key):
+            setattr(config, key, value)
+        else:
+            import difflib
+
+            known = sorted(k for k in config.to_dict() if not k.startswith("_"))
+            near = difflib.get_close_matches(key, known, n=3)
+            raise RecipeError([Problem(
+                f"model.config_overrides.{key}", value,
+                f"is not a setting of this model's config ({config.model_type})",
+                (f"did you mean {' or '.join(f'`{n}`' for n in near)}? " if near else "")
+                + f"Its settings include: {', '.join(known[:12])}, ...")])
     return config
+
+
+def _merge_rope(current: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    if current and all(isinstance(v, dict) for v in current.values()):  # per layer type
+        nested = all(isinstance(v, dict) for v in change.values())
+        return {kind: _merge_rope(params, change.get(kind, {}) if nested else change)
+                for kind, params in current.items()}
+    if "rope_type" in change and change["rope_type"] != current.get("rope_type"):
+        current = {k: v for k, v in current.items() if k in _ROPE_KEPT}
+    return {**current, **change}
 
 
 def model_class(cfg: ModelConfig) -> Any:

@@ -6,6 +6,10 @@ and batch, the longest ``data.max_length`` whose estimate (``memtrain.estimate``
 cuda``: fake-tensor traces, the CUDA context and allocator fragmentation included) fits the GPU's
 memory less memtrain's default margin (10%, ``memory.margin``), with the leanest techniques
 memtrain has turned on, and reports the host RAM that plan needs (activation offload) beside it.
+Llama-3.1-8B has 131,072 positions, and the planner never plans past a model's positions
+(:func:`memtrain.estimator.setup.position_limit`): the recipe extends them as a user would, with
+YaRN in ``model.config_overrides`` (8 x 131,072 = 1,048,576 positions; RoPE's type changes no
+tensor the step keeps, so no figure here depends on it).
 
 The inputs are fixed here (GPU sizes, Unsloth's published figures, the settings); nothing is taken
 from memtrain's own output but the estimate being searched. The search is the planner's own for
@@ -45,10 +49,13 @@ RECIPE = "recipes/llama-3.1-8b-qlora.yaml"
 HOST_BUDGET = 256 * GiB  # a GPU server's RAM (issue 27: memory.host_budget=256GiB)
 # Unsloth's published longest context (tokens), Llama-3.1-8B QLoRA r32, batch 1, by GPU memory (GB).
 UNSLOTH = {8: 2_972, 12: 21_848, 16: 40_724, 24: 78_475, 40: 153_977, 48: 191_728, 80: 342_733}
+# Beyond the model's 131,072 positions (the longest rows plan 212,736 tokens and more): YaRN
+EXTEND = ("model.config_overrides={rope_scaling: {rope_type: yarn, factor: 8, "
+          "original_max_position_embeddings: 131072}}")
 BASE = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1", "training.effective_batch_size=1",
         "training.gradient_accumulation=1", "memory.checkpointing=full", "memory.loss=chunked",
         "memory.offload.activations=true", "memory.tiled_mlp=true", "memory.offload.embeddings=true",
-        "memory.host_budget=256GiB", "memory.tiled_mlp_tile_tokens=auto"]
+        "memory.host_budget=256GiB", "memory.tiled_mlp_tile_tokens=auto", EXTEND]
 # Techniques that exist in this version of memtrain are added when the schema has their field.
 OPTIONAL = {"lean_norm": "memory.lean_norm=true"}
 

@@ -94,8 +94,10 @@ def validate(recipe: Recipe, overrides: Overrides = None,
                  "YAML on stdout.")] = False) -> None:
     """Check a recipe: every mistake at once, each with its fix (with --data, its data's too)."""
     from memtrain.config import dump_recipe, load_recipe
+    from memtrain.estimator.setup import check_max_length
 
     cfg = load_recipe(recipe, overrides or [])
+    check_max_length(cfg)  # within the model's positions (its config only: no weights, no network)
     if data:
         from memtrain.data.check import check_data
 

@@ -51,12 +51,20 @@ def estimate(
     """Predict peak memory by category and phase, without loading weights or using the network."""
     from memtrain.config import load_recipe
     from memtrain.estimator import estimate as est
+    from memtrain.estimator.setup import check_decided
+    from memtrain.plan.autofit import for_estimate
     from memtrain.reliability.budget import HostBudget
 
     _check_device(device)
     _check_plot(plot, sweep)
     cfg = load_recipe(recipe, overrides or [])
-    result = est.estimate(cfg, device=device, exact=exact, rows=_data_rows(cfg) if data else None)
+    batch = ("training.micro_batch_size", "training.gradient_accumulation")
+    check_decided(cfg, allow=batch if cfg.training.micro_batch_size == "auto" else ())  # before the data
+    rows = _data_rows(cfg) if data else None
+    cfg, chosen = for_estimate(cfg, device, rows)  # micro_batch_size: auto, the largest that fits
+    result = est.estimate(cfg, device=device, exact=exact, rows=rows)
+    if chosen:
+        result.notes.insert(0, chosen)
     host = HostBudget.of(cfg.memory)
     curves = est.sweep(cfg, device=device) if sweep else None
     if as_json:

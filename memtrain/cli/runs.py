@@ -58,13 +58,17 @@ def generate(
         "--input", help="alpaca runs: the input that goes with the instruction PROMPT.")] = "",
 ) -> None:
     """Generate text with a trained causal LM, written the way its training data was."""
-    from memtrain.run.inference import generate as run_generate
-    from memtrain.run.inference import load_run
+    from memtrain.run.inference import continuation, load_run
+
+    def run_generate(text: str | list[dict[str, str]], extra: str = "") -> str:
+        made = continuation(run, text, max_new_tokens, temperature, extra)
+        if made.empty_because:  # still status 0: generating worked, the model said nothing
+            err_console.print(f"note: {made.empty_because}", highlight=False, markup=False)
+        return made.text
 
     run = load_run(run_dir)
     if prompt is not None:
-        console.print(run_generate(run, prompt, max_new_tokens, temperature, input_text),
-                      highlight=False, markup=False)
+        console.print(run_generate(prompt, input_text), highlight=False, markup=False)
         return
     chat = run.cfg.data.kind in ("messages", "sharegpt")
     history: list[dict[str, str]] = []
@@ -72,7 +76,7 @@ def generate(
         if not line.strip():
             continue
         history.append({"role": "user", "content": line.strip()})
-        answer = run_generate(run, history if chat else line.strip(), max_new_tokens, temperature)
+        answer = run_generate(history if chat else line.strip())
         history.append({"role": "assistant", "content": answer})
         console.print(f"> {answer}", highlight=False, markup=False)
 

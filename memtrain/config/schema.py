@@ -72,6 +72,15 @@ class ModelConfig(Section):
     tokenizer: str | None = Field(
         None, description="Tokenizer to load (same forms as `name`); defaults to `name`."
     )
+    config_overrides: dict[str, Any] | None = Field(
+        None,
+        description="Values set on the model's config after it is loaded (training and estimates "
+        "alike), as Axolotl's `overrides_of_model_config`. Extends the context beyond the model's "
+        "positions: `{rope_scaling: {rope_type: yarn, factor: 4, original_max_position_embeddings: "
+        "32768}}` (merged into the model's RoPE settings) or `{max_position_embeddings: 131072}`; "
+        "`data.max_length` may then go up to the larger of `max_position_embeddings` and "
+        "`factor` x `original_max_position_embeddings`.",
+    )
     task: Literal["causal-lm", "sequence-classification"] = Field(
         "causal-lm", description="Training objective: next-token prediction or classification."
     )

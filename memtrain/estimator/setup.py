@@ -55,17 +55,7 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
     cfg = recipe if isinstance(recipe, RunConfig) else load_recipe(recipe, overrides)
     if isinstance(recipe, RunConfig) and overrides:
         raise ValueError("pass overrides with a recipe file or dict, not with a RunConfig")
-    needs = (*NEEDS_VALUE, "distributed.sharding") if cfg.distributed.processes > 1 else NEEDS_VALUE
-    for path in needs:
-        if recipe_value(cfg, path) == "auto":
-            raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
-                                f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
-                                "run `memtrain plan`.")
-    if cfg.data.max_length == "auto" and rows is None:
-        raise MemtrainError("`data.max_length` is `auto`: the planner finds the longest length that fits "
-                            "the budget, and an estimate needs a length. Fix: run `memtrain plan` (it "
-                            "reports the length as `data.max_length`), or set `data.max_length` (e.g. "
-                            "`data.max_length=4096`).")
+    check_decided(cfg, length=rows is None)
     target = device or device_type()
     if target not in ("cuda", "cpu"):
         raise MemtrainError(f"`--device` must be `cuda` or `cpu`, got {target!r}.")
@@ -73,7 +63,7 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     rows = rows or worst_case(cfg)
     seq_len = rows.longest
-    _check_positions(config, seq_len)
+    check_positions(config, seq_len)
     trace_device = "cuda" if target == "cuda" and cuda_available() else "cpu"
     notes = [rows.describe(batch.micro)]
     if cfg.model.task == "sequence-classification" and cfg.model.num_labels is None:
@@ -93,6 +83,26 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
         notes.append("paged optimizer state counted as device memory (all pages resident)")
     depth = int(config.num_hidden_layers)
     return TraceSetup(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes, rows)
+
+
+def check_decided(cfg: RunConfig, allow: Sequence[str] = (), length: bool = True) -> None:
+    """Every field an estimate depends on has a value (``allow``: fields the caller settles itself;
+    ``length``: ``data.max_length`` too, unless the data's rows give the length).
+
+    Raises:
+        MemtrainError: the first such field that is ``auto``, with the fix.
+    """
+    needs = (*NEEDS_VALUE, "distributed.sharding") if cfg.distributed.processes > 1 else NEEDS_VALUE
+    for path in needs:
+        if path not in allow and recipe_value(cfg, path) == "auto":
+            raise MemtrainError(f"`{path}` is `auto`: the planner chooses it, and an estimate needs a "
+                                f"value. Fix: set `{path}` (e.g. `{path}=...` on the command line) or "
+                                "run `memtrain plan`.")
+    if cfg.data.max_length == "auto" and length:
+        raise MemtrainError("`data.max_length` is `auto`: the planner finds the longest length that fits "
+                            "the budget, and an estimate needs a length. Fix: run `memtrain plan` (it "
+                            "reports the length as `data.max_length`), or set `data.max_length` (e.g. "
+                            "`data.max_length=4096`).")
 
 
 DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
@@ -151,7 +161,7 @@ def resolve_config(cfg: ModelConfig) -> tuple[PretrainedConfig, str]:
     the built-in catalog (:mod:`memtrain.estimator.catalog`) or else the local Hugging Face cache.
     """
     from memtrain import sources
-    from memtrain.model import build_config
+    from memtrain.model import apply_config_overrides, build_config
 
     num_labels = cfg.num_labels if cfg.task == "sequence-classification" else None
     if cfg.from_config is not None:
@@ -160,9 +170,9 @@ def resolve_config(cfg: ModelConfig) -> tuple[PretrainedConfig, str]:
         config, label = build_config(cfg, num_labels), cfg.name
     elif (found := catalog.lookup(cfg.name)) is not None:  # type: ignore[arg-type]
         label, values = found
-        config = AutoConfig.for_model(values.pop("model_type"), **values)
+        config = apply_config_overrides(AutoConfig.for_model(values.pop("model_type"), **values), cfg)
     else:
-        config, label = _cached_config(cfg), cfg.name
+        config, label = apply_config_overrides(_cached_config(cfg), cfg), cfg.name
     if num_labels is not None:
         config.num_labels = num_labels
     if cfg.task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
@@ -177,7 +187,7 @@ def _cached_config(cfg: ModelConfig) -> PretrainedConfig:
         return AutoConfig.from_pretrained(cfg.name, revision=cfg.revision, local_files_only=True,
                                           trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError):
-        raise MemtrainError(
+        raise ConfigNotFound(
             f"`model.name`: {cfg.name!r} is not in memtrain's catalog and its config is not in the local "
             "Hugging Face cache (the estimator never uses the network). Fix: use a catalog model ("
             f"{', '.join(catalog.names())}), point `model.name` at a local folder with its config.json, or "
@@ -185,18 +195,81 @@ def _cached_config(cfg: ModelConfig) -> PretrainedConfig:
         ) from None
 
 
+LEARNED_TABLES = ("bert", "roberta", "xlm-roberta", "camembert")  # the last three: a padding offset
+
+
 def position_limit(config: PretrainedConfig) -> int | None:
-    """The most tokens a model with learned position embeddings takes (None: no such limit)."""
+    """The most tokens in one sequence this model takes (None: its config states no limit).
+
+    The one place this is decided (the estimator, ``data.max_length: auto``, ``validate``, training
+    and the plugin all ask here). Learned position tables end where they end: GPT-2's
+    ``n_positions``; BERT's ``max_position_embeddings``, RoBERTa's less its padding offset. Any
+    other model with ``max_position_embeddings`` (the RoPE families: Llama, Mistral, Qwen, Gemma,
+    ...) was trained up to it; RoPE scaling with a ``factor`` and ``original_max_position_embeddings``
+    (``rope_scaling``/``rope_parameters``, e.g. YaRN) stretches the positions to ``factor`` x
+    ``original``, and the limit is the larger of the two (not Llama 3's own ``llama3`` scaling, which
+    stretches the low frequencies only: Llama-3.2-1B says 131,072, not 32 x 8,192).
+    ``model.config_overrides`` raises it.
+    """
     limit = getattr(config, "n_positions", None)
-    if limit is None and config.model_type in ("bert", "roberta", "xlm-roberta", "camembert"):
-        offset = (config.pad_token_id or 0) + 1 if config.model_type != "bert" else 0
-        limit = config.max_position_embeddings - offset
-    return limit
+    if limit is not None:
+        return int(limit)
+    table = getattr(config, "max_position_embeddings", None)
+    if table is None:
+        return None
+    if config.model_type in LEARNED_TABLES[1:]:
+        return int(table) - ((config.pad_token_id or 0) + 1)
+    return max(int(table), _scaled_positions(config))
 
 
-def _check_positions(config: PretrainedConfig, seq_len: int) -> None:
-    """Models with learned position embeddings cannot take longer sequences (fake tensors would)."""
+def _scaled_positions(config: PretrainedConfig) -> int:
+    """``factor`` x ``original_max_position_embeddings`` of the RoPE scaling (0: none stated)."""
+    found = (getattr(config, k, None) for k in ("rope_parameters", "rope_scaling"))
+    rope: dict[str, Any] = next((v for v in found if isinstance(v, dict)), {})
+    kinds = [p for p in rope.values() if isinstance(p, dict)] or [rope]  # per layer type (Gemma 3)
+    most = 0
+    for params in kinds:
+        if params.get("rope_type", params.get("type")) == "llama3":
+            continue  # stretches low frequencies only; Meta's configs state the length it reached
+        factor = params.get("factor")
+        original = params.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None)
+        if isinstance(factor, int | float) and original:
+            most = max(most, int(factor * original))
+    return most
+
+
+def check_max_length(cfg: RunConfig) -> None:
+    """A number in ``data.max_length`` within the model's positions (:func:`position_limit`).
+
+    Quiet when the architecture cannot be found without the network (a hub id neither in the
+    catalog nor in the local cache): training checks the loaded model's config instead.
+
+    Raises:
+        MemtrainError: ``data.max_length`` is longer than the model's positions.
+    """
+    if not isinstance(cfg.data.max_length, int):
+        return
+    try:
+        config, _ = resolve_config(cfg.model)
+    except ConfigNotFound:
+        return
+    check_positions(config, cfg.data.max_length)
+
+
+class ConfigNotFound(MemtrainError):
+    """A hub id whose config is neither in the catalog nor in the local Hugging Face cache."""
+
+
+def check_positions(config: PretrainedConfig, seq_len: int) -> None:
+    """A model cannot take more tokens than its positions (fake tensors would, silently)."""
     limit = position_limit(config)
-    if limit is not None and seq_len > limit:
-        raise MemtrainError(f"`data.max_length`: {seq_len} tokens exceed the {limit} positions this model "
-                            f"({config.model_type}) has. Fix: set `data.max_length` to {limit} or less.")
+    if limit is None or seq_len <= limit:
+        return
+    learned = getattr(config, "n_positions", None) is not None or config.model_type in LEARNED_TABLES
+    extend = ("" if learned else " or extend the model's context in `model.config_overrides` (e.g. "
+              f"`{{rope_scaling: {{rope_type: yarn, factor: {-(-seq_len // limit)}, "
+              f"original_max_position_embeddings: {limit}}}}}`)")
+    raise MemtrainError(
+        f"`data.max_length`: {seq_len:,} tokens exceed the {limit:,} positions this model "
+        f"({config.model_type}) has. Fix: set `data.max_length` to {limit} or less{extend}.")

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain.config import AdapterConfig, RunConfig
 from memtrain.model import CLASSIFIER_HEADS
-from memtrain.patches import ADAPTER, PatchRecord, add_records, register
+from memtrain.patches import ADAPTER, NoMatchError, PatchRecord, add_records, register
 
 Config = AdapterConfig
 
@@ -46,6 +46,8 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
         # peft's QLoRA preparation: every non-quantized weight (norms, embeddings, the output
         # head) cast to fp32; memtrain's own checkpointing patch handles recompute, so peft's is off.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if cfg.target_modules != "all-linear":
+        check_targets(model, list(cfg.target_modules))
     lora = LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
@@ -66,6 +68,40 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
     detail = f"{kind} r={cfg.r} on {len(adapted)} layers{lean}"
     add_records(peft_model, [PatchRecord("lora", adapted, detail)])
     return peft_model
+
+
+def check_targets(model: nn.Module, targets: list[str]) -> None:
+    """Every name of ``adapter.target_modules`` must match a module, as peft matches them (the whole
+    name or its last dotted parts: ``q_proj``, ``self_attn.q_proj``).
+
+    peft refuses only when *no* name matches, and then without the model's names; a misspelt name
+    beside a right one would silently adapt fewer layers than the recipe says. So any name that
+    matches nothing is refused, with the names of the model's linear layers.
+
+    Raises:
+        NoMatchError: naming ``adapter.target_modules``, each name that matched nothing, the names
+            that did, and the distinct last names of the model's linear layers.
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not unmatched:
+        return
+    from transformers.pytorch_utils import Conv1D
+
+    linear = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                                if isinstance(module, (nn.Linear, Conv1D))))
+    matched = [t for t in targets if t not in unmatched]
+    which = ", ".join(f"`{t}`" for t in unmatched)
+    if matched:
+        said = (f"{which} {'matches' if len(unmatched) == 1 else 'match'} no module of this model "
+                f"({', '.join(f'`{t}`' for t in matched)} did). A name that matches nothing is refused, "
+                "not skipped: a misspelt name would silently train fewer layers than the recipe says")
+    else:
+        said = f"no name matches a module of this model ({which})"
+    raise NoMatchError(
+        f"`adapter.target_modules`: {said}. This model's linear layers are named: "
+        f"{', '.join(linear) or '(none)'}. Fix: correct or remove {which} (names from that list, "
+        "matched as the end of a module's name), or set `adapter.target_modules: all-linear`.")
 
 
 def _trained_in_full(model: nn.Module, modules_to_save: list[str] | None, task: str) -> list[str]:

@@ -111,6 +111,40 @@ def predict(cfg: RunConfig, usable: int | None = None,
     return with_batch(cfg, micro, accum), Batch(micro, accum, cfg.distributed.processes), peak
 
 
+def for_estimate(cfg: RunConfig, device: str | None = None,
+                 rows: Rows | None = None) -> tuple[RunConfig, str | None]:
+    """``memtrain estimate`` of ``training.micro_batch_size: auto``: the recipe with a micro-batch
+    to estimate, and a sentence saying which and why (None when the recipe gives a number).
+
+    With ``memory.budget`` (or a simulated budget): the largest micro-batch predicted to fit it,
+    as training would plan it (:func:`memtrain.plan.planner.fit_micro_batch`); when not even the
+    smallest fits, the smallest, said so. Without a budget: the smallest micro-batch.
+    """
+    if cfg.training.micro_batch_size != "auto":
+        return cfg, None
+    from memtrain.plan.planner import NothingFits, budget_bytes, fit_micro_batch
+
+    pairs = valid_batches(cfg.training, cfg.distributed.processes)
+    micro, accum = pairs[0]
+    setting = cfg.memory.budget or cfg.memory.simulate_budget
+    if setting is None:
+        return with_batch(cfg, micro, accum), (
+            f"training.micro_batch_size is auto and no memory.budget is set: estimated the smallest "
+            f"micro-batch, {micro}. Set memory.budget (e.g. memory.budget=24GiB) to estimate the largest "
+            "that fits it, as `memtrain train` would choose.")
+    usable = usable_bytes(budget_bytes(cfg, setting, device), cfg.memory.margin_fraction)
+    try:
+        micro, accum, _peak = fit_micro_batch(cfg, usable, device=device, rows=rows)
+    except NothingFits as err:
+        return with_batch(cfg, micro, accum), (
+            f"training.micro_batch_size is auto: estimated the smallest micro-batch, {micro}, which does "
+            f"not fit memory.budget {setting} either ({err}).")
+    return with_batch(cfg, micro, accum), (
+        f"training.micro_batch_size is auto: estimated {micro}, the largest micro-batch predicted to fit "
+        f"memory.budget {setting} ({format_bytes(usable)} usable after the {cfg.memory.margin_fraction:.0%} "
+        "margin), as `memtrain train` would choose it before its probe step.")
+
+
 def with_batch(cfg: RunConfig, micro: int, accumulation: int) -> RunConfig:
     """``cfg`` with the micro-batch and accumulation set (the effective batch is unchanged)."""
     training = cfg.training.model_copy(update={"micro_batch_size": micro,

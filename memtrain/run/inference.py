@@ -153,17 +153,50 @@ def generate(run: Run, prompt: str | list[dict[str, str]], max_new_tokens: int =
              temperature: float = 0.0, extra: str = "") -> str:
     """The model's continuation of ``prompt`` (greedy when ``temperature`` is 0); ``extra`` is
     the input of an alpaca prompt."""
+    return continuation(run, prompt, max_new_tokens, temperature, extra).text
+
+
+@dataclass
+class Continuation:
+    """What :func:`continuation` generated: the text shown, and why it is empty when it is."""
+
+    text: str
+    tokens: list[int]  # the new token ids
+    empty_because: str | None = None  # a sentence for the user when ``text`` is empty
+
+
+def continuation(run: Run, prompt: str | list[dict[str, str]], max_new_tokens: int = 64,
+                 temperature: float = 0.0, extra: str = "") -> Continuation:
+    """:func:`generate` with the token ids, and a sentence saying what happened when the text is
+    empty (only the end token, or only whitespace and special tokens)."""
     if run.cfg.model.task != "causal-lm":
         raise MemtrainError("`RUN_DIR`: generation needs a causal LM; this run is a classifier. "
                             "Fix: use `memtrain predict`.")
     ids = torch.tensor([format_prompt(run, prompt, extra)], device=run.model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
         {"do_sample": False}
+    end = end_token_id(run.tokenizer)
     with torch.no_grad():
         out = run.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_new_tokens, eos_token_id=end_token_id(run.tokenizer),
+                                 max_new_tokens=max_new_tokens, eos_token_id=end,
                                  pad_token_id=run.tokenizer.pad_token_id, **sampling)
-    return run.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    new = out[0, ids.shape[1]:].tolist()
+    text = run.tokenizer.decode(new, skip_special_tokens=True).strip()
+    return Continuation(text, new, None if text else _why_empty(new, end, temperature))
+
+
+def _why_empty(tokens: list[int], end: int | None, temperature: float) -> str:
+    count = f"{len(tokens)} token{'s' if len(tokens) != 1 else ''}"
+    if not tokens:
+        what = "no token"
+    elif tokens == [end]:
+        what = "only the end token (1 token)"
+    else:
+        what = f"only whitespace and special tokens ({count})"
+    fix = ("sample with `--temperature 0.7` (greedy decoding, the default, always takes the most likely "
+           "token), or train longer" if temperature == 0 else
+           "try again or with a higher `--temperature`, or train longer")
+    return f"the model generated {what}: nothing to show. Fix: {fix} (more steps or data)."
 
 
 def predict(run: Run, texts: list[str], batch_size: int = 32) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """``memtrain train``: the whole run, from a validated recipe to a saved adapter and metrics.
 
-Order matters for failing fast: the output folder and the data are checked before the model is
-loaded, so a user mistake costs seconds, not a model download.
+Order matters for failing fast: the output folder and the length (against the model's positions)
+are checked before anything else, the data before the model is loaded, so a user mistake costs
+seconds, not a plan, a tokenized dataset or a model download.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from memtrain.device import cuda_available
 from memtrain.distributed import fsdp as distributed
 from memtrain.errors import MemtrainError, first_line
 from memtrain.estimator.estimate import Estimate, estimate
+from memtrain.estimator.setup import check_max_length, check_positions
 from memtrain.memory import hostmem
 from memtrain.memory.meter import StepMemory
 from memtrain.memory.report import Report, build_report, comparison, save_report
@@ -76,6 +78,8 @@ def train(cfg: RunConfig, console: Console | None = None,
     """
     console = console or Console()
     out = Path(cfg.output.dir)
+    resume_from = rundir.check_output_dir(cfg, out)  # first: before the plan and the data (seconds)
+    check_max_length(cfg)
     # micro_batch_size: auto is predicted by the planner and confirmed by a probe step once the
     # Trainer exists, among the batches the recipe as written allows
     choices = valid_batches(cfg.training, cfg.distributed.processes) if (
@@ -103,14 +107,14 @@ def train(cfg: RunConfig, console: Console | None = None,
     if planning:
         cfg = _plan(cfg, console, rows)  # once, before any process starts: every process gets the decision
     if launch.launch_needed(cfg):  # start the processes; each comes back here as a worker
-        return _launch(cfg, out, callbacks, choices)
+        return _launch(cfg, callbacks, choices)
     launch.bind_device()
     # on the CPU, tensors above 32 MiB would otherwise page-fault on every step
     kept_pages = not cuda_available() and hostmem.keep_freed_pages()
-    resume_from = rundir.check_output_dir(cfg, out)
     set_seed(cfg.training.seed)
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
+    check_positions(model.config, rows.longest)  # the loaded config (a hub id the check above could not read)
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
     rundir.clear_old_run(cfg, out)  # only now: a data or model mistake leaves the old run whole
     rundir.claim(out)
@@ -256,16 +260,15 @@ def _run_info(cfg: RunConfig, batch: Batch) -> dict[str, Any]:
     return {"title": cfg.description or cfg.output.dir, "batch": str(batch)}
 
 
-def _launch(cfg: RunConfig, out: Path, callbacks: list[TrainerCallback] | None,
+def _launch(cfg: RunConfig, callbacks: list[TrainerCallback] | None,
             choices: list[tuple[int, int]] | None) -> TrainResult:
-    """Several processes: check the output folder here (before N processes start), run them,
-    return the result of this machine's first process (rank 0's on machine 0), with every
-    process's measured memory."""
+    """Several processes (the output folder was checked before they start): run them, return the
+    result of this machine's first process (rank 0's on machine 0), with every process's measured
+    memory."""
     if callbacks:
         raise MemtrainError(f"`distributed.processes={cfg.distributed.processes}`: Trainer callbacks "
                             "cannot be handed to other processes. Fix: run with one process, or launch "
                             "your own script with torchrun and call `memtrain.run.train.train` in it.")
-    rundir.check_output_dir(cfg, out)
     results = launch.launch(cfg, choices)
     first = results[0]
     first.process_memory = first.process_memory or [r.memory for r in results]

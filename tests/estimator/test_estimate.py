@@ -249,7 +249,7 @@ def test_cuda_estimate_has_named_overhead_lines(tmp_path: Path, tiny_text_file: 
 @pytest.mark.parametrize("change,field", [
     ({"model": {"from_config": None, "name": "acme/NoSuchModel-7B"}}, "model.name"),
     ({"training": {"micro_batch_size": "auto"}}, "training.micro_batch_size"),
-    ({"adapter": {"target_modules": ["no_such_proj"]}}, "adapter"),
+    ({"adapter": {"target_modules": ["no_such_proj"]}}, "adapter.target_modules"),
     ({"memory": {"checkpointing": 5}}, "memory.checkpointing"),  # the model has 2 layers
     ({"data": {"max_length": 512}}, "data.max_length"),
 ])

@@ -1,0 +1,57 @@
+"""`adapter.target_modules`: every name must match a module; the error names each one that matched
+nothing and lists the model's linear layers (issue 35 part 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import causal_recipe, tiny_model
+from typer.testing import CliRunner
+
+from memtrain.cli.app import app
+from memtrain.config import AdapterConfig
+from memtrain.patches import NoMatchError, records
+from memtrain.patches.lora import apply
+
+LLAMA_LINEAR = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
+
+
+def _adapt(arch: str, targets: list[str]):
+    return apply(tiny_model(arch), AdapterConfig(target_modules=targets, r=2, alpha=4, dropout=0.0))
+
+
+def test_a_wrong_name_beside_a_right_one_is_refused_not_skipped() -> None:
+    with pytest.raises(NoMatchError) as err:
+        _adapt("llama", ["q_proj", "wq"])
+    said = str(err.value)
+    assert said.startswith("`adapter.target_modules`: `wq` matches no module of this model (`q_proj` did)")
+    assert "refused, not skipped" in said and f"linear layers are named: {LLAMA_LINEAR}." in said
+    assert "Fix: correct or remove `wq`" in said and "`adapter.target_modules: all-linear`" in said
+
+
+def test_when_no_name_matches_the_model_names_its_layers_instead_of_peft() -> None:
+    with pytest.raises(NoMatchError, match=r"`adapter.target_modules`: no name matches a module of this "
+                                           r"model \(`wq`, `wk`\)\. This model's linear layers are named: "
+                                           r"c_attn, c_proj, c_fc, lm_head\."):
+        _adapt("gpt2", ["wq", "wk"])  # GPT-2's layers are transformers' Conv1D
+
+
+def test_names_match_as_peft_matches_them() -> None:
+    model = _adapt("llama", ["q_proj", "self_attn.v_proj"])  # a last name, and a dotted end
+    adapted = records(model)[0].modules
+    assert len(adapted) == 4 and all(n.endswith(("q_proj", "v_proj")) for n in adapted)
+    with pytest.raises(NoMatchError, match="`_proj`"):  # a part of a name is not an end of it
+        _adapt("llama", ["q_proj", "_proj"])
+
+
+def test_estimate_exits_2_naming_the_field(tmp_path: Path, tiny_text_file: Path) -> None:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(causal_recipe(tmp_path, tiny_text_file)), encoding="utf-8")
+    result = CliRunner().invoke(app, ["estimate", str(path), "--device", "cpu",
+                                      "adapter.target_modules=[q_proj, wq]"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "`adapter.target_modules`: `wq` matches no module" in said and LLAMA_LINEAR in said
+    assert "Traceback" not in said
