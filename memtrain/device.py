@@ -36,9 +36,10 @@ def configure_allocator() -> str:
     applied to the running allocator, for the segments it maps from now on."""
     chosen_by_user = bool(os.environ.get(allocator.ENV))
     settings = allocator.set_default()
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if not chosen_by_user and cuda_available() and torch.cuda.is_initialized() and setter is not None:
-        setter(settings)
+    if not chosen_by_user and cuda_available() and torch.cuda.is_initialized():
+        from memtrain._compat.torch_tools import set_allocator_settings
+
+        set_allocator_settings(settings)  # a torch without the setter: nothing applied, as before
     return settings
 
 

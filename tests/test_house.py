@@ -19,7 +19,9 @@ KNOWN_CYCLES: list[list[str]] = []
 # and the layers before it, never one after it. `memtrain/__init__.py` (the public face, lazy)
 # and `__main__` stand above them all.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "units", "allocator", "device", "sources", "builtin_data", "lazy_setup"),  # shared leaves
+    # shared leaves; `_compat` (the only place touching libraries' private attributes) imports
+    # nothing of memtrain but `errors` (tests/test_compat.py)
+    ("errors", "units", "allocator", "device", "sources", "builtin_data", "lazy_setup", "_compat"),
     ("config",), ("model",), ("data",), ("memory",), ("patches",), ("distributed",), ("reliability",),
     ("trainer",), ("estimator",), ("plan",), ("run",), ("plugin",), ("cli",),
 ]

@@ -51,8 +51,10 @@ Config = DistributedConfig
 
 def layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The repeated block classes of a transformers model (its ``_no_split_modules``)."""
+    from memtrain._compat.transformers_model import no_split_modules
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or ())
+    names = no_split_modules(base)
     # the MRO, because FSDP2 swaps a sharded module's class for a subclass named FSDP<Name>
     found = {c for m in base.modules() for c in type(m).__mro__ if c.__name__ in names}
     if not found:
@@ -177,11 +179,12 @@ def fake_process_group(processes: int, device_type: str = "cpu") -> Iterator[Dev
     be traced (under ``FakeTensorMode``) with one process's shapes and memory."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from memtrain._compat.torch_distributed import fake_store
 
     if dist.is_initialized():
         raise RuntimeError("a process group already exists; trace in a process without one")
-    dist.init_process_group("fake", rank=0, world_size=processes, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=processes, store=fake_store())
     try:
         yield init_device_mesh(device_type, (processes,))  # outside FakeTensorMode: it reads ranks
     finally:

@@ -64,12 +64,10 @@ def drop_gradients(model: nn.Module) -> None:
     model.zero_grad(set_to_none=True)
     from torch.distributed.fsdp import FSDPModule
 
+    from memtrain._compat.torch_distributed import drop_unsharded_gradient, fsdp_params
+
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for param in group.fsdp_params if group is not None else ():
-            unsharded = getattr(param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
-            param.unsharded_accumulated_grad = None
+        for param in fsdp_params(module):
+            drop_unsharded_gradient(param)

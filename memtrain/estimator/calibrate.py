@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from memtrain import allocator
+from memtrain._compat.torch_tools import clear_cublas_workspaces
 from memtrain.device import configure_allocator, cuda_available, synchronize
 
 ENV_VAR = "MEMTRAIN_CALIBRATION"
@@ -283,9 +284,7 @@ def _workspace_bytes(device: torch.device) -> int:
     main thread and autograd's backward thread), held in the caching allocator, so counted by
     ``max_memory_allocated`` beside the tensors (64-66 MiB above the traced tensors on every row of
     an H100: 2 x 32 MiB, torch's Hopper default)."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+    clear_cublas_workspaces()
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     w = torch.randn(512, 512, device=device, requires_grad=True)
@@ -306,9 +305,7 @@ def release_cached_memory() -> int:
     torch.cuda.synchronize()
     # cuBLAS keeps its workspaces in the caching allocator: a segment holding one is never freed
     # (on an H100 a 3 GiB segment stayed reserved after calibration, pinned by the workspace)
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        clear_workspaces()
+    clear_cublas_workspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return int(torch.cuda.memory_reserved())

@@ -56,18 +56,17 @@ and restores everything it touched afterwards:
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from transformers import PretrainedConfig
 
+from memtrain._compat import torch_fake, transformers_model
+from memtrain._compat.torch_distributed import dtensor_propagation_without_fake_mode
+from memtrain._compat.torch_tools import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from memtrain.config import RunConfig
 from memtrain.distributed.sharding import quant_storage
 from memtrain.model import keep_4bit_trainable_on_cpu, model_class, model_kwargs
@@ -86,99 +85,21 @@ def fake_tensor_mode(packed: bool = False, padded: bool = True, scalars: bool = 
     """
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     with ExitStack() as stack:
-        stack.enter_context(_swappable_fakes(mode))
-        stack.enter_context(_deepcopyable_fakes())
+        stack.enter_context(torch_fake.swappable_fakes(mode))
+        stack.enter_context(torch_fake.deepcopyable_fakes())
         if not packed:
-            stack.enter_context(_unpacked_positions())
+            stack.enter_context(transformers_model.unpacked_positions())
         if not padded:
-            stack.enter_context(_unpadded_masks())
+            stack.enter_context(transformers_model.unpadded_masks())
         stack.enter_context(_bnb_on_fakes(mode))
-        stack.enter_context(_dtensor_propagation_apart())
-        stack.enter_context(_grouped_mm_any_float())
-        stack.enter_context(_largest_nonzero())
+        stack.enter_context(dtensor_propagation_without_fake_mode())
+        stack.enter_context(torch_fake.grouped_mm_any_float())
+        stack.enter_context(torch_fake.largest_nonzero())
         if scalars:
-            stack.enter_context(_any_scalar())
+            stack.enter_context(torch_fake.any_scalar())
         stack.enter_context(isolated_bnb_overrides())
         stack.enter_context(mode)
         yield mode
-
-
-@contextmanager
-def _swappable_fakes(mode: FakeTensorMode) -> Iterator[None]:
-    original: Callable[[torch.Tensor, torch.Tensor], None] = torch.utils.swap_tensors
-    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
-
-    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        keys = [r.key for t in (t1, t2) for r in weakref.getweakrefs(t) if isinstance(r, weakref.KeyedRef)]
-        for key in keys:  # the KeyedRef objects must be gone before swapping: keep only their keys
-            memo.pop(key, None)
-        original(t1, t2)
-
-    torch.utils.swap_tensors = swap
-    try:
-        yield
-    finally:
-        torch.utils.swap_tensors = original
-
-
-@contextmanager
-def _deepcopyable_fakes() -> Iterator[None]:
-    def deepcopy(self: FakeTensor, memo: dict[int, Any]) -> torch.Tensor:
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            new = self.clone()
-        if isinstance(self, torch.nn.Parameter):
-            new = torch.nn.Parameter(new, requires_grad=self.requires_grad)
-        else:
-            new.requires_grad_(self.requires_grad)
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():  # user attributes, e.g. a 4-bit weight's quant_state
-            if key not in new.__dict__:  # (not the fake mode's own bookkeeping)
-                setattr(new, key, copy.deepcopy(value, memo))
-        return new
-
-    FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del FakeTensor.__deepcopy__
-
-
-@contextmanager
-def _unpacked_positions() -> Iterator[None]:
-    from transformers import masking_utils
-
-    original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
-@contextmanager
-def _unpadded_masks() -> Iterator[None]:
-    """transformers' "can the SDPA mask be skipped?" checks see no padding mask for a fake one: the
-    traced batch has none, so the real check (``padding_mask.all()``) would say the same."""
-    from transformers import masking_utils
-
-    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
-    originals = {name: getattr(masking_utils, name) for name in names}
-
-    def without_fake_mask(check: Callable[..., bool]) -> Callable[..., bool]:
-        def wrapped(padding_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> bool:
-            return check(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
-
-        return wrapped
-
-    for name, check in originals.items():
-        setattr(masking_utils, name, without_fake_mask(check))
-    try:
-        yield
-    finally:
-        for name, check in originals.items():
-            setattr(masking_utils, name, check)
 
 
 @contextmanager
@@ -218,89 +139,6 @@ def _bnb_on_fakes(mode: FakeTensorMode) -> Iterator[None]:
 
 
 @contextmanager
-def _dtensor_propagation_apart() -> Iterator[None]:
-    from torch.distributed.tensor import _sharding_prop
-
-    original = _sharding_prop.detect_fake_mode
-    _sharding_prop.detect_fake_mode = lambda *args: None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        _sharding_prop.detect_fake_mode = original
-
-
-@contextmanager
-def _fake_rule(op: Any, impl: Callable[..., Any]) -> Iterator[None]:
-    """Answer ``op`` with ``impl(mode, func, *args, **kwargs)`` in fake modes, ahead of its meta kernel
-    (``NotImplemented`` leaves it to the meta kernel); removed on exit."""
-    from torch._subclasses import fake_impls
-
-    rule = (lambda func: func is op, impl)
-    fake_impls.op_implementations_checks.insert(0, rule)
-    try:
-        yield
-    finally:
-        fake_impls.op_implementations_checks.remove(rule)
-
-
-def _grouped_mm_any_float() -> Any:
-    try:
-        from torch._meta_registrations import _create_grouped_mm_output_tensor as output_like
-    except ImportError:  # a torch without the helper: its meta kernel answers alone
-        return contextlib.nullcontext()
-
-    def grouped_mm(mode: FakeTensorMode, func: Any, mat_a: torch.Tensor, mat_b: torch.Tensor,
-                   offs: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> Any:
-        dtype = mat_a.dtype
-        if (dtype == torch.bfloat16 or dtype != mat_b.dtype or not dtype.is_floating_point
-                or bias is not None or offs is None):
-            return NotImplemented  # the meta kernel's own rules (and errors)
-        with mode:
-            return output_like(mat_a, mat_b, offs, out_dtype or dtype)
-
-    return _fake_rule(torch.ops.aten._grouped_mm.default, grouped_mm)
-
-
-def _largest_nonzero() -> Any:
-    def nonzero(mode: FakeTensorMode, func: Any, tensor: torch.Tensor) -> Any:
-        with mode:
-            return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
-
-    return _fake_rule(torch.ops.aten.nonzero.default, nonzero)
-
-
-@contextmanager
-def _any_scalar() -> Iterator[None]:
-    def one(mode: FakeTensorMode, func: Any, tensor: torch.Tensor) -> Any:
-        return True if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
-
-    with ExitStack() as stack:
-        for op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
-            stack.enter_context(_fake_rule(op, one))
-        yield
-
-
-@contextmanager
-def uninitialized_values() -> Iterator[None]:
-    """Build a transformers model without initializing its weights' values (for fake weights).
-
-    Values mean nothing on fake tensors, and some initializers ask them questions that fake
-    tensors cannot answer (``trunc_normal_`` resamples until no value lies outside its bounds:
-    ModernBERT). ``initialize_weights`` only sets values; ``init_weights`` still ties the
-    embeddings, as transformers does itself when it builds a model on the meta device.
-    """
-    from transformers import PreTrainedModel
-
-    original = PreTrainedModel.initialize_weights
-    PreTrainedModel.initialize_weights = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        PreTrainedModel.initialize_weights = original  # type: ignore[method-assign]
-
-
-@contextmanager
 def isolated_bnb_overrides() -> Iterator[None]:
     """Run with an empty bitsandbytes ``GlobalOptimManager`` and restore its state afterwards.
 
@@ -330,7 +168,8 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
         config: the architecture (possibly with fewer layers than the real model).
     """
     source = "model.from_config" if cfg.model.from_config is not None else "model.name"
-    with recipe_stage(source, f"building the {config.model_type} architecture"), uninitialized_values():
+    with (recipe_stage(source, f"building the {config.model_type} architecture"),
+          transformers_model.uninitialized_values()):
         model = model_class(cfg.model).from_config(config, **model_kwargs(cfg.model))
     if cfg.model.quantization not in ("none", "auto"):
         from memtrain.memory.quantized import quantize_fake

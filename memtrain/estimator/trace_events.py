@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._guards import active_fake_mode
-from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
 from torch.utils.flop_counter import flop_registry
 
+from memtrain._compat.torch_tools import active_fake_mode, overload_packet
+from memtrain._compat.torch_trackers import MemRefType, UpdateType
 from memtrain.memory import meter as meter_mod
 from memtrain.memory import trackers
 
@@ -55,17 +55,17 @@ class _EventRecorder:
         if active_fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's layout propagation (memtrain.estimator.fake): not part of the step
         self.ops["optimizer" if phase == "optimizer" else "step"] += 1
-        count = flop_registry.get(func._overloadpacket)
+        count = flop_registry.get(overload_packet(func))
         if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
             self.flops += flop_count(count, args, kwargs or {}, out)
         return out
 
-    def _update_snap(self, u_type: _UpdateType, winfo: object, old_mem_consumed: int | None = None,
-                     old_reftype: Any = None) -> None:
+    def on_snapshot_update(self, u_type: UpdateType, winfo: object, old_mem_consumed: int | None = None,
+                           old_reftype: Any = None) -> None:
         self._account(u_type, winfo, old_reftype)
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
+        super().on_snapshot_update(u_type, winfo, old_mem_consumed, old_reftype)  # type: ignore[misc]
 
-    def _account(self, u_type: _UpdateType, winfo: Any, old_reftype: Any) -> None:
+    def _account(self, u_type: UpdateType, winfo: Any, old_reftype: Any) -> None:
         # MemTracker rounds CUDA sizes into its own totals; these are raw bytes, rounded kept apart.
         counts = self._raw.get(winfo.device)
         if counts is None:
@@ -74,25 +74,25 @@ class _EventRecorder:
         old = getattr(winfo, "_memtrain_raw", raw)
         slot = self._index[winfo.reftype]
         delta_rounded = 0
-        if u_type == _UpdateType.ADD:
+        if u_type == UpdateType.ADD:
             counts[slot] += raw
             delta_rounded = _round(raw)
             if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
                 self.written += raw
-        elif u_type == _UpdateType.DEL:
+        elif u_type == UpdateType.DEL:
             counts[slot] -= old
             delta_rounded = -_round(old)
-        elif u_type == _UpdateType.REF and old_reftype is not None:
+        elif u_type == UpdateType.REF and old_reftype is not None:
             counts[self._index[old_reftype]] -= old
             counts[slot] += old
-        elif u_type == _UpdateType.SIZE:
+        elif u_type == UpdateType.SIZE:
             counts[slot] += raw - old
             delta_rounded = _round(raw) - _round(old)
         winfo._memtrain_raw = raw
         if winfo.device == self.compute_device:  # type: ignore[attr-defined]
             self._rounded += delta_rounded
 
-    def _update_peak_stats(self, peak_state: object) -> None:
+    def on_peak_update(self, peak_state: object) -> None:
         phase = self.phase()  # type: ignore[attr-defined]
         if not self.phases or self.phases[-1] != phase:
             self.phases.append(phase)
@@ -102,9 +102,9 @@ class _EventRecorder:
             self.rows.append(row)
 
     def _current_layer(self) -> int:
-        parents = self._mod_tracker.parents  # type: ignore[attr-defined]
+        parents = self.module_tracker.parents  # type: ignore[attr-defined]
         for i, module in enumerate(self._layers):
-            fqn = self._fqns[i] = self._fqns[i] or self._mod_tracker.get_known_fqn(module)  # type: ignore[attr-defined]
+            fqn = self._fqns[i] = self._fqns[i] or self.module_tracker.get_known_fqn(module)  # type: ignore[attr-defined]
             if fqn is not None and fqn in parents:
                 return i
         return -1
@@ -169,6 +169,6 @@ class _TracingMeter(meter_mod.MemoryMeter):
 
     def __enter__(self) -> _TracingMeter:
         for tensor in self._gradients:
-            self.tracker._update_and_maybe_create_winfos(tensor, _MemRefType.GRAD)
+            self.tracker.track_tensor(tensor, MemRefType.GRAD)
         super().__enter__()
         return self

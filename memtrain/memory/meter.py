@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 
+from memtrain._compat.torch_distributed import fsdp_device
+from memtrain._compat.torch_trackers import TOTAL_KEY, FSDPRefType, MemRefType
 from memtrain.device import kept_on_host, model_device
 from memtrain.memory.quantized import quantization_state_tensors
 from memtrain.memory.trackers import (
@@ -111,13 +111,13 @@ class MemoryMeter:
         if self._external:
             self._tracker.track_external(*self._external)
         fsdp = isinstance(self._tracker, _FSDPTracker)
-        param_ref = _FSDPRefType.SHARDED_PARAM if fsdp else _MemRefType.PARAM
+        param_ref = FSDPRefType.SHARDED_PARAM if fsdp else MemRefType.PARAM
         for obj in self._external:  # bitsandbytes keeps quantization constants outside parameters
             if isinstance(obj, nn.Module):
                 for tensor in quantization_state_tensors(obj):
-                    self._tracker._update_and_maybe_create_winfos(tensor, param_ref)
+                    self._tracker.track_tensor(tensor, param_ref)
         for tensor in _host_tensors(self._external):  # an offloaded optimizer's host copies
-            self._tracker._update_and_maybe_create_winfos(tensor, _MemRefType.OPT)
+            self._tracker.track_tensor(tensor, MemRefType.OPT)
             self._tracker.move_to_host(tensor)
         for obj in self._external:  # weights a patch keeps in host memory (offloaded embeddings)
             if isinstance(obj, nn.Module):
@@ -157,7 +157,7 @@ class MemoryMeter:
             cuda_reserved = torch.cuda.max_memory_reserved(self.device)
         return StepMemory(
             device=str(self.device),
-            peak_bytes=int(peak_snap.get(_TOTAL_KEY, sum(peak.values()))),
+            peak_bytes=int(peak_snap.get(TOTAL_KEY, sum(peak.values()))),
             peak_by_category=peak,
             max_by_category=dict(t.category_max),
             peak_by_phase={p: sum(t.phase_peak[p].values()) for p in PHASES if p in t.phase_peak},
@@ -192,7 +192,7 @@ def _compute_device(model: nn.Module | None) -> torch.device:
     """Where the model computes: FSDP's device (its shards may be offloaded to the CPU), else the
     device of its first parameter."""
     if isinstance(model, FSDPModule):
-        return model._get_fsdp_state()._device
+        return fsdp_device(model)
     return model_device(model) if model is not None else torch.device("cpu")
 
 

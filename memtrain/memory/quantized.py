@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from memtrain._compat.torch_tools import FakeTensor, unset_fake_temporarily
 from memtrain.config import ModelConfig
 
 

@@ -31,7 +31,8 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from memtrain._compat.torch_tools import unset_fake_temporarily
 
 # Functions few-bit backward knows, by the name the patch's matchers return. Each is the exact
 # forward of the activation modules mapped to it (see fewbit.py); derivatives come from autograd.

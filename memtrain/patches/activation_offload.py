@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
+from memtrain._compat.torch_tools import FakeTensorMode, is_fake, tensor_base, tensor_version
 from memtrain.config import OffloadConfig, RunConfig, decided
 from memtrain.config.batch import resolve_batch
 from memtrain.device import host_budget_bytes, host_free_bytes, model_device
@@ -113,7 +113,7 @@ class ActivationOffloader:
     def _worth_moving(self, t: torch.Tensor) -> bool:
         if t.numel() * t.element_size() < self.min_tensor_bytes or t.layout != torch.strided:
             return False
-        base = t._base if t._base is not None else t
+        base = tensor_base(t) if tensor_base(t) is not None else t
         if isinstance(base, nn.Parameter):
             return False  # weights stay on the device anyway: moving them frees nothing
         # Tensor subclasses (quantized weights, DTensor) may not survive a plain copy.
@@ -126,7 +126,7 @@ class ActivationOffloader:
         storage = t.untyped_storage()
         key = (id(storage), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         seen = self._seen.get(key)
-        if seen is not None and seen[0]() is storage and seen[1] == t._version:
+        if seen is not None and seen[0]() is storage and seen[1] == tensor_version(t):
             # The same bytes were already moved (q, k and v projections share one input).
             earlier = seen[2]() if seen[2] is not None else t
             if earlier is not None:
@@ -134,13 +134,13 @@ class ActivationOffloader:
         self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
         if self.dry_run_bytes is not None:
             self.dry_run_bytes += t.numel() * t.element_size()
-            self._seen[key] = (weakref.ref(storage), t._version, None)
+            self._seen[key] = (weakref.ref(storage), tensor_version(t), None)
             return t
         handle = _Handle(*self._copy_to_host(t), t.device, next(self._counter))
         ptr = id(handle.host.untyped_storage())
         self.ledger.add(handle.host)
         weakref.finalize(handle, self.ledger.remove, ptr)
-        self._seen[key] = (weakref.ref(storage), t._version, weakref.ref(handle))
+        self._seen[key] = (weakref.ref(storage), tensor_version(t), weakref.ref(handle))
         self._handles[handle.index] = handle
         return handle
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
+from memtrain._compat.torch_tools import is_fake, keep_on_device
 from memtrain.config import RunConfig
 from memtrain.device import keep_on_host, kept_on_host
 from memtrain.errors import MemtrainError
@@ -119,7 +119,7 @@ def apply(model: nn.Module, cfg: Config | None = None) -> nn.Module:
         weight.data = moved if is_fake(moved) else moved.pin_memory()
     keep_on_host(weight)
     undo_forward = wrap_forward(table, lambda forward: _host_lookup(forward, table))
-    table._apply = lambda fn, recurse=True: table  # type: ignore[method-assign]  # model.to() skips it
+    keep_on_device(table)  # model.to() skips it
 
     def undo() -> None:
         undo_forward()

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from memtrain._compat.torch_tools import unset_fake_temporarily
 from memtrain.config import FewBitConfig, RunConfig
 from memtrain.patches import APPROXIMATE, PatchRecord, add_records, find_modules, register, set_submodule
 from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, fewbit_table

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from transformers.pytorch_utils import Conv1D
 
+from memtrain._compat.torch_tools import is_fake
 from memtrain.config import RandomizedLinearConfig, RunConfig
 from memtrain.patches import APPROXIMATE, PatchRecord, add_records, find_modules, register, set_submodule
 from memtrain.patches._targets import check_every_pattern, default_modules

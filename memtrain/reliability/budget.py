@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain._compat.torch_trackers import TOTAL_KEY
 from memtrain.config import MemoryConfig
 from memtrain.device import AllocatorBudget, compute_device, host_budget_bytes, host_free_bytes
-from memtrain.memory.meter import _TOTAL_KEY, _Tracker
+from memtrain.memory.meter import _Tracker
 from memtrain.memory.trackers import _HOST_ON_CPU
 from memtrain.units import format_bytes, parse_size
 
@@ -106,18 +107,18 @@ class _BudgetTracker(_Tracker):
 
     def live(self) -> int:
         """Live bytes that count against the limit: on a CPU also the offloaded ones (same RAM)."""
-        snap = self._curr_mem_snap
-        live = snap.get(self.compute_device, {}).get(_TOTAL_KEY, 0)
+        snap = self.current_snapshot
+        live = snap.get(self.compute_device, {}).get(TOTAL_KEY, 0)
         if self.compute_device.type == "cpu":
-            live += snap.get(self.host_device, {}).get(_TOTAL_KEY, 0)
+            live += snap.get(self.host_device, {}).get(TOTAL_KEY, 0)
         return int(live)
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
+    def on_peak_update(self, peak_state: Any) -> None:
         # Only the device total and its peak: nothing reads the meter's phase and category
         # bookkeeping here, and it ran after every op of a guarded step.
         live = self.live()
-        if live > self._peak_mem.get(self.compute_device, 0):
-            self._peak_mem[self.compute_device] = live
+        if live > self.peak_by_device.get(self.compute_device, 0):
+            self.peak_by_device[self.compute_device] = live
         if live > self.limit:
             # The wording CUDA's allocator uses, so that code which recognises an out-of-memory
             # error by its message (accelerate's find_executable_batch_size) sees this one too.
@@ -147,11 +148,11 @@ class SimulatedBudget:
         if device.type == "cpu":  # CPU tensors carry no index; a launched process's args.device does
             device = torch.device("cpu")
         self._tracker = _BudgetTracker(device, self.limit, defer)
-        self._track = [t for t in track if t is not None]
+        self._tracked_objects = [t for t in track if t is not None]
 
     def __enter__(self) -> SimulatedBudget:
-        if self._track:
-            self._tracker.track_external(*self._track)
+        if self._tracked_objects:
+            self._tracker.track_external(*self._tracked_objects)
         self._tracker.__enter__()
         return self
 
@@ -164,7 +165,7 @@ class SimulatedBudget:
 
     @property
     def peak_bytes(self) -> int:
-        return int(self._tracker._peak_mem.get(self._tracker.compute_device, 0))
+        return int(self._tracker.peak_by_device.get(self._tracker.compute_device, 0))
 
     def take_overrun(self) -> str | None:
         """With ``defer``: the error the first crossing since the last call would have raised, else

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from memtrain._compat.transformers_trainer import loss_shifts_labels
+
 Batch = dict[str, Any]
 
 
@@ -258,7 +260,7 @@ def count_items(trainer: Any, inputs: Batch, layout: Layout | None = None) -> in
     labels = inputs.get("shift_labels", inputs.get("labels"))
     if not isinstance(labels, torch.Tensor):
         return (layout or layout_of(trainer, inputs)).count
-    if "shift_labels" not in inputs and getattr(trainer, "_loss_shifts_labels", False):
+    if "shift_labels" not in inputs and loss_shifts_labels(trainer):
         labels = labels[..., 1:]
     return int(labels.ne(-100).sum())
 

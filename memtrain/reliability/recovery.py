@@ -75,6 +75,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain._compat.transformers_trainer import prepare_inputs
 from memtrain.device import cuda_available
 from memtrain.distributed.together import drop_gradients, flagged_ranks, world
 from memtrain.errors import MemtrainError
@@ -302,7 +303,7 @@ class MicroBatchRecovery:
         model.eval()  # no dropout: the two losses differ only by their normalization
         try:
             with torch.no_grad():
-                prepared = trainer._prepare_inputs(piece)
+                prepared = prepare_inputs(trainer, piece)
                 one = trainer.compute_loss(model, dict(prepared), num_items_in_batch=num_items_in_batch)
                 two = trainer.compute_loss(model, dict(prepared), num_items_in_batch=2 * num_items_in_batch)
         finally:
@@ -355,25 +356,15 @@ def reset_module_tracking() -> None:
 
     memtrain's trackers (meter, simulated budget) remove the backward hooks they put on the failed
     pass's graph, which otherwise keep the graph and its activations alive
-    (:meth:`memtrain.memory.trackers.ReleasableModTracker.release`). In every tracker, the modules
+    (:class:`memtrain._compat.torch_trackers.ReleasableModTracker`). In every tracker, the modules
     the pass left "running" are forgotten: torch's ``ModTracker`` pops a module when its forward or
     backward ends, and one interrupted by an exception would make the next step's phases (forward /
-    backward / optimizer) and recompute regions be misread.
+    backward / optimizer) and recompute regions be misread
+    (:func:`memtrain._compat.torch_trackers.release_module_tracking`).
     """
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from memtrain._compat.torch_trackers import release_module_tracking
 
-    for mode in _get_current_dispatch_mode_stack():
-        modules = getattr(mode, "_mod_tracker", None)
-        if modules is None:
-            continue
-        if callable(getattr(modules, "release", None)):
-            modules.release()
-        modules.parents = {"Global"}
-        modules._active_module_cnt.clear()
-        modules._post_bw_callbacks_to_enqueue.clear()
-        modules._has_callback = False
-        if hasattr(mode, "_ac_mod"):
-            mode._ac_mod, mode._in_ac = None, False
+    release_module_tracking()
 
 
 def device_peak_bytes(inputs: dict[str, Any]) -> int | None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torchao.optim import CPUOffloadOptimizer
 
+from memtrain._compat.torch_tools import foreach_mul_, post_accumulate_grad_hooks
 from memtrain.device import host_free_bytes
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
@@ -74,14 +75,14 @@ class OffloadOptimizer(CPUOffloadOptimizer):
             group["params"] = list(group["params"])  # may be a generator, read more than once
         first = next((p for g in groups for p in g["params"]), None)
         params = [p for g in groups for p in g["params"]]
-        before = {p: set(p._post_accumulate_grad_hooks or ()) for p in params}
+        before = {p: set(post_accumulate_grad_hooks(p) or ()) for p in params}
         if first is not None and first.device.type == "cpu":
             self._init_on_cpu(groups, optimizer_class, minimal_size, kwargs)
         else:
             super().__init__(groups, optimizer_class, offload_gradients=False,
                              minimal_size=minimal_size, **kwargs)
         # torchao keeps no handles to its gradient hooks: remember the ones it added, by id
-        self._hook_ids = {p: set(p._post_accumulate_grad_hooks or ()) - before[p] for p in params}
+        self._hook_ids = {p: set(post_accumulate_grad_hooks(p) or ()) - before[p] for p in params}
         self._host_grad_scale: torch.Tensor | None = None
 
     def _init_on_cpu(self, groups: list[dict[str, Any]],
@@ -129,7 +130,7 @@ class OffloadOptimizer(CPUOffloadOptimizer):
         would stay alive with its host state and copy every gradient to the host a second time.
         """
         for p, ids in self._hook_ids.items():
-            hooks = p._post_accumulate_grad_hooks
+            hooks = post_accumulate_grad_hooks(p)
             for hook_id in ids:
                 if hooks is not None:
                     hooks.pop(hook_id, None)
@@ -154,7 +155,7 @@ class OffloadOptimizer(CPUOffloadOptimizer):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         retained = [p.grad for g in self.d_param_groups for p in g["params"] if p.grad is not None]
         if retained:
-            torch._foreach_mul_(retained, coef.to(retained[0].device))
+            foreach_mul_(retained, coef.to(retained[0].device))
         self._host_grad_scale = coef
         return norm
 
@@ -172,7 +173,7 @@ class OffloadOptimizer(CPUOffloadOptimizer):
             coef = self._host_grad_scale.to("cpu")
             host_grads = [self.param_d2h_map[p].grad for p in self.queue]
             if host_grads:
-                torch._foreach_mul_(host_grads, coef)
+                foreach_mul_(host_grads, coef)
             self._host_grad_scale = None
         loss = super().step(closure)
         for tensor in self.host_tensors():  # state created by this step is host memory too

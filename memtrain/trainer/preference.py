@@ -18,20 +18,19 @@ Two things differ from a stock ``DPOTrainer`` call:
   anything, and the reference forward is the base model's.
 
 :func:`reference_step` is the same loss for the estimator's traced step
-(:mod:`memtrain.trainer.step`): TRL's ``_compute_loss`` on a trainer that holds only what that
-method reads, on fake tensors.
+(:mod:`memtrain.trainer.step`): TRL's own loss method on a trainer that holds only what that
+method reads, on fake tensors (:func:`memtrain._compat.trl.dpo_loss`).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from memtrain._compat.trl import DPOTrainerHooks, add_fused_head, dpo_loss
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.errors import TRL_MISSING, MemtrainError
@@ -39,7 +38,6 @@ from memtrain.trainer.trainer import MemtrainTrainer, argument_values, trainer_i
 
 try:
     from trl import DPOConfig, DPOTrainer
-    from trl.trainer.utils import add_fused_lm_head
 except ImportError:  # an optional dependency (memtrain[dpo])
     raise MemtrainError(TRL_MISSING) from None
 
@@ -52,7 +50,7 @@ if TYPE_CHECKING:
 HEAD_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 
 
-class MemtrainDPOTrainer(MemtrainTrainer, DPOTrainer):
+class MemtrainDPOTrainer(DPOTrainerHooks, MemtrainTrainer, DPOTrainer):
     """TRL's DPOTrainer behind memtrain's recovery, guards and checkpoints (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -61,10 +59,10 @@ class MemtrainDPOTrainer(MemtrainTrainer, DPOTrainer):
         if hasattr(model, "peft_config") and "ref" in model.peft_config:
             model.delete_adapter("ref")  # the reference is the base model: adapter disabled
 
-    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+    def prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
         if "chosen_ids" in getattr(dataset, "column_names", []):
             return dataset  # tokenized by memtrain.data.preference
-        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        return super().prepare_dataset(dataset, processing_class, args, dataset_name)
 
 
 def dpo_arguments(cfg: RunConfig, batch: Batch, output_dir: str, has_eval: bool) -> DPOConfig:
@@ -108,48 +106,17 @@ def build_dpo_trainer(cfg: RunConfig, model: nn.Module, tokenizer: Any, data: Pr
 # ------------------------------------------------------------------------ the estimator's step
 
 
-class _Accelerator:
-    """What ``DPOTrainer._compute_loss`` asks of accelerate in one process."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    @staticmethod
-    def unwrap_model(model: nn.Module) -> nn.Module:
-        return model
-
-    @staticmethod
-    def gather_for_metrics(value: Any) -> Any:
-        return value
-
-    gather = gather_for_metrics
-
-
 def reference_step(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module, Any], torch.Tensor]:
     """The loss of a DPO step as the Trainer computes it, for :func:`memtrain.trainer.step.training_step`.
 
     Adds TRL's fused log-probability head to ``model`` (as ``DPOTrainer.__init__`` does) and returns
-    ``loss(model, batch)``: ``DPOTrainer._compute_loss`` itself, bound to an object holding the
-    attributes that method reads, set from the recipe as ``DPOTrainer.__init__`` sets them from
-    ``DPOConfig``. Its metrics read numbers (``.item()``): traced on fake tensors, the estimator's
-    ``fake_tensor_mode(scalars=True)`` answers them.
+    ``loss(model, batch)``: TRL's own loss method, bound to an object holding the attributes that
+    method reads, set from the recipe as ``DPOTrainer.__init__`` sets them from ``DPOConfig``
+    (:func:`memtrain._compat.trl.dpo_loss`). Its metrics read numbers (``.item()``): traced on fake
+    tensors, the estimator's ``fake_tensor_mode(scalars=True)`` answers them.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    add_fused_lm_head(base, outputs=HEAD_OUTPUTS)
+    add_fused_head(base, outputs=HEAD_OUTPUTS)
     settings = dpo_settings(cfg)
-    trainer = DPOTrainer.__new__(DPOTrainer)
-    trainer.model, trainer.ref_model = model, None
-    trainer.args = SimpleNamespace(gradient_checkpointing_kwargs=None)
-    trainer.accelerator = _Accelerator(next(model.parameters()).device)
-    trainer.beta, trainer.loss_types = settings["beta"], settings["loss_type"]
-    trainer.loss_weights = [1.0] * len(trainer.loss_types)
-    trainer.precompute_ref_logps = settings["precompute_ref_log_probs"]
-    trainer.ld_alpha, trainer.f_divergence_type, trainer.label_smoothing = None, "reverse_kl", 0.0
-    trainer.use_weighting, trainer.aux_loss_enabled, trainer._tp_size = False, False, 1
-    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    trainer._total_train_tokens = 0
-
-    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return DPOTrainer._compute_loss(trainer, model, batch, return_outputs=False)
-
-    return loss
+    return dpo_loss(model, beta=settings["beta"], loss_types=settings["loss_type"],
+                    precompute_ref_logps=settings["precompute_ref_log_probs"])

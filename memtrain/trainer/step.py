@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
+from memtrain._compat.torch_tools import FakeTensor
 from memtrain.memory.meter import MemoryMeter, StepMemory
 
 Batch = Mapping[str, torch.Tensor]

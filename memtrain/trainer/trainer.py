@@ -21,6 +21,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from memtrain._compat.transformers_trainer import TrainerHooks, set_loss_scaled_for_ga
 from memtrain.config import RunConfig, decided
 from memtrain.config.batch import Batch
 from memtrain.device import cuda_available, host_budget_bytes
@@ -120,7 +121,7 @@ def add_derived_metrics(metrics: dict[str, float], cfg: RunConfig, data: Prepare
     return out
 
 
-class MemtrainTrainer(Trainer):
+class MemtrainTrainer(TrainerHooks, Trainer):
     """The stock Trainer plus what a run that must lose nothing needs.
 
     - a loss that is NaN/inf skips its optimizer step
@@ -161,12 +162,12 @@ class MemtrainTrainer(Trainer):
         self.started_at = time.time()  # checkpoints record the run's training time so far
         return super().train(*args, **kwargs)
 
-    def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
+    def run_epoch(self, *args: Any, **kwargs: Any) -> None:
         # Resumed at `max_steps` (e.g. the final save failed): the stock loop would run one more step.
         if 0 < self.state.max_steps <= self.state.global_step:
             self.control.should_training_stop = True
             return
-        super()._run_epoch(*args, **kwargs)
+        super().run_epoch(*args, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
@@ -180,8 +181,8 @@ class MemtrainTrainer(Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         return self.eval_recovery.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
-    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
-        args = super()._build_accelerator_args(**kwargs)
+    def accelerator_arguments(self, **kwargs: Any) -> dict[str, Any]:
+        args = super().accelerator_arguments(**kwargs)
         if self.fsdp_plugin is not None:
             args["fsdp_plugin"] = self.fsdp_plugin
         return args
@@ -211,10 +212,10 @@ class MemtrainTrainer(Trainer):
                     stack.enter_context(callback.paused())
             return super().evaluate(*args, **kwargs)
 
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+    def save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """The stock save, through memtrain's one checkpoint writer
         (:mod:`memtrain.reliability.checkpoints`)."""
-        stock = super()._save_checkpoint
+        stock = super().save_checkpoint
         checkpoints.write_checkpoint(self, lambda: stock(model, trial))
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
@@ -243,14 +244,14 @@ class MemtrainTrainer(Trainer):
                                              *(self.host_budget or ()))
         return self.optimizer
 
-    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+    def clip_grad_norm(self, model: Any) -> torch.Tensor:
         # An offloaded optimizer steps on host copies of the gradients: clip those.
         from memtrain.trainer.optimizer_offload import OffloadOptimizer
 
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         if isinstance(inner, OffloadOptimizer):
             return inner.clip_grad_norm_(self.args.max_grad_norm)
-        return super()._clip_grad_norm(model)
+        return super().clip_grad_norm(model)
 
 
 def trainer_inputs(cfg: RunConfig, model: torch.nn.Module, tokenizer: Any, data: PreparedData,
@@ -285,7 +286,7 @@ def build_trainer(
         # `num_items_in_batch`; sequence classifiers take **kwargs but return a plain mean, so
         # the Trainer would skip dividing by the accumulation steps and the gradient would grow
         # with the accumulation (tests/end_to_end/test_train.py checks the equivalence).
-        trainer.loss_is_scaled_for_ga = False
+        set_loss_scaled_for_ga(trainer, False)
     return trainer
 
 
@@ -324,12 +325,13 @@ def adopt_fsdp(trainer: Any, plugin: Any) -> None:
     states change: every later ``AcceleratorState()`` copies ``distributed_type`` from
     ``PartialState``, which would quietly turn the run back into DDP.
     """
-    from accelerate import PartialState
     from accelerate.utils import DistributedType
+
+    from memtrain._compat.accelerate import set_shared_distributed_type
 
     state = trainer.accelerator.state
     if state.distributed_type != DistributedType.FSDP:
-        PartialState().distributed_type = DistributedType.FSDP
+        set_shared_distributed_type(DistributedType.FSDP)
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = plugin
     trainer.is_fsdp_enabled = True

@@ -1,0 +1,107 @@
+"""torch internals other than the memory trackers (those are :mod:`memtrain._compat.torch_trackers`).
+
+Each function says what it touches and why no public API does it. Checked on torch 2.13.0 (this
+CPU, the pinned version) and 2.11 (the GPU image, docs/devices.md: the suite passes but the
+CUDA-only tests); the tested range is :data:`memtrain._compat.versions.TESTED` (2.10–2.15).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# Fake tensors: the estimator traces a step on them. ``torch._subclasses`` is private, and torch
+# documents no public import path for these names (torch.compile's docs import them from here too).
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake, unset_fake_temporarily
+from torch.utils._pytree import tree_leaves
+
+from memtrain._compat.versions import private
+
+__all__ = ["FakeTensor", "FakeTensorMode", "active_fake_mode", "backward_hooks", "clear_cublas_workspaces",
+           "foreach_mul_", "is_fake", "keep_on_device", "module_tensor_tables", "overload_packet",
+           "post_accumulate_grad_hooks", "set_allocator_settings", "tensor_base", "tensor_version",
+           "tree_leaves", "unset_fake_temporarily"]
+
+_SHIM = "torch_tools"
+
+
+def overload_packet(func: Any) -> Any:
+    """The ``OpOverloadPacket`` of an op overload (``aten.mm.default`` -> ``aten.mm``), the key of
+    ``torch.utils.flop_counter.flop_registry``. Touches ``OpOverload._overloadpacket``: torch has no
+    public accessor (``FlopCounterMode`` reads the same attribute)."""
+    return private(func, "_overloadpacket", f"{_SHIM}.overload_packet", "torch")
+
+
+def clear_cublas_workspaces() -> bool:
+    """Free cuBLAS's per-thread workspaces, which sit in the caching allocator (a segment holding
+    one is never returned). Touches ``torch._C._cuda_clearCublasWorkspaces``: no public API; a torch
+    without it (or without CUDA) leaves them, as before. Returns whether it cleared."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    clear()
+    return True
+
+
+def set_allocator_settings(settings: str) -> bool:
+    """Apply ``PYTORCH_CUDA_ALLOC_CONF``-style ``settings`` to an allocator already running.
+    Touches ``torch.cuda.memory._set_allocator_settings`` (torch reads the variable only when CUDA
+    starts; no public setter). Returns False where this torch has none (nothing applied)."""
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        return False
+    setter(settings)
+    return True
+
+
+def backward_hooks(tensor: torch.Tensor) -> Any:
+    """A tensor's ``_backward_hooks`` dict (hook id -> hook; None when it has none). torch offers
+    handles for the hooks one registers, but not for those its own modules add."""
+    return tensor._backward_hooks
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> Any:
+    """A parameter's ``_post_accumulate_grad_hooks`` dict (hook id -> hook; None when none):
+    torchao's ``CPUOffloadOptimizer`` keeps no handles to the hooks it adds, so removing them needs
+    the dict."""
+    return param._post_accumulate_grad_hooks
+
+
+def tensor_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was made from (``Tensor._base``; None for a non-view): no public accessor."""
+    return tensor._base
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The in-place version counter (``Tensor._version``), which autograd checks saved tensors
+    against: no public accessor."""
+    return tensor._version
+
+
+def module_tensor_tables(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A module's own ``_parameters`` and ``_buffers`` dicts (to replace entries in place, as
+    ``nn.Module.__setattr__`` would not for a name held as a plain attribute)."""
+    return module._parameters, module._buffers
+
+
+def keep_on_device(module: nn.Module) -> None:
+    """Make ``module.to()`` / ``.cuda()`` (``nn.Module._apply``) leave ``module`` where it is, on this
+    instance only. torch has no public way to exclude a module from ``Module.to``."""
+    module._apply = lambda fn, recurse=True: module  # type: ignore[method-assign]
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: Any) -> None:
+    """``torch._foreach_mul_``: multiply every tensor in place in one kernel (what
+    ``torch.nn.utils.clip_grad_norm_`` itself uses; no public name)."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def private_op(name: str) -> Any:
+    """``torch.ops.aten.<name>.default`` for a private aten op (``_grouped_mm``,
+    ``_local_scalar_dense``), or a clear error where this torch lacks it."""
+    packet = private(torch.ops.aten, name, f"{_SHIM}.private_op", "torch")
+    return packet.default
+

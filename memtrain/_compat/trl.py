@@ -1,0 +1,121 @@
+"""TRL: the private parts of ``DPOTrainer`` memtrain relies on.
+
+Public first: memtrain configures TRL through ``DPOConfig`` (beta, loss type, reference
+precomputation, ...) and runs the stock ``DPOTrainer``. What is here has no public API in TRL 1.16:
+
+- :class:`DPOTrainerHooks`: ``_prepare_dataset`` forwarded to :meth:`~DPOTrainerHooks.prepare_dataset`
+  (``DPOConfig`` has no flag to skip TRL's tokenization of a dataset memtrain already tokenized;
+  SFTConfig's ``dataset_kwargs={"skip_prepare_dataset": True}`` has no DPO counterpart);
+- :func:`dpo_loss`: ``DPOTrainer._compute_loss`` on an object built with ``DPOTrainer.__new__``
+  holding only the attributes that method reads, for the estimator's traced step (building a real
+  ``DPOTrainer`` needs a dataset, an accelerator and a process group);
+- :func:`add_fused_head`: ``trl.trainer.utils.add_fused_lm_head`` (not exported by ``trl``);
+- :func:`forget_metrics`: ``_metrics`` and ``_total_train_tokens``, what TRL's trainers collect in
+  ``compute_loss`` (the auto-fit probe's steps are not training steps).
+
+Checked on trl 1.16.0 (installed; the tested range is :data:`memtrain._compat.versions.TESTED`, 1.16).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain._compat.versions import compat_error, private, require
+
+_SHIM = "trl"
+
+
+@functools.cache
+def _check_prepare(cls: type) -> None:
+    require(cls, ("_prepare_dataset",), f"{_SHIM}.DPOTrainerHooks", "trl")
+
+
+class DPOTrainerHooks:
+    """A mixin before ``trl.DPOTrainer`` in the bases: ``_prepare_dataset`` forwarded to
+    :meth:`prepare_dataset` (TRL's behaviour by default)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from trl import DPOTrainer
+
+        _check_prepare(DPOTrainer)
+        super().__init__(*args, **kwargs)
+
+    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        return self.prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+        """TRL's tokenization of a preference dataset (``DPOTrainer._prepare_dataset``)."""
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)  # type: ignore[misc]
+
+
+def add_fused_head(model: nn.Module, outputs: tuple[str, ...]) -> None:
+    """TRL's fused log-probability head on ``model`` (``trl.trainer.utils.add_fused_lm_head``, as
+    ``DPOTrainer.__init__`` adds it), answering ``outputs``."""
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:
+        raise compat_error(f"{_SHIM}.add_fused_head", "trl", "trl.trainer.utils.add_fused_lm_head") from None
+    add_fused_lm_head(model, outputs=outputs)
+
+
+class _Accelerator:
+    """What ``DPOTrainer._compute_loss`` asks of accelerate in one process."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @staticmethod
+    def unwrap_model(model: nn.Module) -> nn.Module:
+        return model
+
+    @staticmethod
+    def gather_for_metrics(value: Any) -> Any:
+        return value
+
+    gather = gather_for_metrics
+
+
+def dpo_loss(model: nn.Module, beta: float, loss_types: list[str],
+             precompute_ref_logps: bool) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """``loss(model, batch)``: ``DPOTrainer._compute_loss`` itself, bound to an object holding the
+    attributes that method reads, set as ``DPOTrainer.__init__`` sets them from a ``DPOConfig``
+    with these values (and TRL's defaults for the rest). TRL 1.16's method reads further
+    attributes only on branches a one-process trace without a reference model does not take
+    (issue 35): a TRL that reads more fails here, in the estimator, not in training."""
+    from trl import DPOTrainer
+
+    compute = private(DPOTrainer, "_compute_loss", f"{_SHIM}.dpo_loss", "trl")
+    trainer = DPOTrainer.__new__(DPOTrainer)
+    trainer.model, trainer.ref_model = model, None
+    trainer.args = SimpleNamespace(gradient_checkpointing_kwargs=None)
+    trainer.accelerator = _Accelerator(next(model.parameters()).device)
+    trainer.beta, trainer.loss_types = beta, loss_types
+    trainer.loss_weights = [1.0] * len(trainer.loss_types)
+    trainer.precompute_ref_logps = precompute_ref_logps
+    trainer.ld_alpha, trainer.f_divergence_type, trainer.label_smoothing = None, "reverse_kl", 0.0
+    trainer.use_weighting, trainer.aux_loss_enabled, trainer._tp_size = False, False, 1
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer._total_train_tokens = 0
+
+    def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return compute(trainer, model, batch, return_outputs=False)
+
+    return loss
+
+
+def forget_metrics(trainer: Any) -> None:
+    """Drop what TRL's trainers collected in ``compute_loss`` since the last log (``_metrics``,
+    ``_total_train_tokens``); nothing for a trainer without them."""
+    metrics = getattr(trainer, "_metrics", None)
+    if isinstance(metrics, dict):
+        for values in metrics.values():
+            values.clear()
+    if hasattr(trainer, "_total_train_tokens"):
+        trainer._total_train_tokens = 0
