@@ -31,7 +31,6 @@ TESTED: dict[str, tuple[str, str]] = {
     "trl": ("1.16", "1.16"),
     "torchao": ("0.18", "0.18.0"),
 }
-ISSUES = "https://github.com/memtrain/memtrain/issues"
 _log = logging.getLogger(__name__)
 _warned: set[str] = set()  # packages already warned about in this process
 
@@ -83,7 +82,8 @@ def check_versions() -> list[str]:
         _warned.add(package)
         message = (f"memtrain was tested with {package} {span(package)}; {version} is installed. It may "
                    f"work; if something breaks, install a tested version (pip install "
-                   f"'{package}>={TESTED[package][0]},<={TESTED[package][1]}') or report it ({ISSUES}).")
+                   f"'{package}>={TESTED[package][0]},<={TESTED[package][1]}') or report it to "
+                   "memtrain's issues with this message.")
         _log.warning(message)
         said.append(message)
     return said
@@ -101,7 +101,7 @@ def compat_error(shim: str, package: str, what: str) -> CompatError:
     return CompatError(
         f"memtrain._compat.{shim}: {package} {version} has no {what} (checked on {package} "
         f"{span(package)}). Install a tested version (pip install '{package}>={TESTED[package][0]},"
-        f"<={TESTED[package][1]}'), or please report it ({ISSUES}).")
+        f"<={TESTED[package][1]}'), or please report it to memtrain's issues with this message.")
 
 
 def private(obj: Any, name: str, shim: str, package: str) -> Any:
