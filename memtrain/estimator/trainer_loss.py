@@ -44,8 +44,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from memtrain._compat.accelerate import original_forward
+from memtrain._compat.datasets import feature_type
+from memtrain._compat.torch_tools import FakeTensorMode, module_tensor_tables, unset_fake_temporarily
+from memtrain._compat.transformers_trainer import collator_with_removed_columns, remove_unused_columns
+from memtrain.data.rows import Rows
 from memtrain.estimator.fake import fake_tensor_mode
 from memtrain.estimator.trace import HOST, ROUNDED, _create_optimizer_state, _quiet
 from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
@@ -142,20 +146,44 @@ def longest_batch(trainer: Any, micro_batch: int) -> dict[str, Any]:
     (an iterable data set, whose longest examples cannot be known in advance) gives its first
     ``micro_batch`` examples.
     """
+    return longest_batch_rows(trainer, micro_batch)[0]
+
+
+def longest_batch_rows(trainer: Any, micro_batch: int) -> tuple[dict[str, Any], Rows]:
+    """:func:`longest_batch`, and what it says about the data as the planner's :class:`Rows`.
+
+    ``Rows.longest`` is the collated batch's row length (the collator's padding included), or, for
+    a collator that flattens the batch into one row of sequences (``DataCollatorWithFlattening``,
+    TRL's padding-free), the longest sequence; ``packed`` when position ids restart inside a row;
+    ``uniform`` when every example has the same number of tokens (a stream: unknown, so False).
+    """
     import datasets
 
     dataset = trainer.train_dataset
     collator = trainer.data_collator
     if isinstance(dataset, datasets.Dataset):
-        dataset = trainer._remove_unused_columns(dataset, description="training")
+        dataset = remove_unused_columns(trainer, dataset, description="training")
     else:
-        collator = trainer._get_collator_with_removed_columns(collator, description="training")
+        collator = collator_with_removed_columns(trainer, collator, description="training")
+    sizes = None
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
         examples = list(itertools.islice(iter(dataset), micro_batch))  # a stream: its first examples
     else:
         sizes = _token_counts(dataset)
         examples = [dataset[int(i)] for i in np.argsort(-sizes, kind="stable")[:micro_batch]]
-    return dict(collator(examples))
+    batch = dict(collator(examples))
+    ids = next((v for k, v in batch.items() if k.endswith("input_ids") and isinstance(v, torch.Tensor)),
+               None)
+    if ids is None:
+        raise ValueError(f"its collator makes no input_ids (it makes {sorted(batch)})")
+    packed = _packed(batch)
+    longest = int(ids.shape[-1])
+    if packed and ids.dim() == 2 and ids.shape[0] == 1 and len(examples) > 1:  # one row of sequences
+        positions = batch["position_ids"][0]
+        starts = [*torch.nonzero(positions == 0).flatten().tolist(), int(positions.numel())]
+        longest = max(b - a for a, b in itertools.pairwise(starts))
+    uniform = sizes is not None and int(sizes.min()) == int(sizes.max())
+    return batch, Rows(longest=longest, uniform=uniform, packed=packed, read=True)
 
 
 def _token_counts(dataset: Any) -> np.ndarray:
@@ -182,7 +210,7 @@ def _is_token_list(feature: Any) -> bool:
 
     inner = getattr(feature, "feature", None)
     if isinstance(feature, (datasets.Sequence, datasets.List)) and isinstance(inner, datasets.Value):
-        return inner.dtype.startswith("int") and not str(getattr(feature, "_type", "")).startswith("Array")
+        return inner.dtype.startswith("int") and not feature_type(feature).startswith("Array")
     return False
 
 
@@ -267,7 +295,7 @@ def _fake_weights(modules: list[nn.Module], mode: FakeTensorMode) -> Iterator[No
 
     try:
         for module in {id(m): m for root in modules for m in root.modules()}.values():
-            for table in (module._parameters, module._buffers):
+            for table in module_tensor_tables(module):
                 for name, tensor in table.items():
                     if tensor is not None:
                         swapped.append((table, name, tensor))
@@ -283,8 +311,8 @@ def _mixed_precision(trainer: Any) -> Any:
     Trainer prepares the model (``bf16=True``/``fp16=True`` with weights of another dtype), which
     happens in ``train()``, after ``attach``. A model already prepared keeps its own."""
     accelerator = getattr(trainer, "accelerator", None)
-    if accelerator is None or not getattr(accelerator, "native_amp", False) or hasattr(
-            trainer.model, "_original_forward"):
+    if accelerator is None or not getattr(accelerator, "native_amp", False) or (
+            original_forward(trainer.model) is not None):
         return contextlib.nullcontext()
     return accelerator.autocast()
 

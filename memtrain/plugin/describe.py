@@ -25,13 +25,9 @@ from transformers.models.auto.modeling_auto import (
 
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
+from memtrain.plugin.options import planned_attention, planned_optimizer
 from memtrain.units import format_bytes
 
-# TrainingArguments.optim -> memtrain's training.optimizer
-# (the inverse of memtrain.trainer.trainer.OPTIMIZERS)
-OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit",
-               "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
-               "adafactor": "adafactor", "sgd": "sgd"}
 EIGHT_BIT_OPTIM = "adamw_bnb_8bit"  # what TrainingArguments calls memtrain's adamw_8bit
 TASKS = (("sequence-classification", MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
          ("causal-lm", MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
@@ -53,8 +49,9 @@ class BudgetPlan:
 
     Attributes:
         budget: the budget in bytes; ``usable`` is what is left after the margin.
-        predicted_peak: the estimator's peak for one training step with the chosen settings
-            (every example ``max_length`` tokens long).
+        predicted_peak: the peak of one training step with the chosen settings: the estimator's
+            for rows of ``settings["max_length"]`` tokens, or, once ``attach`` traced the Trainer's
+            own step, that trace's.
         settings: the chosen values, by ``TrainingArguments`` name where there is one
             (``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``optim``) and
             memtrain's patch names otherwise (``checkpointing``, ``loss``, ...), and what the
@@ -62,6 +59,11 @@ class BudgetPlan:
         changes: what differs from the model and arguments given, and why.
         notes: what the prediction assumes and what it does not model (``attach`` adds what it
             found tracing the Trainer's own step).
+        length_from: where ``max_length`` came from: ``"max_length="``, ``"rows="``,
+            ``"args.max_length"``, ``"the data"`` (``attach`` read the Trainer's longest batch) or
+            ``"assumed"`` (nothing to read: ``attach`` re-plans from the Trainer's data).
+        pending: the plan is completed by ``attach`` (the length was assumed, or the Trainer
+            computes its own loss), which prints it then; ``prepare_for_budget`` printed one line.
     """
 
     budget: int
@@ -71,6 +73,10 @@ class BudgetPlan:
     settings: dict[str, Any]
     changes: list[Change] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    length_from: str = "max_length="
+    pending: bool = False
+    quiet: bool = False
+    request: dict[str, Any] = field(default_factory=dict, repr=False)  # prepare_for_budget's call, to re-plan
 
     def table(self) -> Table:
         """The decision as a rich table: one row per change, then the predicted peak."""
@@ -82,9 +88,11 @@ class BudgetPlan:
         return table
 
     def summary(self) -> str:
-        """One line: the predicted peak against the budget."""
+        """One line: the predicted peak against the budget, and the length it is for."""
+        packed = ", packed" if self.settings.get("packed") else ""
         return (f"memtrain prepare_for_budget: predicted peak {format_bytes(self.predicted_peak)} of "
-                f"{format_bytes(self.usable)} usable (budget {format_bytes(self.budget)}, {self.device})")
+                f"{format_bytes(self.usable)} usable (budget {format_bytes(self.budget)}, {self.device}; "
+                f"rows of {self.settings.get('max_length')} tokens{packed}, from {self.length_from})")
 
     def print(self, console: Console | None = None) -> None:
         """Print :meth:`summary` and :meth:`table` (to stderr by default, beside the Trainer's output)."""
@@ -93,6 +101,22 @@ class BudgetPlan:
         console.print(self.table())
         for note in self.notes:
             console.print(f"note: {note}", highlight=False)
+
+    def use_micro_batch(self, micro: int, accumulation: int, peak: int) -> None:
+        """Train at ``micro`` x ``accumulation`` with ``peak`` predicted (``attach``'s trace decided):
+        the settings and the changes say so."""
+        yours = self.request.get("yours", {})
+        self.settings.update(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
+        self.predicted_peak = peak
+        self.changes = [c for c in self.changes if c.setting not in (
+            "per_device_train_batch_size", "gradient_accumulation_steps")]
+        if yours and micro != yours["per_device_train_batch_size"]:
+            self.changes[:0] = [
+                Change("per_device_train_batch_size", str(yours["per_device_train_batch_size"]), str(micro),
+                       "the largest micro-batch whose traced step fits; the accumulation makes up the "
+                       "rest, so your effective batch is unchanged"),
+                Change("gradient_accumulation_steps", str(yours["gradient_accumulation_steps"]),
+                       str(accumulation), "keeps per-device batch × accumulation")]
 
 
 def task_of(model: nn.Module) -> str:
@@ -138,9 +162,6 @@ def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
     config = base_model.config
     task = task_of(base_model)
     precision = _precision(base_model)
-    if args.optim not in OPTIM_NAMES:
-        raise MemtrainError(f"prepare_for_budget: `args.optim={optim_name(args)!r}` is not one memtrain "
-                            f"estimates. Fix: one of {', '.join(sorted(OPTIM_NAMES))}.")
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in (
         "architectures", "transformers_version", "dtype", "torch_dtype", "id2label", "label2id",
         "quantization_config")}
@@ -148,13 +169,14 @@ def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
     classify = task == "sequence-classification"
     recipe = {
         "model": {"from_config": values, "tokenizer": "unused", "task": task, **precision,
+                  **({"attn_implementation": attention} if (attention := planned_attention(model)) else {}),
                   **({"num_labels": config.num_labels} if classify else {})},
         "data": {"source": "unused", "max_length": max_length,
                  **({"format": "classification"} if classify else {}),
                  **({"packing": True} if packing else {})},
         "adapter": _adapter(model, peft_config),
         "training": {"effective_batch_size": per_device, "micro_batch_size": "auto",
-                     "gradient_accumulation": None, "optimizer": OPTIM_NAMES[args.optim],
+                     "gradient_accumulation": None, "optimizer": planned_optimizer(args),
                      "learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm or None},
         "memory": {"allow_approximate": allow_approximate},
         "output": {"dir": args.output_dir or "unused"},
@@ -259,12 +281,12 @@ def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, arg
              f"gradient_accumulation_steps={smallest.accumulation}"]
     mode = values.pop("memory.checkpointing", "full" if user_checkpointing else "none")
     parts.append(f"checkpointing {mode}")
-    optim = optim_name(args) if optimizer == OPTIM_NAMES.get(args.optim) else EIGHT_BIT_OPTIM
+    optim = optim_name(args) if optimizer == planned_optimizer(args) else EIGHT_BIT_OPTIM
     parts.append(f"optim={optim!r}" + (" (8-bit AdamW)" if optim == EIGHT_BIT_OPTIM else ""))
     parts += [f"{k.split('.')[-1]} {v}" for k, v in values.items() if k != "training.optimizer"]
     usable = int(total * (1 - margin))
     needed = int(smallest.min_peak / (1 - margin)) + 1
-    yours = next((e.smallest.min_peak for o, e in failures if o == OPTIM_NAMES.get(args.optim)), None)
+    yours = next((e.smallest.min_peak for o, e in failures if o == planned_optimizer(args)), None)
     own = (f" (with your optim={optim_name(args)!r}: {format_bytes(yours)})"
            if yours is not None and optim != optim_name(args) else "")
     return MemtrainError(
@@ -279,3 +301,43 @@ def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, arg
 def optim_name(args: TrainingArguments) -> str:
     """``args.optim`` as the plain string a user writes (TrainingArguments keeps an enum)."""
     return str(getattr(args.optim, "value", args.optim))
+
+
+DEFAULT_LENGTH = 512  # tokens planned for when nothing says the length (capped by the model's positions)
+
+
+def planned_length(model: nn.Module, args: TrainingArguments, max_length: int | None, rows: Any
+                   ) -> tuple[int, str, list[str]]:
+    """The row length to plan for, where it came from (:attr:`BudgetPlan.length_from`) and notes.
+
+    A stated ``max_length=`` is the user's choice (over the model's positions it is an error);
+    ``rows=`` is the data; ``args.max_length`` (TRL's configs, which cut rows there) and the
+    assumed default are capped by the model's positions
+    (:func:`memtrain.estimator.setup.position_limit`).
+    """
+    from memtrain.estimator.setup import position_limit
+
+    inner = getattr(model, "get_base_model", lambda: model)()
+    limit = position_limit(inner.config)
+    positions = f"the model's {limit} positions" if limit is not None else "no position limit in its config"
+    if max_length:
+        if limit is not None and max_length > limit:
+            raise MemtrainError(f"prepare_for_budget: `max_length={max_length}` is more than the {limit} "
+                                f"positions this model ({inner.config.model_type}) has. Fix: max_length= of "
+                                f"at most {limit}, and rows cut to it.")
+        return max_length, "max_length=", []
+    if rows is not None:
+        return rows.longest, "rows=", []
+    stated = getattr(args, "max_length", None)
+    if stated:
+        if limit is not None and stated > limit:
+            return limit, "args.max_length", [
+                f"{type(args).__name__}.max_length={stated} is more than {positions}: planned for {limit} "
+                "tokens (longer rows cannot be trained on this model)"]
+        return stated, "args.max_length", []
+    length = min(DEFAULT_LENGTH, limit) if limit is not None else DEFAULT_LENGTH
+    why = (f"the model's {limit} positions" if length == limit else
+           f"memtrain's default of {DEFAULT_LENGTH}, within {positions}")
+    return length, "assumed", [
+        f"no max_length= and no data to read yet: assumed rows of {length} tokens ({why}); "
+        "memtrain.attach(trainer) re-plans for the longest batch of the Trainer's data through its collator"]

@@ -36,7 +36,6 @@ that recovery needs ``attach``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -45,13 +44,15 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain._compat.versions import check_versions
 from memtrain.data.rows import Rows
 from memtrain.device import configure_allocator
 from memtrain.errors import MemtrainError
 from memtrain.estimator.trainer_loss import TrainerEstimate
-from memtrain.memory import hostmem
-from memtrain.plugin.describe import BudgetPlan, budget_plan, nothing_fits, recipe_for
-from memtrain.plugin.trainer_step import check_trainer_step, overrides_step
+from memtrain.plugin.apply import apply_plan, say
+from memtrain.plugin.describe import BudgetPlan, budget_plan, nothing_fits, planned_length, recipe_for
+from memtrain.plugin.options import Seen, option_notes
+from memtrain.plugin.trainer_step import check_trainer_step, complete_plan, overrides_step
 from memtrain.reliability.budget import SimulatedBudget, resolve_budget, usable_bytes
 from memtrain.reliability.eval_recovery import EvalBatchRecovery
 from memtrain.reliability.recovery import Fixes, MicroBatchRecovery
@@ -105,6 +106,7 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         self.estimate = estimate if predicted is None or isinstance(predicted, BudgetPlan) else bool(
             estimate is True)  # a prediction you give is kept unless you ask for the trace
         self.trainer_estimate: TrainerEstimate | None = None
+        self._plan_predicts = plan is not None and (predicted is None or predicted is plan)
         if plan is not None:  # prepare_for_budget's decision: its budget, margin and predicted peak
             budget = plan.budget if budget is None or budget is plan else budget
             predicted = plan.predicted_peak if predicted is None or predicted is plan else predicted
@@ -133,7 +135,12 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         out-of-memory recovery for training and evaluation into it. Call before ``train()``."""
         super().attach(trainer)
         self._attached = True
-        if self.trainer_estimate is None and (self.estimate is True or (
+        if self.plan is not None and self.plan.request and self.trainer_estimate is None:
+            found = self.trainer_estimate = complete_plan(trainer, self.plan, self.estimate)
+            if self.predicted is None or self._plan_predicts:
+                self.predicted = self.predicted_bytes = self.plan.predicted_peak if (
+                    found is None or found.modelled) else None
+        elif self.trainer_estimate is None and (self.estimate is True or (
                 self.estimate == "auto" and overrides_step(trainer))):
             self._estimate_step(trainer)
         if trainer.loss_is_scaled_for_ga is None and _is_classifier(trainer.model):
@@ -171,12 +178,6 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         """The Trainer's own step traced: its peak is the prediction (none if not modelled)."""
         found = self.trainer_estimate = check_trainer_step(trainer, self.usable)
         self.predicted = self.predicted_bytes = found.peak_bytes
-        if self.plan is not None:
-            self.plan.notes.append(found.describe())
-            if found.peak_bytes is not None:
-                self.plan.predicted_peak = found.peak_bytes
-                self.plan.settings.update(per_device_train_batch_size=found.micro_batch,
-                                          gradient_accumulation_steps=found.accumulation)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -264,6 +265,7 @@ def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **opt
     Returns:
         The attached callback (its ``recovery``, ``over_budget``, ``steps``, ... for inspection).
     """
+    check_versions()
     if budget is None:
         model = trainer.model
         budget = getattr(getattr(model, "get_base_model", lambda: model)(), "memtrain_plan",
@@ -318,6 +320,7 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         MemtrainError: nothing fits (the message has the smallest reachable peak and the settings
             that reach it), or the model or arguments are not ones memtrain estimates.
     """
+    check_versions()
     from memtrain.plan import planner
 
     configure_allocator()  # the settings the calibrated overheads were measured under
@@ -326,7 +329,8 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     except ValueError as err:
         raise MemtrainError(f"prepare_for_budget: `budget={budget!r}`: {err}. Fix: a size like '24GiB', "
                             "a number of bytes, or 'auto' (the device's free memory).") from err
-    length = max_length or getattr(args, "max_length", None) or 512
+    length, length_from, notes = planned_length(model, args, max_length, rows)
+    notes += option_notes(Seen(args, model))
     packed = bool(getattr(args, "packing", False) or getattr(args, "padding_free", False))
     base = recipe_for(model, args, length, allow_approximate, peft_config=peft_config,
                       packing=packed or bool(rows and rows.packed))
@@ -345,6 +349,7 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     if "8bit" not in base.training.optimizer:
         optimizers.append("adamw_8bit")  # your optimizer first; the 8-bit one only if nothing else fits
     failures: list[tuple[str, Any]] = []
+    request = {"allow_approximate": allow_approximate, "margin": margin, "peft_config": peft_config}
     for optimizer in optimizers:
         try:
             decided = planner.plan(planner.with_values(base, {**auto, "training.optimizer": optimizer}),
@@ -355,46 +360,41 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         changed = optimizer != base.training.optimizer
         adapter = base.adapter.method + (f" r={base.adapter.r}" if base.adapter.method == "lora" else "")
         result = budget_plan(decided, args, changed, user_checkpointing, adapter)
-        result.settings["max_length"] = rows.longest if rows is not None else length
-        result.settings["packed"] = base.data.packing
-        if not quiet:
-            result.print()
-        return _apply_plan(model, args, decided, result)
-    raise nothing_fits(failures, int(total), margin, args, user_checkpointing,  # type: ignore[arg-type]
-                       lora=base.adapter.method == "lora")
+        return apply_plan(model, args, decided, _finish(result, model, args, budget, length, length_from,
+                                                        notes, base.data.packing, quiet, request))
+    error = nothing_fits(failures, int(total), margin, args, user_checkpointing,  # type: ignore[arg-type]
+                         lora=base.adapter.method == "lora")
+    if length_from != "assumed":
+        raise error
+    # nothing fits rows of the assumed length: attach plans for the Trainer's data (or says nothing fits)
+    result = BudgetPlan(int(total), usable_bytes(int(total), margin), "not planned", 0, {
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps})
+    notes.append(f"nothing fits rows of the assumed {length} tokens ({str(error).split('. Fix')[0]}): "
+                 "model and arguments are unchanged until attach plans for the Trainer's data")
+    _finish(result, model, args, budget, length, length_from, notes, base.data.packing, quiet, request)
+    model.__dict__["memtrain_plan"] = result
+    return model, args
 
 
-def _apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: BudgetPlan
-                ) -> tuple[nn.Module, TrainingArguments]:
-    """Patch ``model`` as the plan says (after undoing a previous call's patches); new arguments."""
-    from memtrain.config import FewBitConfig, RandomizedLinearConfig
-    from memtrain.patches import checkpointing, chunked_loss, fewbit, lora, randomized_linear, records
-
-    for record in reversed(records(model)):  # a re-run (notebook cell) starts from the plain model
-        if record.undo is not None:
-            record.undo()
-    model.__dict__.pop("_memtrain_patch_records", None)
-    inner = getattr(model, "get_base_model", lambda: model)()
-    if getattr(inner, "is_gradient_checkpointing", False):
-        inner.gradient_checkpointing_disable()  # memtrain's patch checkpoints; never both
-    settings = decided.settings()
-    lora.lean_lora_layers(model)  # as memtrain's estimate of a LoRA model assumes (exact)
-    if settings.get("memory.loss") == "chunked":
-        chunked_loss.apply(model)
-    if result.settings["checkpointing"] != "none":
-        checkpointing.apply(model, result.settings["checkpointing"])
-    if settings.get("memory.activation_bits"):
-        fewbit.apply(model, FewBitConfig(bits=settings["memory.activation_bits"]))
-    if settings.get("memory.randomized_linear"):
-        randomized_linear.apply(model, RandomizedLinearConfig(**settings["memory.randomized_linear"]))
-    updates: dict[str, Any] = {key: result.settings[key] for key in
-                               ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")}
-    # memtrain's patch checkpoints; never both (transformers 5 names it activation_checkpointing)
-    updates.update({name: False for name in ("activation_checkpointing", "gradient_checkpointing")
-                    if hasattr(args, name)})
-    if decided.device == "cpu" and hostmem.keep_freed_pages():
-        log.info("prepare_for_budget: freed host memory is kept for reuse (memtrain.memory.hostmem)")
-    log.info("prepare_for_budget: %s; predicted peak %s of %s usable", decided.chosen.label(),
-             format_bytes(decided.chosen.peak), format_bytes(decided.usable))
-    model.__dict__["memtrain_plan"] = result  # not a submodule, not saved with the weights
-    return model, dataclasses.replace(args, **updates)
+def _finish(result: BudgetPlan, model: nn.Module, args: TrainingArguments, budget: Any, length: int,
+            length_from: str, notes: list[str], packed: bool, quiet: bool, request: dict[str, Any]
+            ) -> BudgetPlan:
+    """The plan's length, notes and request (for attach); printed now or left pending for attach."""
+    result.settings.update(max_length=length, packed=packed)
+    own_loss = type(args).__module__.split(".")[0] == "trl"  # TRL's trainers compute their own loss
+    result.notes[:0] = notes + ([f"{type(args).__name__}: TRL's trainer computes its own loss, which "
+                                 "only its own step shows: memtrain.attach(trainer) traces it and picks "
+                                 "the micro-batch from that trace"] if own_loss else [])
+    result.length_from, result.quiet = length_from, quiet
+    result.pending = length_from == "assumed" or own_loss
+    result.request = {"model": model, "args": args, "budget": budget, "options": request, "yours": {
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps}}
+    if result.pending:  # completed by attach, which prints it: no table now that would not run
+        lines = ["memtrain prepare_for_budget: memtrain.attach(trainer) completes the plan and prints the "
+                 "one that will run", *(f"note: {note}" for note in result.notes)]
+        (log.info if quiet else say)("\n".join(lines))
+    elif not quiet:
+        result.print()
+    return result

@@ -22,12 +22,18 @@ By default (``estimate="auto"``) only a Trainer whose class overrides ``compute_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from transformers import Trainer
 
-from memtrain.estimator.trainer_loss import TrainerEstimate, trainer_step_estimate
+from memtrain._compat.transformers_trainer import set_train_batch_size
+from memtrain.data.rows import Rows
+from memtrain.estimator.trainer_loss import TrainerEstimate, longest_batch_rows, trainer_step_estimate
+from memtrain.plugin.apply import IN_PLACE
+from memtrain.plugin.describe import BudgetPlan
+from memtrain.plugin.options import Seen, option_notes
 from memtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -40,8 +46,11 @@ def overrides_step(trainer: Trainer) -> bool:
     return any(getattr(type(trainer), name) is not getattr(Trainer, name) for name in STEP_METHODS)
 
 
-def check_trainer_step(trainer: Trainer, usable: int | None) -> TrainerEstimate:
+def check_trainer_step(trainer: Trainer, usable: int | None, grow: bool = False) -> TrainerEstimate:
     """Trace ``trainer``'s own step; refit its micro-batch when the step exceeds ``usable`` bytes.
+
+    ``grow``: the micro-batch is memtrain's choice (a plan), so a larger one whose traced step
+    fits is taken too (the largest divisor of per-device batch x accumulation that fits).
 
     Returns:
         The estimate of the step the Trainer will run (after any refit); ``modelled`` False
@@ -56,11 +65,20 @@ def check_trainer_step(trainer: Trainer, usable: int | None) -> TrainerEstimate:
         return found
     peak = found.peak_bytes or 0
     log.info("memtrain: %s: predicted peak %s", found.describe(), format_bytes(peak))
-    if usable is None or peak <= usable:
-        return found
     args = trainer.args
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     total = micro * accumulation
+    if usable is not None and peak <= usable and grow:
+        for larger in (d for d in range(micro + 1, total + 1) if total % d == 0):
+            candidate = trainer_step_estimate(trainer, larger, total // larger)
+            if not candidate.modelled or (candidate.peak_bytes or 0) > usable:
+                break
+            found = candidate
+        if found.micro_batch != micro:
+            _use(trainer, found.micro_batch, found.accumulation)
+        return found
+    if usable is None or peak <= usable:
+        return found
     smallest = found
     for smaller in sorted((d for d in range(1, micro) if total % d == 0), reverse=True):
         candidate = trainer_step_estimate(trainer, smaller, total // smaller)
@@ -92,4 +110,76 @@ def _use(trainer: Trainer, micro: int, accumulation: int) -> None:
     args: Any = trainer.args
     args.per_device_train_batch_size = micro
     args.gradient_accumulation_steps = accumulation
-    trainer._train_batch_size = args.train_batch_size
+    set_train_batch_size(trainer, args.train_batch_size)
+
+
+def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str) -> TrainerEstimate | None:
+    """What ``attach`` adds to ``prepare_for_budget``'s plan, now that the Trainer exists.
+
+    1. A plan made for an assumed length is made again for the longest batch of the Trainer's
+       data through its collator (capped by the model's positions), and the Trainer's arguments
+       follow it (in place, before ``train()``).
+    2. The Trainer's own step is traced (``estimate=True``; ``"auto"``: a Trainer that computes its
+       own loss, or a collator that flattens a batch into one row): its peak is the plan's, and the
+       micro-batch is the largest whose traced step fits.
+    3. The plan is printed (unless ``quiet``) if ``prepare_for_budget`` left it pending or it changed.
+
+    Returns:
+        The trace (None: not traced).
+    """
+    shown = (plan.predicted_peak, dict(plan.settings))
+    flattened = False
+    if plan.length_from == "assumed":
+        try:
+            batch, rows = longest_batch_rows(trainer, trainer.args.per_device_train_batch_size)
+        except Exception as err:
+            plan.notes.append(f"attach could not read the Trainer's data ({type(err).__name__}: {err}); the "
+                              "plan stays for the assumed length")
+        else:
+            flattened = rows.packed and batch["input_ids"].shape[0] == 1
+            _replan(trainer, plan, rows)
+    plan.notes += option_notes(Seen(trainer.args, trainer.model, trainer.data_collator),
+                               only=lambda rule: rule.option == "data_collator")
+    flattened = flattened or any("DataCollatorWithFlattening" in note for note in plan.notes)
+    found = None
+    if estimate is True or (estimate == "auto" and (overrides_step(trainer) or flattened)):
+        found = check_trainer_step(trainer, plan.usable, grow=True)
+        plan.notes.append(found.describe())
+        if found.modelled and found.peak_bytes is not None:
+            plan.use_micro_batch(found.micro_batch, found.accumulation, found.peak_bytes)
+            plan.settings["max_length"] = found.batch.get("input_ids", (0, plan.settings["max_length"]))[-1]
+            plan.length_from = "the Trainer's longest batch, its step traced"
+    if not plan.quiet and (plan.pending or (plan.predicted_peak, plan.settings) != shown):
+        plan.print()
+    plan.pending = False
+    return found
+
+
+def _replan(trainer: Trainer, plan: BudgetPlan, rows: Rows) -> None:
+    """``prepare_for_budget`` again, for ``rows`` read from the Trainer's data; its arguments follow."""
+    from memtrain.estimator.setup import position_limit
+    from memtrain.plugin.prepare import prepare_for_budget
+
+    request = plan.request
+    model = request["model"]
+    limit = position_limit(getattr(model, "get_base_model", lambda: model)().config)
+    notes = [f"the Trainer's longest batch has rows of {rows.longest} tokens, more than the model's {limit} "
+             f"positions: planned for {limit} (cut longer rows)"] if limit and rows.longest > limit else []
+    if notes:
+        rows = dataclasses.replace(rows, longest=limit)
+    token = IN_PLACE.set(trainer.args)
+    try:
+        _, args = prepare_for_budget(model, request["args"], request["budget"], rows=rows, quiet=True,
+                                     **request["options"])
+    finally:
+        IN_PLACE.reset(token)
+        # the estimator's traces build TrainingArguments of their own, which reset accelerate's
+        # process-wide state: the Trainer's accelerator is made again, from its (changed) arguments
+        trainer.create_accelerator_and_postprocess()
+    new = model.__dict__["memtrain_plan"]
+    new.notes[:0] = [*notes, f"the Trainer's longest batch through its collator: rows of {rows.longest} "
+                     f"tokens{', packed' if rows.packed else ''} (was assumed {plan.settings['max_length']})"]
+    new.length_from, new.quiet, new.pending = "the data", plan.quiet, plan.pending
+    plan.__dict__.update(new.__dict__)
+    model.__dict__["memtrain_plan"] = plan  # one plan object: the callback's, the model's
+    _use(trainer, args.per_device_train_batch_size, args.gradient_accumulation_steps)
