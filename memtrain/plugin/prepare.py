@@ -135,8 +135,9 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         out-of-memory recovery for training and evaluation into it. Call before ``train()``."""
         super().attach(trainer)
         self._attached = True
-        if self.plan is not None and self.plan.request and self.trainer_estimate is None:
-            found = self.trainer_estimate = complete_plan(trainer, self.plan, self.estimate)
+        if self.plan is not None and self.plan.request and not self.trainer_estimate:
+            found = self.trainer_estimate = complete_plan(trainer, self.plan, self.estimate,
+                                                          prepare_for_budget)
             if self.predicted is None or self._plan_predicts:
                 self.predicted = self.predicted_bytes = self.plan.predicted_peak if (
                     found is None or found.modelled) else None
@@ -295,8 +296,7 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         budget: like ``"24GiB"``, bytes, or ``"auto"`` (the device's free memory).
         allow_approximate: let the planner also choose approximate-gradient layers (few-bit
             activation backward, randomized linear backward), which change the gradients.
-        max_length: the longest example in tokens (the step is sized for it: the worst case);
-            default: ``args.max_length`` where the arguments have one (TRL's configs), else 512.
+        max_length: the longest example in tokens (default: docs/plugin.md, "The length planned for").
         margin: fraction of the budget kept free for what estimates miss.
         quiet: do not print the table of what was decided (it is in ``model.memtrain_plan``).
         peft_config: the peft ``LoraConfig`` your trainer will wrap the model with (TRL's

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from transformers import Trainer
@@ -113,7 +114,8 @@ def _use(trainer: Trainer, micro: int, accumulation: int) -> None:
     set_train_batch_size(trainer, args.train_batch_size)
 
 
-def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str) -> TrainerEstimate | None:
+def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prepare: Callable[..., Any]
+                  ) -> TrainerEstimate | None:
     """What ``attach`` adds to ``prepare_for_budget``'s plan, now that the Trainer exists.
 
     1. A plan made for an assumed length is made again for the longest batch of the Trainer's
@@ -122,6 +124,7 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str) -> T
     2. The Trainer's own step is traced (``estimate=True``; ``"auto"``: a Trainer that computes its
        own loss, or a collator that flattens a batch into one row): its peak is the plan's, and the
        micro-batch is the largest whose traced step fits.
+    (``prepare``: :func:`memtrain.plugin.prepare.prepare_for_budget`, which imports this module.)
     3. The plan is printed (unless ``quiet``) if ``prepare_for_budget`` left it pending or it changed.
 
     Returns:
@@ -137,7 +140,7 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str) -> T
                               "plan stays for the assumed length")
         else:
             flattened = rows.packed and batch["input_ids"].shape[0] == 1
-            _replan(trainer, plan, rows)
+            _replan(trainer, plan, rows, prepare)
     plan.notes += option_notes(Seen(trainer.args, trainer.model, trainer.data_collator),
                                only=lambda rule: rule.option == "data_collator")
     flattened = flattened or any("DataCollatorWithFlattening" in note for note in plan.notes)
@@ -155,10 +158,9 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str) -> T
     return found
 
 
-def _replan(trainer: Trainer, plan: BudgetPlan, rows: Rows) -> None:
+def _replan(trainer: Trainer, plan: BudgetPlan, rows: Rows, prepare: Callable[..., Any]) -> None:
     """``prepare_for_budget`` again, for ``rows`` read from the Trainer's data; its arguments follow."""
     from memtrain.estimator.setup import position_limit
-    from memtrain.plugin.prepare import prepare_for_budget
 
     request = plan.request
     model = request["model"]
@@ -169,7 +171,7 @@ def _replan(trainer: Trainer, plan: BudgetPlan, rows: Rows) -> None:
         rows = dataclasses.replace(rows, longest=limit)
     token = IN_PLACE.set(trainer.args)
     try:
-        _, args = prepare_for_budget(model, request["args"], request["budget"], rows=rows, quiet=True,
+        _, args = prepare(model, request["args"], request["budget"], rows=rows, quiet=True,
                                      **request["options"])
     finally:
         IN_PLACE.reset(token)
