@@ -284,7 +284,6 @@ def load_unsloth(job: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         max_seq_length=MAX_LENGTH,
         dtype=torch.bfloat16,
         load_in_4bit=True,
-        local_files_only=True,
     )
     model = FastLanguageModel.get_peft_model(
         model,
@@ -404,7 +403,7 @@ def train_steps(
         began = time.perf_counter()
         if card is not None:
             card.step(length)
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # as the Trainer sets it
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -622,6 +621,57 @@ def read_plan(stdout: str) -> dict[str, Any]:
     }
 
 
+def plan_jobs() -> dict[str, dict[str, Any]]:
+    """The recipes memtrain plans: the longest context per card, and the speed row's settings."""
+    jobs = {str(cap): memtrain_recipe(LONG_MEMORY, "auto", cap, MODEL) for cap in CAPS_GIB}
+    jobs["speed"] = memtrain_recipe(
+        {"checkpointing": "auto", "loss": "auto"}, SPEED_LENGTH, SPEED_CAP_GIB, MODEL
+    )
+    return jobs
+
+
+class Background:
+    """The plans missing from the file, made on the device while the baseline runs (CPU work: one
+    ``memtrain plan`` process per plan, the GPU hidden from it as bench_gpu's planning children;
+    the calibration profile copied). :meth:`collect` waits until ``deadline`` and stops the rest."""
+
+    def __init__(self, missing: dict[str, dict[str, Any]], profile: Path, folder: Path) -> None:
+        copy = folder / profile.name
+        shutil.copyfile(profile, copy)
+        env = {**child_env("cuda", "memtrain"), "MEMTRAIN_CALIBRATION": str(copy), "CUDA_VISIBLE_DEVICES": ""}
+        self.began = time.monotonic()
+        self.running = {
+            name: subprocess.Popen(
+                plan_command(recipe, folder),
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for name, recipe in missing.items()
+        }
+
+    def collect(self, deadline: float) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, proc in self.running.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=max(0.1, deadline - time.time()))
+                out[name] = (
+                    read_plan(stdout)
+                    if proc.returncode == 0
+                    else {"error": f"exit {proc.returncode}: {stderr.strip()[-300:]}"}
+                )
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                out[name] = {"error": "not planned in time on the device (plan beforehand with --plan)"}
+            out[name].update(
+                where="planned on the device during the run", wall_s=time.monotonic() - self.began
+            )
+        return out
+
+
 def plan_all(profile: Path, timeout: float, path: Path, source: Path = ROOT) -> dict[str, Any]:
     """memtrain's plans for the GPU run, made here with the calibration profile: per cap the longest
     length (``data.max_length: auto``, every long-context technique), and the fastest settings at
@@ -629,10 +679,7 @@ def plan_all(profile: Path, timeout: float, path: Path, source: Path = ROOT) -> 
     ``path`` after each plan; a plan already there for the same recipe is kept (the search is
     minutes of CPU work per card). ``source``: the folder memtrain is imported from (e.g. an export
     of a commit, while the working tree is being edited)."""
-    jobs = {str(cap): memtrain_recipe(LONG_MEMORY, "auto", cap, MODEL) for cap in CAPS_GIB}
-    jobs["speed"] = memtrain_recipe(
-        {"checkpointing": "auto", "loss": "auto"}, SPEED_LENGTH, SPEED_CAP_GIB, MODEL
-    )
+    jobs = plan_jobs()
     kept = json.loads(path.read_text(encoding="utf-8")).get("plans", {}) if path.exists() else {}
     plans: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -883,6 +930,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plans, meta["plans_from"] = given["plans"], given.get("where", str(args.plans))
     work = Path(tempfile.mkdtemp(prefix="bench-unsloth-"))
     raw: dict[str, Any] = {"meta": meta, "plans": plans}
+    background = None
+    if backend == "cuda":  # plans missing or failed in the file: made here while the baseline runs
+        missing = {n: r for n, r in plan_jobs().items() if "settings" not in (plans.get(n) or {})}
+        if missing and args.profile.exists():
+            background = Background(missing, args.profile, work)
+            meta["planned_on_device"] = sorted(missing)
     try:
         model_dir = work / "model"
         t0 = time.time()
@@ -918,6 +971,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 work,
             )
         raw["baseline"] = {"framework": framework, "fallback_why": why, "results": results, "note": note}
+        if background is not None:
+            plans.update(background.collect(time.time() + 5))
+            background = None
         meta["phases"]["baseline"] = {"seconds": time.time() - t0, "note": note}
         t0 = time.time()
         tasks = memtrain_tasks(plans, results, config, end - 5)
@@ -927,6 +983,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw["memtrain"] = {"results": results, "note": note}
         meta["phases"]["memtrain"] = {"seconds": time.time() - t0, "note": note}
     finally:
+        if background is not None:  # stopped early (an error): no planner left running
+            background.collect(time.time())
         shutil.rmtree(work, ignore_errors=True)
         meta["wall_s"] = time.time() - began
         devices = [

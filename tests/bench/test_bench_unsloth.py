@@ -9,6 +9,8 @@ on a GPU Unsloth's patching rules out.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,25 @@ def test_the_unsloth_process_gets_its_own_site_and_no_memtrain(monkeypatch: pyte
     ours = bench.child_env("cuda", "memtrain")
     assert ours["PYTHONPATH"].split(":")[0] == str(bench.ROOT)
     assert ours["PYTORCH_CUDA_ALLOC_CONF"] == bench.child_env("cuda", "unsloth")["PYTORCH_CUDA_ALLOC_CONF"]
+
+
+def test_plans_missing_from_the_file_are_made_beside_the_baseline_and_stopped_at_the_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the device a plan the file lacks runs as `memtrain plan` in the background; one that is not
+    done when memtrain's phase starts is stopped and its row says so (commands stand in here)."""
+    plan = {"usable_bytes": 7, "settings": {"data.max_length": 512}, "chosen": {"peak_bytes": 6}}
+    commands = {"8": [sys.executable, "-c", f"print({json.dumps(json.dumps(plan))})"],
+                "16": [sys.executable, "-c", "import time; time.sleep(60)"]}
+    by_card = lambda recipe, folder: commands[recipe["memory"]["budget"][:-3]]  # noqa: E731
+    monkeypatch.setattr(bench, "plan_command", by_card)
+    profile = tmp_path / "given" / "profile.json"
+    profile.parent.mkdir()
+    profile.write_text("{}", encoding="utf-8")
+    jobs = bench.plan_jobs()
+    background = bench.Background({"8": jobs["8"], "16": jobs["16"]}, profile, tmp_path)
+    began = time.monotonic()
+    got = background.collect(time.time() + 3)
+    assert time.monotonic() - began < 30
+    assert got["8"]["length"] == 512 and "settings" in got["8"]
+    assert "not planned in time" in got["16"]["error"]
+    assert all(proc.poll() is not None for proc in background.running.values())
