@@ -10,6 +10,8 @@ No dataset can be downloaded where memtrain is tested, so the default recipes us
   play's title as the output. Balanced, four answers.
 - ``shakespeare-preference``: preference pairs (prompt/chosen/rejected) for DPO: a line as the
   prompt, the next line chosen, the next line with its words shuffled rejected.
+- ``shakespeare-which-play-prompts``: the same question as prompts for GRPO (``prompt``: the
+  question, the four titles and the line; ``answer``: the play's title). Balanced, four answers.
 
 Lines are cleaned the same way for both: speaker prefixes ("HAMLET.", "Laf.") and stage
 directions in brackets are dropped, and only lines of at least five words are kept, so the
@@ -124,9 +126,20 @@ def shakespeare_preference(seed: int = 0) -> Dataset:
                               "rejected": [r for _, _, r in rows]})
 
 
+def shakespeare_which_play_prompts(seed: int = 0) -> Dataset:
+    """GRPO prompts: which of the four plays a line is from (``prompt``, ``answer`` columns)."""
+    from datasets import Dataset
+
+    rows = shakespeare_which_play(seed)
+    titles = ", ".join(PLAYS.values())
+    prompts = [f"{WHICH_PLAY} ({titles})\n{line}\nAnswer:" for line in rows["input"]]
+    return Dataset.from_dict({"prompt": prompts, "answer": rows["output"]})
+
+
 BUILTINS: dict[str, Callable[[int], Dataset]] = {
     "shakespeare-preference": shakespeare_preference,
     "shakespeare-spelling": shakespeare_spelling,
     "shakespeare-text": shakespeare_text,
     "shakespeare-which-play": shakespeare_which_play,
+    "shakespeare-which-play-prompts": shakespeare_which_play_prompts,
 }

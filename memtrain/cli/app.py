@@ -104,6 +104,12 @@ def validate(recipe: Recipe, overrides: Overrides = None,
         read = f"data read: {check_data(cfg)}"
     else:
         read = "its data was not read (--data reads it)"
+    if cfg.training.objective == "grpo":  # loss type, rewards (with --data: called on the first row), lengths
+        from memtrain.data.prepare import prepare_data
+        from memtrain.estimator.grpo import check_grpo
+        from memtrain.model import load_tokenizer
+
+        check_grpo(cfg, prepare_data(cfg, load_tokenizer(cfg.model)) if data else None)
     err_console.print(f"[green]ok:[/] {recipe} is a valid recipe; {escape(read)}", highlight=False,
                       soft_wrap=True)
     if show:  # not wrapped to the terminal: the YAML stays valid when saved

@@ -65,6 +65,11 @@ def estimate(
     result = est.estimate(cfg, device=device, exact=exact, rows=rows)
     if chosen:
         result.notes.insert(0, chosen)
+    if cfg.training.objective == "grpo":  # what is and is not predicted (issue 38)
+        from memtrain.estimator.grpo import check_grpo, grpo_notes
+
+        check_grpo(cfg)
+        result.notes[:0] = grpo_notes(cfg)
     host = HostBudget.of(cfg.memory)
     curves = est.sweep(cfg, device=device) if sweep else None
     if as_json:

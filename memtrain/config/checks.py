@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from memtrain.config.base import _MISSING, Problem
+from memtrain.config.grpo_section import grpo_problems
 
 
 def in_backward_problems(sections: Mapping[str, Any]) -> list[Problem]:
@@ -129,7 +130,7 @@ def objective_problems(sections: Mapping[str, Any]) -> list[Problem]:
                            "not by `training.objective: sft`", "set `training.objective: dpo`, or use a "
                            "supervised format (completion, messages, ...)."))
     if t.objective != "dpo":
-        return out
+        return out + grpo_problems(sections)
     if not preference:
         out.append(Problem("training.objective", "dpo", f"needs preference pairs, and `data.format` is "
                            f"`{data.format}`", "set `data.format: preference` (prompt, chosen and rejected "

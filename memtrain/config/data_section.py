@@ -20,7 +20,7 @@ from memtrain.config.base import Auto, FractionOr, Problem, Section, _report
 # ---------------------------------------------------------------------------------------- data
 
 DataFormat = Literal["text", "completion", "instruction", "alpaca", "sharegpt", "messages", "chat",
-                     "tokenized", "classification", "preference"]
+                     "tokenized", "classification", "preference", "prompt"]
 FORMAT_ALIASES: dict[str, str] = {"instruction": "completion", "chat": "messages"}
 CAUSAL_FORMATS = ("text", "completion", "alpaca", "sharegpt", "messages", "tokenized")
 
@@ -69,14 +69,18 @@ class DatasetConfig(Section):
         "`{role, content}` messages; `tokenized`: `input_ids` (and optional `labels`) as they are; "
         "`classification`: text + label; `preference`: prompt/chosen/rejected columns (strings, or "
         "lists of `{role, content}` messages rendered with `chat_template`) for "
-        "`training.objective: dpo`. `sharegpt` and `messages` are rendered with `chat_template`. "
+        "`training.objective: dpo`; `prompt`: prompts only (`prompt_column`: a string, or a list of "
+        "`{role, content}` messages rendered with `chat_template`) for `training.objective: grpo`, the "
+        "other columns passed to the reward functions. `sharegpt` and `messages` are rendered with "
+        "`chat_template`. "
         "`instruction` is an alias of `completion`, `chat` of `messages`.",
     )
     split: str = Field("train", description="Split to train on.")
     subset: str | None = Field(None, description="Dataset configuration name on the hub.")
     text_column: str = Field("text", description="Column holding the text (text, classification).")
     label_column: str = Field("label", description="Column holding the label (classification).")
-    prompt_column: str = Field("prompt", description="Column holding the prompt (completion, preference).")
+    prompt_column: str = Field("prompt",
+                               description="Column holding the prompt (completion, preference, prompt).")
     response_column: str = Field("response", description="Column holding the answer (completion).")
     chosen_column: str = Field("chosen", description="Column holding the preferred answer (preference).")
     rejected_column: str = Field("rejected",

@@ -32,6 +32,7 @@ from memtrain.config.data_section import (
     DatasetConfig,
     MixEntry,
 )
+from memtrain.config.grpo_section import ObjectiveFields
 from memtrain.config.memory_section import (
     Checkpointing,
     FewBitConfig,
@@ -162,16 +163,11 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "nca_pair", "
               "apo_zero", "apo_down", "discopop")
 
 
-class TrainingConfig(Section):
+class TrainingConfig(ObjectiveFields):
     """The optimisation loop. Batch sizes follow effective = micro × accumulation × processes."""
 
-    objective: Literal["sft", "dpo"] = Field(
-        "sft",
-        description="`sft`: the model's own loss on the data (next-token prediction, classification); "
-        "`dpo`: preference optimisation on `data.format: preference` pairs with TRL's `DPOTrainer` "
-        "(the reference model is the base with the LoRA adapter disabled, or a frozen copy in full "
-        "fine-tuning).",
-    )
+    # `objective` and the GRPO settings (`grpo_*`): memtrain.config.grpo_section
+
     dpo_beta: float = Field(0.1, gt=0, description="DPO: the β of the loss (how far the policy may "
                             "move from the reference).")
     dpo_loss: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]

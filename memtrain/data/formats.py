@@ -243,4 +243,5 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
     "sharegpt": ("conversations_column",),
     "tokenized": (),
     "preference": ("prompt_column", "chosen_column", "rejected_column"),
+    "prompt": ("prompt_column",),
 }

@@ -59,6 +59,8 @@ class PreparedData:
             from memtrain.data.preference import sequence_lengths
 
             return rows_of(cfg, sequence_lengths(self.train, cfg.data.max_length))
+        if "prompt_tokens" in self.train.column_names:  # GRPO prompts: the longest prompt
+            return rows_of(cfg, self.train["prompt_tokens"])
         return rows_of(cfg, token_counts(self.train))
 
 
@@ -89,6 +91,8 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared
                             "tokenized. Fix: plan first (`memtrain plan`, or `memtrain train`, which "
                             "plans), or set `data.max_length` to a number.")
     _check_max_length(cfg, tokenizer)
+    if data.kind == "prompt":  # GRPO: the rows stay text, TRL tokenizes them (memtrain.data.prompts)
+        return _prompts(data, cfg, tokenizer)
     datasets = _with_chat_templates(data.datasets(), tokenizer)
     encoded = [_encode_dataset(d, cfg, tokenizer, need_eval_split=len(datasets) == 1) for d in datasets]
     label_names = encoded[0][2]
@@ -121,6 +125,17 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared
                            if s is not None else None for s in splits)
     return PreparedData(train_tok, eval_tok, _collator(data, tokenizer), label_names, truncated, fill,
                         shares)
+
+
+def _prompts(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
+    from memtrain.data.prompts import encode_prompts
+
+    train, evaluation = load_splits(data, cfg.training.seed)
+    _require_columns(train, data)
+    if isinstance(train[0][data.prompt_column], list):  # conversations: the template TRL will apply
+        tokenizer.chat_template = resolve_chat_template(data, tokenizer)
+    splits = [encode_prompts(s, data, tokenizer, ROW) if s is not None else None for s in (train, evaluation)]
+    return PreparedData(splits[0], splits[1], lambda rows: rows)
 
 
 def _encode_dataset(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, *,

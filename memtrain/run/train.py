@@ -101,6 +101,10 @@ def train(cfg: RunConfig, console: Console | None = None,
         tokenizer = load_tokenizer(cfg.model)
         data = prepare_data(cfg, tokenizer)
         rows = data.rows(cfg)
+        if cfg.training.objective == "grpo":  # loss type, rewards on a real row, prompt + completion length
+            from memtrain.estimator.grpo import check_grpo
+
+            check_grpo(cfg, data)
         if planned_length and data.truncated:
             console.print(f"{data.truncated:,} training examples were cut at the "
                           f"planned data.max_length={cfg.data.max_length:,}", style="yellow", highlight=False)
@@ -132,6 +136,10 @@ def train(cfg: RunConfig, console: Console | None = None,
             from memtrain.trainer.preference import build_dpo_trainer
 
             trainer = build_dpo_trainer(cfg, model, tokenizer, data, batch, str(out), every)
+        elif cfg.training.objective == "grpo":  # TRL's GRPOTrainer, HF generation (one process)
+            from memtrain.trainer.grpo import build_grpo_trainer
+
+            trainer = build_grpo_trainer(cfg, model, tokenizer, data, batch, str(out), every)
         else:
             trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), every,
                                     fsdp_plugin=distributed.fsdp_plugin(model, cfg))
