@@ -15,6 +15,7 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
+from memtrain import patches
 from memtrain.config import ModelConfig, RunConfig, load_recipe
 from memtrain.config.batch import resolve_batch
 from memtrain.data.rows import Rows, worst_case
@@ -39,13 +40,8 @@ class TraceSetup:
     rows: Rows  # the longest batch: from the data, or the recipe's worst case (padding per micro-batch)
 
 
-NEEDS_VALUE = ("model.quantization", "adapter.method", "training.optimizer", "training.micro_batch_size",
-                "training.gradient_accumulation", "memory.checkpointing", "memory.offload.activations",
-                "memory.offload.optimizer", "memory.offload.embeddings", "memory.activation_bits",
-                "memory.randomized_linear", "memory.loss", "memory.loss_chunk_tokens",
-                "training.optimizer_in_backward",
-                "memory.tiled_mlp", "memory.tiled_mlp_tile_tokens", "memory.lean_norm",
-                "training.dpo_precompute_ref")
+# the fields an estimate needs decided: every registered knob that says so, in the planner's order
+NEEDS_VALUE = tuple(k.path for k in patches.knobs() if k.needs_value)
 
 
 def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],

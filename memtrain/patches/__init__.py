@@ -1,7 +1,16 @@
-"""Model patchers: one memory technique per module, applied in a fixed order.
+"""Model patchers: one memory technique per module, applied in a fixed order, and the registry of
+every technique and setting the library knows.
 
-Each technique module exposes ``Config`` and ``apply(model, cfg) -> model`` for Python users, and
-registers a recipe hook with :func:`register` that reads its settings from a :class:`RunConfig`.
+Each technique module exposes ``Config`` and ``apply(model, config) -> model`` for Python users, and
+registers itself with :func:`register` (a :class:`Technique`: its recipe hook, stage, recipe field,
+``Config``, and the :class:`Knob` s the planner chooses). Trainer settings the planner chooses that
+patch nothing (the optimizer, the adapter method, quantization, ...) are registered in
+:mod:`memtrain.patches.settings` with :func:`register_setting`. What the rest of the library kept by
+hand is derived from here: the planner's space and ranking (:mod:`memtrain.plan.space`), its plain
+values and patched fields (:mod:`memtrain.plan.search`), what an estimate needs decided
+(``memtrain.estimator.setup.NEEDS_VALUE``), and the README's and docs/RECIPES.md's tables of
+techniques (``scripts/gen_docs.py``).
+
 :func:`apply_patches` runs the hooks in order: adapter -> loss -> approximate layers -> tiling (lean
 norm, tiled MLP) -> checkpointing -> offload (an adapter changes module names and which weights need
 gradients; checkpointing must wrap layers whose contents are final, the tiled MLP and lean norms
@@ -19,7 +28,7 @@ import pkgutil
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -45,14 +54,122 @@ class PatchRecord:
 
 
 @dataclass(frozen=True)
-class _Entry:
+class ModelShape:
+    """What a knob's options and memory rank may read about the model (from its config, no weights)."""
+
+    depth: int = 0  # repeated layers (``num_hidden_layers``)
+    hidden: int = 0
+    vocab: int = 0
+
+
+Options = Callable[["RunConfig", ModelShape], list[Any]]
+Rank = Callable[[Any, ModelShape], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Doc:
+    """A technique's row in the README's table and docs/RECIPES.md (``scripts/gen_docs.py``)."""
+
+    title: str
+    setting: str  # how a recipe turns it on (markdown)
+    trades: str  # what it saves and what it costs
+    details: str  # links to the guide and the benchmark tables
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One recipe field the planner may decide (``auto``), with everything the planner needs.
+
+    Attributes:
+        path: the dotted recipe field.
+        options: its candidate values for a recipe and model, from most memory kept to least.
+        off: its value with the technique off (what the plain trace of a candidate uses).
+        order: where the planner enumerates it among the knobs, and where an estimate checks it
+            (lower first: candidates enumerated first win exact ties of the time bound).
+        rank: the position of a value in the memory order, as a vector (checkpointing is 2-D:
+            selective and n-of-L are not comparable); default ``(0,)`` at ``off``, else ``(1,)``.
+        exact: the technique changes no loss or gradient (beyond rounding).
+        plannable: ``auto`` is allowed and the planner chooses it.
+        plugin: the plugin (``prepare_for_budget``) may choose it for a user's Trainer.
+        patches_model: a value other than ``off`` patches the model, so its applicability shows on
+            a fake model before any trace (``memtrain.plan.search.PATCHED_FIELDS``).
+        needs_value: an estimate needs it decided (``memtrain.estimator.setup.NEEDS_VALUE``).
+        base: part of the model being trained (quantization, adapter): kept, not turned off, in
+            the plain trace of a candidate.
+        technique: a value other than ``off`` counts as one memory technique in the planner's tie
+            rule (LoRA vs full fine-tuning does not).
+        cost: its step-time cost hook, by name (``memtrain.plan.costmodel``), or "" when the FLOP
+            count of the trace already says it.
+    """
+
+    path: str
+    options: Options
+    off: Any
+    order: int
+    rank: Rank | None = None
+    exact: bool = True
+    plannable: bool = True
+    plugin: bool = False
+    patches_model: bool = False
+    needs_value: bool = True
+    base: bool = False
+    technique: bool = True
+    cost: str = ""
+
+    def rank_of(self, value: Any, shape: ModelShape) -> tuple[int, ...]:
+        """``value``'s position in this knob's memory order."""
+        if self.rank is not None:
+            return self.rank(value, shape)
+        return (0,) if value == self.off or value is None else (1,)
+
+    def turns_on(self, value: Any) -> bool:
+        """Whether ``value`` counts as one memory technique in the planner's tie rule."""
+        return self.technique and value != self.off
+
+
+def fixed(*values: Any) -> Options:
+    """Options that do not depend on the recipe or the model."""
+    return lambda cfg, shape: list(values)
+
+
+def one_process(*values: Any) -> Options:
+    """``values`` with one process; only the first (off) with several."""
+    return lambda cfg, shape: list(values) if cfg.distributed.processes == 1 else [values[0]]
+
+
+def approximate(*values: Any) -> Options:
+    """``values`` when the recipe allows approximate techniques; only the first (off) otherwise."""
+    return lambda cfg, shape: list(values) if cfg.memory.allow_approximate else [values[0]]
+
+
+@dataclass(frozen=True)
+class Technique:
+    """A registered technique (a patch, ``hook`` and ``stage`` set) or setting (no hook).
+
+    Attributes:
+        name: the module's name for a patch (``tiled_mlp``); the setting's short name otherwise.
+        field: the recipe field that turns it on, named in build errors.
+        stage: when :func:`apply_patches` runs the hook (patches only).
+        hook: ``hook(model, run_cfg) -> model | None`` (None: the recipe does not use it).
+        config: the ``Config`` class :attr:`apply` takes.
+        apply: ``apply(model, config) -> model`` for Python users.
+        knobs: the recipe fields the planner may decide for it.
+        doc: its row in the generated tables of techniques (None: not listed).
+    """
+
     name: str
-    stage: int
-    hook: RecipeHook
-    field: str  # the recipe field that turns it on, named in errors
+    field: str
+    stage: int | None = None
+    hook: RecipeHook | None = None
+    config: type | None = None
+    apply: Callable[..., nn.Module] | None = None
+    knobs: tuple[Knob, ...] = ()
+    doc: Doc | None = None
 
 
-_REGISTRY: dict[str, _Entry] = {}
+_REGISTRY: dict[str, Technique] = {}
+# names a patch had before the registry used module names: still accepted where a name is read
+ALIASES = {"offload": "activation_offload", "offload_embeddings": "embedding_offload"}
 
 
 class NoMatchError(MemtrainError):
@@ -63,17 +180,36 @@ class UnknownPatchError(MemtrainError):
     """A patch name that is not registered."""
 
 
-def register(name: str, stage: int, field: str) -> Callable[[RecipeHook], RecipeHook]:
+def register(name: str, stage: int, field: str, *, config: type | None = None,
+             apply: Callable[..., nn.Module] | None = None, knobs: tuple[Knob, ...] = (),
+             doc: Doc | None = None) -> Callable[[RecipeHook], RecipeHook]:
     """Register ``hook(model, run_cfg) -> model | None`` (None: the recipe does not use it) as the
-    patch ``name``, applied at ``stage`` and turned on by the recipe field ``field``."""
+    patch ``name`` (its module's name), applied at ``stage`` and turned on by the recipe field
+    ``field``; ``config``, ``apply``, ``knobs`` and ``doc`` as in :class:`Technique`."""
 
     def wrap(hook: RecipeHook) -> RecipeHook:
-        if name in _REGISTRY and _REGISTRY[name].hook is not hook:
-            raise ValueError(f"patch {name!r} is registered twice")
-        _REGISTRY[name] = _Entry(name, stage, hook, field)
+        module = hook.__module__.rpartition(".")[2]
+        if hook.__module__.startswith(f"{__name__}.") and module != name:
+            raise ValueError(f"patch {name!r} is registered in module {module!r}: name it {module!r}")
+        _add(Technique(name, field, stage, hook, config, apply, knobs, doc))
         return hook
 
     return wrap
+
+
+def register_setting(name: str, field: str, knobs: tuple[Knob, ...], doc: Doc | None = None) -> None:
+    """Register a setting the planner chooses that patches no model (no hook), e.g. the optimizer."""
+    _add(Technique(name, field, knobs=knobs, doc=doc))
+
+
+def _add(technique: Technique) -> None:
+    old = _REGISTRY.get(technique.name)
+    if old is not None and (old.hook is not technique.hook or old.hook is None):
+        raise ValueError(f"technique {technique.name!r} is registered twice")
+    paths = {k.path for t in _REGISTRY.values() if t.name != technique.name for k in t.knobs}
+    if clash := paths & {k.path for k in technique.knobs}:
+        raise ValueError(f"technique {technique.name!r}: {sorted(clash)} already registered")
+    _REGISTRY[technique.name] = technique
 
 
 def _load_all() -> None:
@@ -83,32 +219,84 @@ def _load_all() -> None:
             importlib.import_module(f"{__name__}.{info.name}")
 
 
+def techniques() -> list[Technique]:
+    """Every registered technique and setting: patches in application order, then settings by name."""
+    _load_all()
+    return sorted(_REGISTRY.values(), key=lambda t: (t.stage is None, t.stage or 0, t.name))
+
+
 def available() -> list[str]:
     """Names of all registered patches, in application order."""
+    return [t.name for t in techniques() if t.hook is not None]
+
+
+def technique(name: str) -> Technique:
+    """A registered technique or setting (an old patch name is accepted); unknown names raise an
+    error listing the valid ones."""
     _load_all()
-    return [e.name for e in sorted(_REGISTRY.values(), key=lambda e: (e.stage, e.name))]
+    name = ALIASES.get(name, name)
+    if name not in _REGISTRY:
+        valid = ", ".join(t.name for t in techniques())
+        raise UnknownPatchError(f"Unknown patch {name!r}. Valid patches: {valid}.")
+    return _REGISTRY[name]
 
 
 def get(name: str) -> RecipeHook:
     """The recipe hook of a patch; unknown names raise an error listing the valid ones."""
-    _load_all()
-    if name not in _REGISTRY:
-        raise UnknownPatchError(f"Unknown patch {name!r}. Valid patches: {', '.join(available())}.")
-    return _REGISTRY[name].hook
+    hook = technique(name).hook
+    if hook is None:
+        raise UnknownPatchError(f"{name!r} is a setting, not a patch. "
+                                f"Valid patches: {', '.join(available())}.")
+    return hook
 
 
 def recipe_field(name: str) -> str:
     """The recipe field of a registered patch (``memory.loss`` for ``chunked_loss``)."""
-    get(name)  # loads the registry; an unknown name lists the valid ones
-    return _REGISTRY[name].field
+    return technique(name).field
+
+
+def knobs() -> list[Knob]:
+    """Every field the planner may decide, in the planner's order."""
+    return sorted((k for t in techniques() for k in t.knobs), key=lambda k: k.order)
+
+
+def knob(path: str) -> Knob:
+    """The registered knob of a recipe field.
+
+    Raises:
+        KeyError: no technique registers ``path``.
+    """
+    for k in knobs():
+        if k.path == path:
+            return k
+    raise KeyError(f"no registered technique decides {path!r}")
+
+
+def technique_table(reference: bool = False) -> str:
+    """Markdown table of every registered technique that has a :class:`Doc` (README's table; with
+    ``reference``, docs/RECIPES.md's: the registry name, recipe fields, exactness, `auto`)."""
+    if reference:
+        rows = ["| technique | registered as | recipe fields | exact | `auto` (planner) |",
+                "| --- | --- | --- | --- | --- |"]
+        for t in techniques():
+            if t.doc is not None:
+                fields = ", ".join(f"`{k.path}`" for k in t.knobs) or f"`{t.field}`"
+                exact = "yes" if all(k.exact for k in t.knobs) else "approximate"
+                auto = "yes" if any(k.plannable for k in t.knobs) else "no"
+                kind = f"`patches/{t.name}.py`" if t.hook is not None else f"`{t.name}` (setting)"
+                rows.append(f"| {t.doc.title} | {kind} | {fields} | {exact} | {auto} |")
+        return "\n".join(rows) + "\n"
+    rows = ["| technique | recipe setting | what it trades | details |", "| --- | --- | --- | --- |"]
+    rows += [f"| {t.doc.title} | {t.doc.setting} | {t.doc.trades} | {t.doc.details} |"
+             for t in techniques() if t.doc is not None]
+    return "\n".join(rows) + "\n"
 
 
 def apply_patches(model: nn.Module, cfg: RunConfig, only: Iterable[str] | None = None) -> nn.Module:
     """Apply every patch the recipe asks for, in stage order; returns the (possibly new) model."""
-    _load_all()
-    wanted = set(only) if only is not None else None
-    for entry in sorted(_REGISTRY.values(), key=lambda e: (e.stage, e.name)):
-        if wanted is not None and entry.name not in wanted:
+    wanted = {ALIASES.get(n, n) for n in only} if only is not None else None
+    for entry in techniques():
+        if entry.hook is None or (wanted is not None and entry.name not in wanted):
             continue
         patched = entry.hook(model, cfg)
         if patched is not None:
@@ -136,6 +324,7 @@ def records(model: nn.Module) -> list[PatchRecord]:
 
 def undo_records(model: nn.Module, name: str) -> nn.Module:
     """Undo what the patch ``name`` applied to ``model`` and drop its records; returns ``model``."""
+    name = ALIASES.get(name, name)
     for record in records(model):
         if record.name == name and record.undo is not None:
             record.undo()

@@ -39,7 +39,7 @@ from memtrain.config.batch import resolve_batch
 from memtrain.device import host_budget_bytes, host_free_bytes, model_device
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
-from memtrain.patches import OFFLOAD, PatchRecord, add_records, register, undo_records
+from memtrain.patches import OFFLOAD, Doc, Knob, PatchRecord, add_records, fixed, register, undo_records
 from memtrain.patches.checkpointing import disable_kv_cache, find_layers, is_checkpointed, wrap_forward
 from memtrain.units import format_bytes
 
@@ -259,13 +259,13 @@ def apply(model: nn.Module, cfg: OffloadConfig) -> nn.Module:
             f"{len(layers) - checkpointed}" if checkpointed
             else f"saved tensors of {len(layers)} layers")
     detail = f"activation offload to host: {what} (≥ {format_bytes(cfg.min_tensor_bytes)})"
-    add_records(model, [PatchRecord("offload", [n for n, _ in layers], detail, undo=undo_all)])
+    add_records(model, [PatchRecord("activation_offload", [n for n, _ in layers], detail, undo=undo_all)])
     return model
 
 
 def undo(model: nn.Module) -> nn.Module:
     """Remove the activation offload this module applied to ``model``."""
-    return undo_records(model, "offload")
+    return undo_records(model, "activation_offload")
 
 
 # ------------------------------------------------------------------------------- host RAM check
@@ -346,7 +346,14 @@ def check_host_ram(model: nn.Module, batch_size: int, seq_len: int,
     return needed
 
 
-@register("offload", OFFLOAD, "memory.offload")
+KNOBS = (Knob("memory.offload.activations", fixed(False, True), False, order=50, patches_model=True,
+              cost="offloaded_bytes"),)
+DOC = Doc("activation offload", "`memory.offload.activations: true`",
+          "device memory for host memory and transfers; on a CPU-only machine both are the same RAM, "
+          "so the bytes moved are measured, not a saving", "[memory_modes.md](docs/bench/memory_modes.md)")
+
+
+@register("activation_offload", OFFLOAD, "memory.offload", config=Config, apply=apply, knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     offload = cfg.memory.offload
     if decided(offload.activations, "memory.offload.activations", "true or false") is not True:

@@ -32,6 +32,7 @@ import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,10 +44,12 @@ from torch.utils.checkpoint import (
 )
 
 from memtrain.config import RunConfig, decided
-from memtrain.config.schema import Checkpointing
 from memtrain.errors import MemtrainError
 from memtrain.patches import (
     CHECKPOINTING,
+    Doc,
+    Knob,
+    ModelShape,
     NoMatchError,
     PatchRecord,
     add_records,
@@ -54,8 +57,16 @@ from memtrain.patches import (
     undo_records,
 )
 
-Config = Checkpointing
-Mode = str | int
+Mode = str | int  # none, full, selective or a number of layers (the first ones)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Which layers are checkpointed: one family of modes, from keeping most memory to least:
+    ``none``, a number of layers (the first ones), ``selective`` (recompute element-wise ops and
+    attention, keep matmul outputs), ``full`` (keep only each layer's input)."""
+
+    mode: Mode = "full"
 
 aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the matmuls of linear layers and the fused
@@ -240,16 +251,18 @@ def _layer_count(model: nn.Module, mode: Mode, total: int) -> int:
     return mode
 
 
-def apply(model: nn.Module, mode: Mode = "full") -> nn.Module:
-    """Checkpoint the model's transformer layers as ``mode`` says (see the module docstring).
+def apply(model: nn.Module, config: Config | Mode = Config()) -> nn.Module:
+    """Checkpoint the model's transformer layers as ``config`` says (see the module docstring).
 
     Args:
         model: a transformers model, possibly wrapped by peft and/or quantized.
-        mode: ``none``, ``full``, ``selective`` or a number of layers (the first ones).
+        config: a :class:`Config` (or its mode alone: ``none``, ``full``, ``selective`` or a number
+            of layers).
 
     Returns:
         The same model, patched in place; :func:`undo` reverts it.
     """
+    mode = config.mode if isinstance(config, Config) else config
     if mode == "none":
         return model
     layers = find_layers(model)
@@ -289,9 +302,22 @@ def is_checkpointed(layer: nn.Module) -> bool:
     return False
 
 
-@register("checkpointing", CHECKPOINTING, "memory.checkpointing")
+def _rank(value: Any, shape: ModelShape) -> tuple[int, ...]:
+    # 2-D: selective (recompute inside each layer) and n-of-L (all of some layers) are not comparable
+    return {"none": (0, 0), "selective": (1, 0), "full": (1, 1)}.get(value, (0, 1))
+
+
+KNOBS = (Knob("memory.checkpointing",
+              lambda cfg, shape: ["none", "selective", max(1, shape.depth // 2), "full"], "none",
+              order=40, rank=_rank, plugin=True, patches_model=True, cost="recompute"),)
+DOC = Doc("activation checkpointing", "`memory.checkpointing: full \\| selective \\| n`",
+          "activations for recompute FLOPs", "[memory_modes.md](docs/bench/memory_modes.md)")
+
+
+@register("checkpointing", CHECKPOINTING, "memory.checkpointing", config=Config, apply=apply, knobs=KNOBS,
+          doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     mode = decided(cfg.memory.checkpointing, "memory.checkpointing", "none, full, selective or a layer count")
     if mode == "none":
         return None
-    return apply(model, mode)
+    return apply(model, Config(mode))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +47,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from memtrain.config import RunConfig
 from memtrain.config.base import decided
 from memtrain.errors import MemtrainError
-from memtrain.patches import LOSS, PatchRecord, add_records, register
+from memtrain.memory import loops
+from memtrain.patches import LOSS, Doc, Knob, ModelShape, PatchRecord, add_records, register
 
 IGNORE_INDEX = -100
 _MARK = "_memtrain_chunked_loss"
@@ -114,16 +116,18 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.M
     targets = labels.reshape(-1).to(flat.device)
     size = chunk or chunk_tokens(flat.shape[0], flat.shape[-1], _out_features(head))
 
-    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def piece(h: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+        loops.iteration("chunked_loss", k, flat.shape[0], size)  # also when backward recomputes it
         logits = transform(head(h).float())
         return nn.functional.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
 
     total = None
-    for start in range(0, flat.shape[0], size):
+    for k, start in enumerate(range(0, flat.shape[0], size)):
         h, y = flat[start:start + size], targets[start:start + size]
-        part = (checkpoint(piece, h, y, use_reentrant=False, preserve_rng_state=False)
-                if torch.is_grad_enabled() else piece(h, y))
+        part = (checkpoint(piece, h, y, k, use_reentrant=False, preserve_rng_state=False)
+                if torch.is_grad_enabled() else piece(h, y, k))
         total = part if total is None else total + part
+    loops.done()
     assert total is not None
     if num_items_in_batch is None:
         return total / (targets != IGNORE_INDEX).sum()
@@ -137,19 +141,53 @@ def _out_features(head: nn.Module) -> int:
     return int(weight.shape[0]) if weight is not None else int(head.out_features)
 
 
+# fp32 logit bytes per loss chunk the planner tries around the rule (None: 32-256 MiB): larger chunks
+# make fewer head and cross-entropy calls (faster), smaller ones keep less while the loss is the peak
+CHUNK_BYTES = (2**30, None, 8 * 2**20)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tokens per loss chunk (None: :func:`chunk_tokens`' rule for the batch's length)."""
+
+    chunk_tokens: int | None = None
+
+
+def chunk_ladder(vocab: int) -> list[int | None]:
+    """The loss chunk sizes the planner tries, most memory first: chunks of 1 GiB of fp32 logits,
+    the rule (null: 32-256 MiB), chunks of 8 MiB; sizes in tokens of a ``vocab``-word vocabulary.
+
+    The rule keeps a chunk between 32 and 256 MiB of fp32 logits whatever the length, so the
+    ladder's order is an order in memory at every length (what the planner's rank needs)."""
+    if not vocab:
+        return [None]
+    return [None if size is None else max(1, size // (4 * vocab)) for size in CHUNK_BYTES]
+
+
+def chunk_rank(value: int | None, shape: ModelShape) -> tuple[int, ...]:
+    """Memory order of a chunk size: above the rule's cap (256 MiB of logits) < the rule (None) <
+    below its floor; ``shape.vocab`` places a size around the rule."""
+    if value is None:
+        return (1,)
+    logits = 4 * int(value) * shape.vocab
+    return (0,) if logits > MAX_CHUNK_BYTES else (2,) if logits < MIN_CHUNK_BYTES else (1,)
+
+
 def causal_lm(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside ``model`` (also through a peft wrapper)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return inner
 
 
-def apply(model: nn.Module, chunk: int | None = None) -> nn.Module:
+def apply(model: nn.Module, config: Config | int | None = None) -> nn.Module:
     """Make the causal LM compute its loss in chunks (see the module docstring); returns ``model``.
+    ``config``: a :class:`Config` or its ``chunk_tokens`` alone (None: the rule).
 
     Raises:
         MemtrainError: the model has no linear output head or decoder to call, or adds a loss
             term of its own (a mixture-of-experts router loss).
     """
+    chunk = config.chunk_tokens if isinstance(config, Config) else config
     lm = causal_lm(model)
     if getattr(lm, _MARK, False):
         return model  # already patched (prepare_for_budget run twice on one model)
@@ -195,8 +233,27 @@ def apply(model: nn.Module, chunk: int | None = None) -> nn.Module:
     return model
 
 
-@register("chunked_loss", LOSS, "memory.loss")
+KNOBS = (
+    # DPO's loss is TRL's tiled log-prob head, not the model's loss
+    Knob("memory.loss", lambda cfg, shape: (["standard", "chunked"] if cfg.model.task == "causal-lm"
+                                            and cfg.training.objective == "sft" else ["standard"]),
+         "standard", order=100, plugin=True, patches_model=True),
+    # a size whose default (None) sits inside its memory order: a size other than the default counts
+    # as one more technique, so ties keep the default. The cost model predicts the loss chunks equal
+    # (same FLOPs); measured, a quarter of the rule's chunk took 1.07x the rule's step and one chunk
+    # of everything 0.95x, at 1.8x its peak (docs/bench/loss_chunk.md, a 2-core CPU)
+    Knob("memory.loss_chunk_tokens", lambda cfg, shape: chunk_ladder(shape.vocab), None, order=110,
+         rank=chunk_rank),
+)
+DOC = Doc("chunked loss",
+          "`memory.loss: chunked`, `memory.loss_chunk_tokens: auto` (chunk sized from the budget)",
+          "never holds full-vocabulary logits; exact",
+          "[floor.md](docs/bench/floor.md), [loss_chunk.md](docs/bench/loss_chunk.md)")
+
+
+@register("chunked_loss", LOSS, "memory.loss", config=Config, apply=apply, knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    if cfg.memory.loss != "chunked":
+    if decided(cfg.memory.loss, "memory.loss", "standard or chunked") != "chunked":
         return None
-    return apply(model, decided(cfg.memory.loss_chunk_tokens, "memory.loss_chunk_tokens", "a number or null"))
+    return apply(model, Config(decided(cfg.memory.loss_chunk_tokens, "memory.loss_chunk_tokens",
+                                       "a number or null")))

@@ -34,15 +34,25 @@ import torch
 from torch import nn
 
 from memtrain._compat.torch_tools import is_fake, keep_on_device
-from memtrain.config import RunConfig
+from memtrain.config import RunConfig, decided
 from memtrain.device import keep_on_host, kept_on_host
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
-from memtrain.patches import OFFLOAD, NoMatchError, PatchRecord, add_records, register, undo_records
+from memtrain.patches import (
+    OFFLOAD,
+    Doc,
+    Knob,
+    NoMatchError,
+    PatchRecord,
+    add_records,
+    one_process,
+    register,
+    undo_records,
+)
 from memtrain.patches.checkpointing import wrap_forward
 from memtrain.units import format_bytes
 
-NAME = "offload_embeddings"
+NAME = "embedding_offload"
 FIELD = "memory.offload.embeddings"
 
 
@@ -140,13 +150,17 @@ def undo(model: nn.Module) -> nn.Module:
     return undo_records(model, NAME)
 
 
-@register(NAME, OFFLOAD, FIELD)
+# the frozen input table on the host (one process: FSDP2 shards it instead); the looked-up rows
+# cross to the device once per micro-batch
+KNOBS = (Knob(FIELD, one_process(False, True), False, order=70, patches_model=True, cost="embedding_bytes"),)
+DOC = Doc("embedding offload", f"`{FIELD}: true`",
+          "the frozen input embedding table in host memory; its looked-up rows cross each micro-batch",
+          "[embedding_offload.md](docs/bench/embedding_offload.md)")
+
+
+@register(NAME, OFFLOAD, FIELD, config=Config, apply=apply, knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    setting = cfg.memory.offload.embeddings
-    if setting == "auto":
-        raise MemtrainError(f"`{FIELD}` is `auto`: run the planner first (`memtrain plan`), or set it "
-                            "to true or false.")
-    if setting is not True:
+    if decided(cfg.memory.offload.embeddings, FIELD, "true or false") is not True:
         return None
     if cfg.distributed.processes > 1:
         raise MemtrainError(f"`{FIELD}`: with several processes FSDP2 shards every weight of the model on "

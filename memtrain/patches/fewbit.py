@@ -26,8 +26,18 @@ import torch
 from torch import nn
 
 from memtrain._compat.torch_tools import unset_fake_temporarily
-from memtrain.config import FewBitConfig, RunConfig
-from memtrain.patches import APPROXIMATE, PatchRecord, add_records, find_modules, register, set_submodule
+from memtrain.config import FewBitConfig, RunConfig, decided
+from memtrain.patches import (
+    APPROXIMATE,
+    Doc,
+    Knob,
+    PatchRecord,
+    add_records,
+    approximate,
+    find_modules,
+    register,
+    set_submodule,
+)
 from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, fewbit_table
 from memtrain.patches._targets import check_every_pattern, default_modules
 
@@ -269,9 +279,16 @@ def apply(model: nn.Module, cfg: FewBitConfig,
     return model
 
 
-@register("fewbit", APPROXIMATE, "memory.activation_bits")
+KNOBS = (Knob("memory.activation_bits", approximate(None, 3), None, order=80, exact=False, plugin=True,
+              patches_model=True),)
+DOC = Doc("few-bit activation backward", "`memory.activation_bits: 3`",
+          "saved activations to k bits; approximate gradients", "[approx.md](docs/bench/approx.md)")
+
+
+@register("fewbit", APPROXIMATE, "memory.activation_bits", config=Config, apply=apply, knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
+    decided(cfg.memory.activation_bits, "memory.activation_bits", "a number of bits (1-4) or null")
     fewbit = cfg.memory.fewbit
-    if fewbit is None:  # off, or `auto` still to be resolved by the planner
+    if fewbit is None:
         return None
     return apply(model, fewbit)

@@ -61,7 +61,8 @@ from torch.autograd.function import once_differentiable
 
 from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
-from memtrain.patches import TILING, NoMatchError, register, undo_records
+from memtrain.memory import loops
+from memtrain.patches import TILING, Doc, Knob, NoMatchError, fixed, register, undo_records
 from memtrain.patches.checkpointing import never_saved, wrap_each
 
 _MARK = "__memtrain_lean_norm__"
@@ -173,7 +174,8 @@ class _LeanNorm(torch.autograd.Function):
         out = flat.new_empty(flat.shape, dtype=out_dtype)
         rstd = flat.new_empty((flat.shape[0], 1), dtype=torch.float32)
         with never_saved():
-            for start, stop in _spans(flat.shape[0], tile):
+            for k, (start, stop) in enumerate(_spans(flat.shape[0], tile)):
+                loops.iteration("lean_norm", k, flat.shape[0], tile)
                 xf = flat[start:stop].to(torch.float32)
                 r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
                 normed = xf * r
@@ -182,6 +184,7 @@ class _LeanNorm(torch.autograd.Function):
                 else:
                     torch.mul(weight, normed.to(cast), out=out[start:stop])
                 rstd[start:stop] = r
+            loops.done()
         ctx.save_for_backward(x, rstd)
         ctx.weight, ctx.scale, ctx.kind, ctx.cast, ctx.tile = weight, scale, kind, cast, tile
         return out.view(*x.shape[:-1], x.shape[-1])
@@ -194,7 +197,8 @@ class _LeanNorm(torch.autograd.Function):
         flat, grads = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(flat) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for start, stop in _spans(flat.shape[0], ctx.tile):
+        for k, (start, stop) in enumerate(_spans(flat.shape[0], ctx.tile)):
+            loops.iteration("lean_norm_backward", k, flat.shape[0], ctx.tile)
             r = rstd[start:stop]
             normed = flat[start:stop] * r  # fp32: forward's x.float() * rstd
             g = grads[start:stop].to(torch.float32, copy=True)  # its own buffer: changed in place
@@ -205,6 +209,7 @@ class _LeanNorm(torch.autograd.Function):
                 dot = (g * normed).mean(-1, keepdim=True)
                 grad_x[start:stop] = g.sub_(normed.mul_(dot)).mul_(r)  # the copy casts to x.dtype
             del normed, g
+        loops.done()
         return (None if grad_x is None else grad_x.view(x.shape),
                 None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
 
@@ -256,12 +261,19 @@ def _leaning(module: nn.Module, kind: Kind, tile: int | None
     return make
 
 
-def apply(model: nn.Module, tile: int | None = None) -> nn.Module:
+@dataclass(frozen=True)
+class Config:
+    """Rows (tokens) per tile of a norm's backward; None: the norm's width (``hidden`` tokens)."""
+
+    tile: int | None = None
+
+
+def apply(model: nn.Module, config: Config | int | None = None) -> nn.Module:
     """Make every supported RMSNorm of ``model`` lean (see the module docstring).
 
     Args:
         model: a transformers model, possibly wrapped by peft and/or quantized.
-        tile: rows (tokens) per tile; None: the norm's width (``hidden`` tokens per tile).
+        config: a :class:`Config`, or its ``tile`` alone.
 
     Returns:
         The same model, patched in place; :func:`undo` reverts it.
@@ -270,6 +282,7 @@ def apply(model: nn.Module, tile: int | None = None) -> nn.Module:
         NoMatchError: the model has no norm this patch knows.
         MemtrainError: ``tile`` is not a positive integer.
     """
+    tile = config.tile if isinstance(config, Config) else config
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
         raise MemtrainError(f"lean norm: `tile` must be a positive integer or None, got {tile!r}.")
     norms = [(n, m, k) for n, m, k in find_norms(model)
@@ -289,8 +302,15 @@ def undo(model: nn.Module) -> nn.Module:
     return undo_records(model, "lean_norm")
 
 
-@register("lean_norm", TILING, "memory.lean_norm")
+# keeps each norm's input and rstd; element-wise recompute
+KNOBS = (Knob("memory.lean_norm", fixed(False, True), False, order=150, patches_model=True),)
+DOC = Doc("lean RMSNorm", "`memory.lean_norm: true`",
+          "each norm keeps its input and rstd, not its fp32 intermediates; element-wise recompute",
+          "[lean_norm.md](docs/bench/lean_norm.md)")
+
+
+@register("lean_norm", TILING, "memory.lean_norm", config=Config, apply=apply, knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if not decided(cfg.memory.lean_norm, "memory.lean_norm", "true or false"):
         return None
-    return apply(model)
+    return apply(model, Config())

@@ -17,9 +17,9 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrain.config import AdapterConfig, RunConfig
+from memtrain.config import AdapterConfig, RunConfig, decided
 from memtrain.model import CLASSIFIER_HEADS
-from memtrain.patches import ADAPTER, NoMatchError, PatchRecord, add_records, register
+from memtrain.patches import ADAPTER, Doc, Knob, NoMatchError, PatchRecord, add_records, register
 
 Config = AdapterConfig
 
@@ -279,8 +279,17 @@ def lean_lora_layers(model: nn.Module) -> int:
     return changed
 
 
-@register("lora", ADAPTER, "adapter")
+# DPO's reference is the base with the adapter disabled: a LoRA run (config/checks.py). The adapter is
+# the model being trained, kept in a plain trace (base), and not counted as a memory technique.
+KNOBS = (Knob("adapter.method",
+              lambda cfg, shape: ["lora"] if cfg.training.objective == "dpo" else ["full", "lora"],
+              "full", order=20, base=True, technique=False),)
+DOC = Doc("LoRA (peft)", "`adapter.method: lora`", "trainable weights and their optimizer state",
+          "[techniques](docs/techniques.md)")
+
+
+@register("lora", ADAPTER, "adapter", config=Config, apply=apply, knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    if cfg.adapter.method != "lora":
+    if decided(cfg.adapter.method, "adapter.method", "lora or full") != "lora":
         return None
     return apply(model, cfg.adapter, cfg.model.task, cfg.memory.lean_kbit)

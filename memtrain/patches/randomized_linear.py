@@ -37,8 +37,18 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from memtrain._compat.torch_tools import is_fake
-from memtrain.config import RandomizedLinearConfig, RunConfig
-from memtrain.patches import APPROXIMATE, PatchRecord, add_records, find_modules, register, set_submodule
+from memtrain.config import RandomizedLinearConfig, RunConfig, decided
+from memtrain.patches import (
+    APPROXIMATE,
+    Doc,
+    Knob,
+    PatchRecord,
+    add_records,
+    approximate,
+    find_modules,
+    register,
+    set_submodule,
+)
 from memtrain.patches._targets import check_every_pattern, default_modules
 
 Config = RandomizedLinearConfig
@@ -266,9 +276,18 @@ def _lora_forms(pattern: str) -> list[str]:
     return [] if pattern.startswith("re:") else [f"{pattern}.lora_A.*"]
 
 
-@register("randomized_linear", APPROXIMATE, "memory.randomized_linear")
+# the setting the planner tries (the recipe's form: `memory.randomized_linear: {ratio: 0.2}`)
+APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
+KNOBS = (Knob("memory.randomized_linear", approximate(None, APPROX_RANDOMIZED), None, order=90, exact=False,
+              plugin=True, patches_model=True),)
+DOC = Doc("randomized linear backward", "`memory.randomized_linear: {ratio: 0.2}`",
+          "saved linear inputs to a sketch; approximate gradients", "[approx.md](docs/bench/approx.md)")
+
+
+@register("randomized_linear", APPROXIMATE, "memory.randomized_linear", config=Config, apply=apply,
+          knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
-    settings = cfg.memory.randomized_linear
-    if not isinstance(settings, RandomizedLinearConfig):  # off, or `auto` for the planner
+    settings = decided(cfg.memory.randomized_linear, "memory.randomized_linear", "{ratio: 0.2} or null")
+    if not isinstance(settings, RandomizedLinearConfig):
         return None
     return apply(model, settings, seed=cfg.training.seed)

@@ -61,12 +61,34 @@ from torch.autograd.function import once_differentiable
 
 from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
-from memtrain.patches import TILING, NoMatchError, register, undo_records
+from memtrain.memory import loops
+from memtrain.patches import TILING, Doc, Knob, ModelShape, NoMatchError, fixed, register, undo_records
 from memtrain.patches._targets import block_lists
 from memtrain.patches.checkpointing import never_saved, wrap_each
 
 _MARK = "__memtrain_tiled_mlp__"
 _ACTIVATIONS = frozenset({"act", "act_fn", "activation_fn", "activation", "dropout"})
+
+
+@dataclass(frozen=True)
+class Config:
+    """How each MLP call is tiled: ``tiles`` equal tiles, else tiles of ``tokens`` tokens, the last
+    one shorter (None: ``hidden_size`` tokens)."""
+
+    tiles: int | None = None
+    tokens: int | None = None
+
+
+def tile_ladder(hidden: int) -> list[int]:
+    """The MLP tile sizes below the default (``hidden`` tokens) the planner tries: a quarter and a
+    sixteenth of it (one tile's intermediate exists at a time; 4-bit weights are dequantized once
+    per tile and pass, so smaller tiles are slower)."""
+    return sorted({max(1, hidden // 4), max(1, hidden // 16)}, reverse=True) if hidden else []
+
+
+def tile_rank(value: int | None, shape: ModelShape) -> tuple[int, ...]:
+    """Memory order of a tile size: smaller tiles keep less (hidden_size (None) < hidden/4 < hidden/16)."""
+    return (0,) if value is None else ((2**16 // max(1, int(value))).bit_length() + 1,)
 
 
 def default_tiles(tokens: int, hidden: int) -> int:
@@ -133,11 +155,13 @@ class _TiledMLP(torch.autograd.Function):
         flat = x.detach().reshape(-1, x.shape[-1])  # tiles that look like no-grad tensors to hooks
         out = None
         with never_saved():
-            for start, stop in ctx.spans:
+            for tile, (start, stop) in enumerate(ctx.spans):
+                loops.iteration("tiled_mlp", tile, flat.shape[0], size)
                 y = run(flat[start:stop])
                 if out is None:
                     out = y.new_empty((flat.shape[0], y.shape[-1]))
                 out[start:stop] = y
+            loops.done()
         assert out is not None  # at least one tile: x has at least one row
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -152,7 +176,8 @@ class _TiledMLP(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         amp = torch.autocast(*ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
         with _replayed_rng(ctx.rng, x.device), torch.enable_grad(), amp:
-            for start, stop in ctx.spans:
+            for tile, (start, stop) in enumerate(ctx.spans):
+                loops.iteration("tiled_mlp_backward", tile, flat_x.shape[0], ctx.spans[0][1])
                 piece = flat_x[start:stop].detach().requires_grad_(need_x)
                 # The MLP gets a view, not the leaf: module hooks that watch input gradients
                 # (FlopCounterMode's ModuleTracker) cannot take a leaf inside autograd.grad.
@@ -164,6 +189,7 @@ class _TiledMLP(torch.autograd.Function):
                 for k, grad in enumerate(grads):
                     if grad is not None:
                         sums[k] = grad if sums[k] is None else sums[k].add_(grad)  # type: ignore[union-attr]
+        loops.done()
         param_grads: list[torch.Tensor | None] = [None] * len(ctx.params)
         for k, i in enumerate(wanted):
             param_grads[i] = sums[k]
@@ -288,13 +314,13 @@ def _tiling(module: nn.Module, kind: Kind, tiles: int | None, tokens: int | None
     return make
 
 
-def apply(model: nn.Module, tiles: int | None = None, tokens: int | None = None) -> nn.Module:
+def apply(model: nn.Module, config: Config | int | None = None, tokens: int | None = None) -> nn.Module:
     """Tile every MLP inside the model's repeated blocks (see the module docstring).
 
     Args:
         model: a transformers model, possibly wrapped by peft and/or quantized.
-        tiles: equal tiles per MLP call; None: tiles of ``tokens`` tokens, the last one shorter.
-        tokens: tokens per tile when ``tiles`` is None; None: ``hidden_size``.
+        config: a :class:`Config`; or, as before it, ``tiles`` (equal tiles per MLP call; None: tiles
+            of ``tokens`` tokens, the last one shorter) with ``tokens`` (None: ``hidden_size``).
 
     Returns:
         The same model, patched in place; its record's ``undo`` (or :func:`undo`) reverts it.
@@ -303,6 +329,8 @@ def apply(model: nn.Module, tiles: int | None = None, tokens: int | None = None)
         NoMatchError: the model has no MLP module this patch knows.
         MemtrainError: ``tiles`` or ``tokens`` is not a positive integer.
     """
+    tiles = config.tiles if isinstance(config, Config) else config
+    tokens = config.tokens if isinstance(config, Config) else tokens
     for name, value in (("tiled_mlp_tiles", tiles), ("tiled_mlp_tile_tokens", tokens)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise MemtrainError(f"`memory.{name}` must be a positive integer or null, got {value!r}. "
@@ -326,9 +354,22 @@ def undo(model: nn.Module) -> nn.Module:
     return undo_records(model, "tiled_mlp")
 
 
-@register("tiled_mlp", TILING, "memory.tiled_mlp")
+KNOBS = (
+    # keeps only each MLP's input; one more MLP forward (4-bit weights dequantized once per tile)
+    Knob("memory.tiled_mlp", fixed(False, True), False, order=130, patches_model=True,
+         cost="tiled_dequantized"),
+    Knob("memory.tiled_mlp_tile_tokens", lambda cfg, shape: [None, *tile_ladder(shape.hidden)], None,
+         order=140, rank=tile_rank),
+)
+DOC = Doc("tiled MLP",
+          "`memory.tiled_mlp: true`, `memory.tiled_mlp_tile_tokens: auto` (tile sized from the budget)",
+          "the MLP's wide intermediate for one sequence tile at a time; one extra MLP forward",
+          "[tiled_mlp.md](docs/bench/tiled_mlp.md), [tile_size.md](docs/bench/tile_size.md)")
+
+
+@register("tiled_mlp", TILING, "memory.tiled_mlp", config=Config, apply=apply, knobs=KNOBS, doc=DOC)
 def _from_recipe(model: nn.Module, cfg: RunConfig) -> nn.Module | None:
     if not decided(cfg.memory.tiled_mlp, "memory.tiled_mlp", "true or false"):
         return None
     tokens = decided(cfg.memory.tiled_mlp_tile_tokens, "memory.tiled_mlp_tile_tokens", "a number or null")
-    return apply(model, cfg.memory.tiled_mlp_tiles, tokens)
+    return apply(model, Config(cfg.memory.tiled_mlp_tiles, tokens))

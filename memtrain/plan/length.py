@@ -3,7 +3,7 @@
 The planner settles the length first, then chooses the recipe's other ``auto`` fields at that
 length with its usual search (:mod:`memtrain.plan.search`). A length *fits* when the recipe's
 leanest settings fit there: every ``auto`` field at the last value of its memory order
-(:func:`memtrain.plan.space._options`: full checkpointing, chunked loss, activation offload, ...)
+(:func:`memtrain.plan.space.options`: full checkpointing, chunked loss, activation offload, ...)
 and the smallest micro-batch the effective batch allows. Memory grows with the length, so the
 longest length the leanest settings fit is the longest any settings fit; the search at that
 length then finds the fastest settings that fit it, which may keep more than the leanest.
@@ -27,7 +27,7 @@ from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
 from memtrain.estimator.setup import position_limit, resolve_config
 from memtrain.plan.search import _Search
-from memtrain.plan.space import Candidate, _rank, with_values
+from memtrain.plan.space import Candidate, rank, with_values
 from memtrain.units import format_bytes
 
 LENGTH_STEP = 256  # planned lengths are multiples of this many tokens
@@ -153,10 +153,10 @@ def _down(tokens: float, step: int) -> int:
 
 def _leanest(cfg: RunConfig, device: str, usable: int, step: int) -> Candidate:
     """The valid, applicable candidate that keeps least: the most fields at the end of their
-    memory order (:func:`memtrain.plan.space._rank`)."""
+    memory order (:func:`memtrain.plan.space.rank`)."""
     search = _Search(with_values(cfg, {MAX_KEY: step}), device, usable)
     cands = sorted(search.candidates(), key=lambda c: -sum(
-        sum(_rank(f, v, search.depth, search.vocab)) for f, v in c.values.items()))
+        sum(rank(f, v, search.depth, search.vocab)) for f, v in c.values.items()))
     for cand in cands:
         if search.batches_for(cand) and search.inapplicable(cand) is None:
             cand.micro, cand.accumulation = search.batches_for(cand)[0]

@@ -23,9 +23,9 @@ from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, _quiet, in_batch, with_depth
-from memtrain.patches import NoMatchError
+from memtrain.patches import ModelShape, NoMatchError
 from memtrain.plan import costmodel, space
-from memtrain.plan.space import IN_BACKWARD, Candidate, _batches, _options, _rank, auto_fields, with_values
+from memtrain.plan.space import IN_BACKWARD, Candidate, auto_fields, batches, options, rank, with_values
 from memtrain.reliability.budget import HostBudget
 from memtrain.units import format_bytes
 
@@ -51,9 +51,10 @@ class _Traced:
 _TRACES: dict[str, _Traced] = {}
 
 # The fields whose techniques patch the model, so whose applicability a fake model shows before
-# any trace (see _Search.inapplicable); a field left out is still caught when traced.
-PATCHED_FIELDS = ("memory.checkpointing", "memory.loss", "memory.activation_bits",
-                  "memory.randomized_linear", "memory.offload.activations", "memory.offload.embeddings")
+# any trace (see _Search.inapplicable): the registered knobs that say so (Knob.patches_model).
+PATCHED_FIELDS = space.patched_fields()
+# the fields that describe the model being trained: a plain trace keeps them
+BASE_FIELDS = space.base_fields()
 
 
 class _Search:
@@ -70,7 +71,8 @@ class _Search:
         self.vocab = int(getattr(self.config, "vocab_size", 0) or 0)
         skip = ("training.micro", "training.gradient", "data.")  # batches: below; the length: plan.length
         self.fields = [f for f in auto_fields(cfg) if not f.startswith(skip)] if fields is None else fields
-        self.batches = _batches(cfg)
+        self.batches = batches(cfg)
+        self.shape = ModelShape(self.depth, self.hidden, self.vocab)
         self.rates = costmodel.rates(device)
         self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates
         self.done: list[Candidate] = []
@@ -80,7 +82,7 @@ class _Search:
         # the settings in its key, never on the budget
 
     def candidates(self) -> Iterator[Candidate]:
-        domains = [_options(self.cfg, f, self.depth) for f in self.fields]
+        domains = [options(self.cfg, f, self.shape) for f in self.fields]
         for combo in itertools.product(*domains):
             values = dict(zip(self.fields, combo, strict=True))
             try:  # e.g. a quantized base trained in full, the step in backward with clipping,
@@ -196,13 +198,13 @@ class _Search:
         """
         if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
             return False
-        rank = functools.partial(_rank, depth=self.depth, vocab=self.vocab)
+        at = functools.partial(rank, depth=self.depth, vocab=self.vocab)
         return all(a <= b for f in self.fields
-                   for a, b in zip(rank(f, cand.values[f]), rank(f, small.values[f]), strict=True))
+                   for a, b in zip(at(f, cand.values[f]), at(f, small.values[f]), strict=True))
 
     def lower_bound(self, cand: Candidate) -> float:
         """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base."""
-        base = {f: v for f, v in cand.values.items() if f in ("model.quantization", "adapter.method")}
+        base = {f: v for f, v in cand.values.items() if f in BASE_FIELDS}
         cfg = with_values(self.cfg, {**base, **self._plain(cand)})
         batches = self.batches_for(cand) or self.batches
         micro, accumulation = batches[-1]
@@ -224,12 +226,12 @@ class _Search:
         ALBERT) is named here, whatever the machine's speed would rank it. Errors only a trace
         shows still come from :meth:`evaluate`.
         """
-        base = {f: v for f, v in cand.values.items() if f in ("model.quantization", "adapter.method")}
+        base = {f: v for f, v in cand.values.items() if f in BASE_FIELDS}
         plain = {**cand.values, **self._plain(cand), **base}
         if self._patch_error(plain) is not None:
             return None  # fails without any technique: not a technique's fault (evaluate reports it)
         for path, value in cand.values.items():
-            if path in PATCHED_FIELDS and any(_rank(path, value, self.depth)):
+            if path in PATCHED_FIELDS and any(rank(path, value, self.depth)):
                 why = self._patch_error({**plain, path: value})
                 if why is not None:
                     return why
@@ -257,14 +259,8 @@ class _Search:
         return self._patch_errors[key]
 
     def _plain(self, cand: Candidate) -> dict[str, Any]:
-        plain = {"training.optimizer": "adamw", "memory.checkpointing": "none",
-                 "memory.offload.activations": False, "memory.offload.optimizer": False,
-                 "memory.activation_bits": None, "memory.randomized_linear": None,
-                 "memory.offload.embeddings": False,
-                 "distributed.sharding": "none", "memory.loss": "standard", IN_BACKWARD: False,
-                 "memory.tiled_mlp": False, "memory.lean_norm": False, "training.dpo_precompute_ref": False,
-                 "memory.tiled_mlp_tile_tokens": None, "memory.loss_chunk_tokens": None}
-        return {f: v for f, v in plain.items() if f in self.fields}
+        """The searched fields with their techniques off (each registered knob's ``off``)."""
+        return space.plain(self.fields)
 
     def evaluate(self, cand: Candidate) -> None:
         """Trace ``cand``, pick its largest fitting micro-batch, predict its time.

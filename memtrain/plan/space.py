@@ -1,9 +1,11 @@
 """The planner's candidate space: which values each ``auto`` field can take, in memory order.
 
-A *candidate* (:class:`Candidate`) is one combination of values for the ``auto`` fields of a
-recipe. :func:`_options` lists a field's values from "keeps most memory" to "keeps least" and
-:func:`_rank` places a value in that order (the search prunes by it, see
-:mod:`memtrain.plan.planner`). :func:`with_values` sets dotted fields on a recipe and re-validates it.
+Every field the planner may decide is a :class:`memtrain.patches.Knob`, registered with its
+technique (:mod:`memtrain.patches`): this module only reads the registry. A *candidate*
+(:class:`Candidate`) is one combination of values for the ``auto`` fields of a recipe.
+:func:`options` lists a field's values from "keeps most memory" to "keeps least" and :func:`rank`
+places a value in that order (the search prunes by it, see :mod:`memtrain.plan.planner`).
+:func:`with_values` sets dotted fields on a recipe and re-validates it.
 """
 
 from __future__ import annotations
@@ -12,24 +14,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
 from memtrain.estimator.setup import NEEDS_VALUE, recipe_value, resolve_config
-from memtrain.patches.chunked_loss import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from memtrain.patches import ModelShape
 
-# Candidate values of each `auto` field, from "keeps most memory" to "keeps least" (see dominance).
-APPROX_RANDOMIZED = {"ratio": 0.2, "sketch": "gaussian", "targets": None}
 IN_BACKWARD = "training.optimizer_in_backward"
 TILE_TOKENS = "memory.tiled_mlp_tile_tokens"
 CHUNK_TOKENS = "memory.loss_chunk_tokens"
-# fp32 logit bytes per loss chunk the planner tries around the rule (None: 32-256 MiB): larger chunks
-# make fewer head and cross-entropy calls (faster), smaller ones keep less while the loss is the peak
-CHUNK_BYTES = (2**30, None, 8 * 2**20)
-# sizes whose default (None) sits inside their memory order: the tie rule counts a size other than
-# the default as one more technique, so ties keep the default. The cost model predicts the loss
-# chunks equal (same FLOPs); measured, a quarter of the rule's chunk took 1.07x the rule's step and
-# one chunk of everything 0.95x, at 1.8x its peak (docs/bench/loss_chunk.md, a 2-core CPU)
-SIZES = (CHUNK_TOKENS,)
 
 
 @dataclass
@@ -57,8 +50,18 @@ class Candidate:
 
 def auto_fields(cfg: RunConfig) -> list[str]:
     """The dotted fields of ``cfg`` the planner must decide."""
-    paths = [*NEEDS_VALUE, "distributed.sharding", "data.max_length"]
+    searched = [k.path for k in patches.knobs() if k.plannable and k.path not in NEEDS_VALUE]
+    paths = [*NEEDS_VALUE, *searched, "data.max_length"]
     return [p for p in paths if recipe_value(cfg, p) == "auto"]
+
+
+def model_shape(cfg: RunConfig, depth: int | None = None) -> ModelShape:
+    """What the knobs read about ``cfg``'s model (its config, no weights); ``depth`` overrides
+    the config's layer count."""
+    config = resolve_config(cfg.model)[0]
+    size = lambda name: int(getattr(config, name, 0) or 0)  # noqa: E731
+    return ModelShape(size("num_hidden_layers") if depth is None else depth, size("hidden_size"),
+                      size("vocab_size"))
 
 
 def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
@@ -81,95 +84,55 @@ def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     return new
 
 
-def _options(cfg: RunConfig, path: str, depth: int) -> list[Any]:
-    """Candidate values of one `auto` field, from most memory kept to least."""
-    if path == TILE_TOKENS:  # built only when asked: it reads the model's config
-        return [None, *tile_ladder(cfg)]
-    if path == CHUNK_TOKENS:
-        return chunk_ladder(cfg)
-    approx = cfg.memory.allow_approximate
-    return {
-        "model.quantization": ["none", "nf4"],
-        # DPO's reference is the base with the adapter disabled: a LoRA run (config/checks.py)
-        "adapter.method": ["lora"] if cfg.training.objective == "dpo" else ["full", "lora"],
-        "training.optimizer": ["adamw", "adamw_8bit"],
-        "memory.checkpointing": ["none", "selective", max(1, depth // 2), "full"],
-        "memory.offload.activations": [False, True],
-        "memory.offload.optimizer": [False, True] if cfg.distributed.processes == 1 else [False],
-        # the frozen input table on the host (one process: FSDP2 shards it instead)
-        "memory.offload.embeddings": [False, True] if cfg.distributed.processes == 1 else [False],
-        "memory.activation_bits": [None, 3] if approx else [None],
-        "memory.randomized_linear": [None, APPROX_RANDOMIZED] if approx else [None],
-        # one process: nothing to shard; `grad_op` keeps at least what `full` keeps
-        "distributed.sharding": ["none", "grad_op", "full"] if cfg.distributed.processes > 1 else ["none"],
-        # DPO's loss is TRL's tiled log-prob head, not the model's loss
-        "memory.loss": (["standard", "chunked"] if cfg.model.task == "causal-lm"
-                        and cfg.training.objective == "sft" else ["standard"]),
-        "training.optimizer_in_backward": [False, True],
-        "memory.tiled_mlp": [False, True],  # keeps only each MLP's input; one more MLP forward
-        "memory.lean_norm": [False, True],  # keeps each norm's input and rstd; element-wise recompute
-        "training.dpo_precompute_ref": [False, True],  # no reference forward in the step
-    }[path]
+def options(cfg: RunConfig, path: str, shape: ModelShape) -> list[Any]:
+    """Candidate values of one `auto` field, from most memory kept to least (its registered knob)."""
+    return patches.knob(path).options(cfg, shape)
 
 
 def tile_ladder(cfg: RunConfig) -> list[int]:
-    """The MLP tile sizes below the default (``hidden_size`` tokens) the planner tries: a quarter
-    and a sixteenth of it (one tile's intermediate exists at a time; 4-bit weights are dequantized
-    once per tile and pass, so smaller tiles are slower)."""
-    hidden = int(getattr(resolve_config(cfg.model)[0], "hidden_size", 0) or 0)
-    return sorted({max(1, hidden // 4), max(1, hidden // 16)}, reverse=True) if hidden else []
+    """The MLP tile sizes below the default the planner tries for ``cfg``'s model
+    (:func:`memtrain.patches.tiled_mlp.tile_ladder`)."""
+    return options(cfg, TILE_TOKENS, model_shape(cfg))[1:]
 
 
 def chunk_ladder(cfg: RunConfig) -> list[int | None]:
-    """The loss chunk sizes the planner tries, most memory first: chunks of 1 GiB of fp32 logits,
-    the rule (null: 32-256 MiB), chunks of 8 MiB; sizes in tokens of this model's vocabulary.
-
-    The rule keeps a chunk between 32 and 256 MiB of fp32 logits whatever the length, so the
-    ladder's order is an order in memory at every length (what :func:`_rank` needs)."""
-    vocab = int(getattr(resolve_config(cfg.model)[0], "vocab_size", 0) or 0)
-    if not vocab:
-        return [None]
-    return [None if size is None else max(1, size // (4 * vocab)) for size in CHUNK_BYTES]
+    """The loss chunk sizes the planner tries for ``cfg``'s model, most memory first
+    (:func:`memtrain.patches.chunked_loss.chunk_ladder`)."""
+    return options(cfg, CHUNK_TOKENS, model_shape(cfg))
 
 
-def _rank(path: str, value: Any, depth: int, vocab: int = 0) -> tuple[int, ...]:
+def rank(path: str, value: Any, depth: int, vocab: int = 0) -> tuple[int, ...]:
     """Position of ``value`` in its field's memory order, as a vector (checkpointing is 2-D:
     selective and n-of-L are not comparable); ``vocab`` places a loss chunk size around the rule."""
-    if path == "memory.checkpointing":
-        return {"none": (0, 0), "selective": (1, 0), "full": (1, 1)}.get(value, (0, 1))  # type: ignore[arg-type]
-    if path == "model.quantization":
-        return (0,) if value == "none" else (1,)
-    if path == "adapter.method":
-        return (0,) if value == "full" else (1,)
-    if path == "training.optimizer":
-        return (0,) if value == "adamw" else (1,)
-    if path == "distributed.sharding":
-        # `grad_op` keeps at least what `full` keeps. Replicas are comparable with neither: with a
-        # frozen base (LoRA) a process gathers the whole model under `grad_op`, more than one
-        # replica holds, while full fine-tuning holds far more as replicas.
-        return {"none": (0, 1), "grad_op": (1, 0), "full": (2, 0)}[value]
-    if path == "memory.loss":
-        return (0,) if value == "standard" else (1,)
-    if path == CHUNK_TOKENS:  # above the rule's cap (256 MiB of logits) < the rule (None) < below its floor
-        logits = 4 * int(value) * vocab if value is not None else 0
-        return (1,) if value is None else (0,) if logits > MAX_CHUNK_BYTES else \
-            (2,) if logits < MIN_CHUNK_BYTES else (1,)
-    if path == TILE_TOKENS:  # smaller tiles keep less: hidden_size (None) < hidden/4 < hidden/16
-        return (0,) if value is None else ((2**16 // max(1, int(value))).bit_length() + 1,)
-    return (0,) if value in (None, False) else (1,)
+    return patches.knob(path).rank_of(value, ModelShape(depth, 0, vocab))
 
 
 def turns_on(path: str, value: Any, depth: int) -> bool:
-    """Whether ``value`` of ``path`` counts as one memory technique in the tie rule (LoRA vs full
-    fine-tuning is not one; a size other than its default is, see :data:`SIZES`)."""
-    if path == "adapter.method":
-        return False
-    if path == "distributed.sharding":
-        return value != "none"
-    return value is not None if path in SIZES else any(_rank(path, value, depth))
+    """Whether ``value`` of ``path`` counts as one memory technique in the tie rule: a value other
+    than its knob's off value (LoRA vs full fine-tuning is not one; a size other than its default
+    is, so ties keep the default)."""
+    return patches.knob(path).turns_on(value)
 
 
-def _batches(cfg: RunConfig) -> list[tuple[int, int]]:
+def plain(fields: list[str]) -> dict[str, Any]:
+    """Each of ``fields`` with its technique off; the model's own fields (quantization, adapter) are
+    left out: a plain trace keeps them."""
+    by_path = {k.path: k for k in patches.knobs()}
+    return {f: by_path[f].off for f in fields if f in by_path and not by_path[f].base}
+
+
+def base_fields() -> tuple[str, ...]:
+    """The fields that describe the model being trained (kept in a plain trace)."""
+    return tuple(k.path for k in patches.knobs() if k.base)
+
+
+def patched_fields() -> tuple[str, ...]:
+    """The fields whose techniques patch the model, so whose applicability a fake model shows
+    before any trace."""
+    return tuple(k.path for k in patches.knobs() if k.patches_model)
+
+
+def batches(cfg: RunConfig) -> list[tuple[int, int]]:
     """Valid (micro, accumulation) pairs, smallest micro first; the effective batch never changes."""
     t, procs = cfg.training, cfg.distributed.processes
     if t.micro_batch_size != "auto" and t.gradient_accumulation != "auto":

@@ -388,9 +388,9 @@ def test_the_planner_sizes_the_loss_chunk_from_the_budget(tmp_path: Path, tiny_t
 def test_chunk_sizes_rank_around_the_rule() -> None:
     """The dominance pruning's order: chunks above the rule's cap keep more than the rule, chunks
     below its floor less (a mutant that ranks by tokens alone, without the vocabulary, fails)."""
-    from memtrain.plan.space import CHUNK_TOKENS, _rank
+    from memtrain.plan.space import CHUNK_TOKENS, rank
 
     vocab = 32768
-    big, rule, small = (_rank(CHUNK_TOKENS, size, 1, vocab) for size in (8192, None, 64))
+    big, rule, small = (rank(CHUNK_TOKENS, size, 1, vocab) for size in (8192, None, 64))
     assert big < rule < small
-    assert _rank(CHUNK_TOKENS, 8192, 1, 512) == _rank(CHUNK_TOKENS, 64, 1, vocab) == (2,)  # 16 MiB: below
+    assert rank(CHUNK_TOKENS, 8192, 1, 512) == rank(CHUNK_TOKENS, 64, 1, vocab) == (2,)  # 16 MiB: below

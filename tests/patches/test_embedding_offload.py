@@ -46,7 +46,7 @@ def test_the_loss_and_every_gradient_are_the_plain_ones_bit_for_bit() -> None:
     assert moved["grads"].keys() == plain["grads"].keys() and len(plain["grads"]) > 0
     for name, grad in plain["grads"].items():
         assert torch.equal(moved["grads"][name], grad), name
-    assert [r.name for r in records(patched)] == ["offload_embeddings"]
+    assert [r.name for r in records(patched)] == ["embedding_offload"]
 
 
 def test_the_meter_files_the_table_and_the_looked_up_rows_as_host_memory() -> None:

@@ -65,7 +65,7 @@ def test_each_kind_is_bit_identical_and_its_gradients_are_autograds(kind: str, d
     """150 rows in tiles of 7 (a short last tile); bf16 gradients are compared with the module's
     own run in fp32 (on the same bf16 values), where autograd's bf16 roundings differ from ours."""
     plain = _norm(kind, dtype, trainable)
-    lean = lean_norm.apply(copy.deepcopy(plain), tile=7)
+    lean = lean_norm.apply(copy.deepcopy(plain), lean_norm.Config(tile=7))
     assert records(lean)[0].detail.startswith(f"lean norm: 1 {kind} RMSNorms")
     x = (torch.randn(3, 50, 96, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     g = torch.randn(3, 50, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -141,7 +141,8 @@ def _model(arch: str, lora: bool, dtype: torch.dtype = torch.float32) -> nn.Modu
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_loss_and_every_gradient_equal_the_plain_model(arch: str, lora: bool, checkpointing: str) -> None:
     base = _model(arch, lora)
-    lean = lean_norm.apply(copy.deepcopy(base), tile=7)  # 80 rows: 12 tiles, the last one short
+    # 80 rows: 12 tiles, the last one short
+    lean = lean_norm.apply(copy.deepcopy(base), lean_norm.Config(tile=7))
     reference = _loss_and_grads(ckpt.apply(base, checkpointing), _batch())
     _assert_same(_loss_and_grads(ckpt.apply(lean, checkpointing), _batch()), reference, FP32)
     if not lora:  # every norm weight (final norm included) gets its gradient
@@ -190,7 +191,7 @@ def test_qlora_recipe_with_every_long_context_technique(tmp_path: Path, tiny_tex
                 nn.init.normal_(param, std=0.05)
         applied = [r.name for r in records(model)]
         assert applied == ["lora", "chunked_loss", *(["lean_norm"] * lean), "tiled_mlp", "checkpointing",
-                           "offload"]
+                           "activation_offload"]
         return _loss_and_grads(model, _batch(vocab=30522))
 
     _assert_same(run(True), run(False), 4 * BF16)
@@ -321,7 +322,7 @@ def test_bad_values_are_rejected_and_auto_needs_the_planner(tmp_path: Path, tiny
     with pytest.raises(MemtrainError, match=r"memory.lean_norm.*auto"):
         estimate(cfg, device="cpu")
     with pytest.raises(MemtrainError, match=r"tile"):
-        lean_norm.apply(tiny_model("llama"), tile=0)
+        lean_norm.apply(tiny_model("llama"), lean_norm.Config(tile=0))
 
 
 # --------------------------------------------------------------------------------- planner

@@ -147,7 +147,7 @@ def test_recipe_hook_and_undo(tmp_path: Any, tiny_text_file: Any) -> None:
     recipe = causal_recipe(tmp_path, tiny_text_file,
                            memory={"checkpointing": "full", "offload": {"activations": True}})
     model = apply_patches(build_model(), load_recipe(recipe), only=["checkpointing", "offload"])
-    assert [r.name for r in records(model)] == ["checkpointing", "offload"]
+    assert [r.name for r in records(model)] == ["checkpointing", "activation_offload"]
     assert "inputs of 2 checkpointed layers" in records(model)[1].detail
     offload.undo(model)
     assert offload.offloader(model) is None

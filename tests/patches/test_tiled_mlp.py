@@ -162,7 +162,7 @@ def test_composes_with_checkpointing_and_activation_offload_in_the_recipe_order(
             if "lora_B" in name:
                 nn.init.normal_(param, std=0.05)
         applied = [r.name for r in records(model)]
-        assert applied == ["lora", *(["tiled_mlp"] * tiled), "checkpointing", "offload"]
+        assert applied == ["lora", *(["tiled_mlp"] * tiled), "checkpointing", "activation_offload"]
         return _loss_and_grads(model, _batch(vocab=30522))
 
     _assert_same(grads(True), grads(False), FP32)
