@@ -22,8 +22,9 @@ A recipe is a YAML file with the sections below. Every key is optional unless it
 """
 
 
-def render_reference() -> str:
-    """Markdown: one table per section, with each key's type, default and help."""
+def render_reference(after: dict[str, str] | None = None) -> str:
+    """Markdown: one table per section, with each key's type, default and help; ``after`` adds text
+    after a section (``scripts/gen_docs.py`` adds the registered techniques after ``memory``)."""
     parts = [HEADER]
     for name, field in RunConfig.model_fields.items():
         section = section_model(field.annotation)
@@ -31,6 +32,8 @@ def render_reference() -> str:
             parts.append(f"## `{name}`\n\n{field.description} Type: {describe_type(field.annotation)}.\n")
             continue
         parts.append(_section(name, section))
+        if after and name in after:
+            parts.append(after[name])
     return "\n".join(parts)
 
 
