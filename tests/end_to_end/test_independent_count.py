@@ -130,6 +130,12 @@ CASES: dict[str, Case] = {
     # the frozen input table on the host: 30,522 x 64 fp32 values (TINY_CONFIGS' Llama, untied)
     "llama-embedding-offload": Case("llama", [32] * 16, merge(LORA, {
         "memory": {"offload": {"embeddings": True}}}), host_resident=30522 * 64 * 4),
+    # the lean RMSNorm (input and rstd kept), the few-bit activation backward (3-bit codes kept) and
+    # the randomized backward of the trainable linear layers (a sketch of their inputs kept)
+    "llama-lean-norm": Case("llama", [32] * 16, merge(LORA, {"memory": {"lean_norm": True}})),
+    "llama-fewbit": Case("llama", [32] * 16, merge(FULL, {"memory": {"activation_bits": 3}})),
+    "llama-randomized-linear": Case("llama", [32] * 16, merge(FULL, {
+        "memory": {"randomized_linear": {"ratio": 0.25}}})),
     # a classifier: rows of 2 special + n one-piece words, one padded micro-batch
     "bert-classifier-lora-padded": Case("bert", [32, 24, 30, 18], LORA, uniform=False),
 }
