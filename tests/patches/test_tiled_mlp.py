@@ -434,7 +434,8 @@ def test_the_planner_sizes_tiles_from_the_budget(tmp_path: Path, tiny_text_file:
 
     monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(tmp_path / "calibration.json"))
     shape = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 1,
-             "intermediate_size": 8192}  # one 512-token tile's intermediate: 16 MiB per fp32 copy
+             "intermediate_size": 8192,  # one 512-token tile's intermediate: 16 MiB per fp32 copy
+             "max_position_embeddings": 512}  # the tiny Llama has 256 positions; 512-token rows here
     cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file, data={"max_length": 512},
                                     model={"from_config": {**TINY_CONFIGS["llama"], **shape}},
                                     training={"micro_batch_size": 2},
