@@ -194,7 +194,10 @@ def load_model(
         with tempfile.TemporaryDirectory(prefix="memtrain-model-") as tmp:
             auto.from_config(config, dtype=kwargs["dtype"]).save_pretrained(tmp)
             model = auto.from_pretrained(tmp, config=config, **kwargs)
-        model.name_or_path = model.config._name_or_path = f"from_config:{config.model_type}"
+        from memtrain._compat.transformers_model import set_name_or_path
+
+        model.name_or_path = f"from_config:{config.model_type}"
+        set_name_or_path(model.config, model.name_or_path)
     else:
         assert cfg.name is not None
         model = _from_pretrained(auto, "model.name", cfg.name, cfg, {"config": config, **kwargs})

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from memtrain import allocator, lazy_setup
+from memtrain._compat.versions import check_versions
 from memtrain.cli import estimate as cli_estimate
 from memtrain.cli import runs as cli_runs
 from memtrain.cli.common import (
@@ -155,6 +156,7 @@ def main() -> None:
     atexit.register(_end_without_teardown)  # registered first, so it runs after every other one
     lazy_setup.install()  # before any command imports torch's and Hugging Face's libraries
     allocator.set_default()  # before CUDA starts: this process and every worker it launches
+    check_versions()  # once: a dependency outside the tested range (memtrain._compat.versions)
     try:
         app()
     except KeyboardInterrupt:

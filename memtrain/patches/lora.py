@@ -17,6 +17,7 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memtrain._compat.peft import check_forward_args, has_variant
 from memtrain.config import AdapterConfig, RunConfig, decided
 from memtrain.model import CLASSIFIER_HEADS
 from memtrain.patches import ADAPTER, Doc, Knob, NoMatchError, PatchRecord, add_records, register
@@ -232,12 +233,12 @@ def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -
     randomized-backward linear) is peft's own."""
     plain = not (self.disable_adapters or self.merged or torch.is_autocast_enabled()
                  or kwargs.get("adapter_names") is not None
-                 or any(a in self.lora_variant for a in self.active_adapters)
+                 or has_variant(self, self.active_adapters)
                  or any(type(m[a]) is not nn.Linear for m in (self.lora_A, self.lora_B)
                         for a in self.active_adapters if a in m))
     if not plain:
         return type(self).forward(self, x, *args, **kwargs)
-    self._check_forward_args(x, *args, **kwargs)
+    check_forward_args(self, x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)
     for name in self.active_adapters:
         if name not in self.lora_A:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain._compat.transformers_trainer import set_train_batch_size
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, valid_batches
 from memtrain.data.rows import Rows, worst_case
@@ -221,14 +222,11 @@ def _trainer_loss(trainer: Any, cfg: RunConfig) -> Any:
 
 
 def _forget_probe_metrics(trainer: Any) -> None:
-    """TRL's trainers collect metrics in ``compute_loss`` (``_metrics``, the token count): the probe's
+    """TRL's trainers collect metrics in ``compute_loss`` (the token count among them): the probe's
     steps are not training steps, so what they added is dropped."""
-    metrics = getattr(trainer, "_metrics", None)
-    if isinstance(metrics, dict):
-        for values in metrics.values():
-            values.clear()
-    if hasattr(trainer, "_total_train_tokens"):
-        trainer._total_train_tokens = 0
+    from memtrain._compat.trl import forget_metrics
+
+    forget_metrics(trainer)
 
 
 def set_batch(trainer: Any, batch: Batch) -> None:
@@ -236,7 +234,7 @@ def set_batch(trainer: Any, batch: Batch) -> None:
     trainer.args.per_device_train_batch_size = batch.micro
     trainer.args.per_device_eval_batch_size = batch.micro
     trainer.args.gradient_accumulation_steps = batch.accumulation
-    trainer._train_batch_size = trainer.args.train_batch_size
+    set_train_batch_size(trainer, trainer.args.train_batch_size)
 
 
 # ------------------------------------------------------------------------------ the probe
