@@ -30,7 +30,7 @@ import numpy as np
 from memtrain.config import RunConfig
 from memtrain.config.batch import resolve_batch
 from memtrain.data.rows import Rows
-from memtrain.estimator import calibrate
+from memtrain.estimator import calibrate, seqlen
 from memtrain.estimator.pool import run_all
 from memtrain.estimator.setup import TraceSetup, trace_setup
 from memtrain.estimator.trace import (
@@ -94,7 +94,8 @@ class Sweep:
 
 
 def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), *,
-             device: str | None = None, exact: bool = False, rows: Rows | None = None) -> Estimate:
+             device: str | None = None, exact: bool = False, rows: Rows | None = None,
+             exact_length: bool = False) -> Estimate:
     """Predict the peak memory of one training step of ``recipe``, by category and phase.
 
     Args:
@@ -103,7 +104,9 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
         device: ``cuda`` or ``cpu``: where the run will train (default: CUDA when this machine
             has it). On a machine without CUDA, a CUDA run is traced on CPU fake tensors with
             CUDA's optimizer kernels.
-        exact: trace every layer instead of extrapolating from 2 and 3 (slower; for checks).
+        exact: trace every layer at the full length instead of extrapolating in depth (from 2
+            and 3 layers) and along the sequence (from a few short lengths); slower, for checks.
+        exact_length: trace the full length, still extrapolating in depth.
         rows: the longest batch of the data at hand (:meth:`memtrain.data.prepare.PreparedData.rows`);
             default: the recipe's worst case, every row ``data.max_length`` tokens.
 
@@ -113,7 +116,8 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
     """
     start = time.perf_counter()
     plan = trace_setup(recipe, overrides, device, rows)
-    candidates, counts, method = trace_candidates(plan, plan.micro_batch, plan.seq_len, exact)
+    candidates, counts, method = trace_candidates(plan, plan.micro_batch, plan.seq_len, exact,
+                                                  exact_length=exact_length)
     return summarize(plan, candidates, counts, method, time.perf_counter() - start)
 
 
@@ -149,30 +153,59 @@ def sweep(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (), 
 # ----------------------------------------------------------------------------------- tracing
 
 
-def trace_candidates(plan: TraceSetup, micro_batch: int, seq_len: int, exact: bool
-                ) -> tuple[Candidates, Counts, str]:
+def trace_candidates(plan: TraceSetup, micro_batch: int, seq_len: int, exact: bool,
+                     exact_length: bool = False) -> tuple[Candidates, Counts, str]:
     """Candidate peak ops of the full-depth step, parameter counts, and how they were obtained."""
-    return trace_candidates_at(plan, [(micro_batch, seq_len)], exact)[0]
+    return trace_candidates_at(plan, [(micro_batch, seq_len)], exact, exact_length)[0]
 
 
-def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exact: bool
-                   ) -> list[tuple[Candidates, Counts, str]]:
+def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exact: bool,
+                        exact_length: bool = False) -> list[tuple[Candidates, Counts, str]]:
     """:func:`trace_candidates` at several (micro-batch, sequence length) points, their traces run side
-    by side (:mod:`memtrain.estimator.pool`)."""
+    by side (:mod:`memtrain.estimator.pool`). Unless ``exact`` or ``exact_length``, a long length is
+    extrapolated from a few short ones (:mod:`memtrain.estimator.seqlen`), whose cost does not grow
+    with the length; where they do not determine it exactly, the length itself is traced."""
     whole = exact or plan.depth <= FULL_TRACE_DEPTH
     if not whole and isinstance(plan.cfg.memory.checkpointing, int):  # the first n layers differ
         if "checkpointing" not in " ".join(plan.notes):
             plan.notes.append("memory.checkpointing is a number of layers, so every layer was traced")
         whole = True
     depths = [plan.depth] if whole else [2, 3]
-    jobs = [functools.partial(_trace, plan, depth, micro, seq) for micro, seq in points for depth in depths]
+    seqs = [None if exact or exact_length else seqlen.plan(plan.cfg, plan.config, micro, seq)
+            for micro, seq in points]
+    jobs = [functools.partial(_trace, plan, depth, micro, length, None if sp is None else sp.settings(length))
+            for (micro, seq), sp in zip(points, seqs, strict=True)
+            for length in (sp.lengths if sp is not None else (seq,)) for depth in depths]
     traces = run_all(jobs, cuda=plan.trace_device == "cuda")
-    found = []
-    for k, (micro, seq) in enumerate(points):
-        if whole:
-            found.append(_whole(plan, traces[k]))
+    at_point: list[list[Trace]] = []  # per point: the trace of each depth at its length
+    retrace: list[int] = []
+    for sp in seqs:
+        count = len(depths) * (len(sp.lengths) if sp is not None else 1)
+        mine, traces = traces[:count], traces[count:]
+        if sp is None:
+            at_point.append(mine)
+            continue
+        by_depth = [[mine[i * len(depths) + d] for i in range(len(sp.lengths))] for d in range(len(depths))]
+        long = [seqlen.along(series, sp) for series in by_depth]
+        if any(t is None for t in long):
+            retrace.append(len(at_point))
+            at_point.append([])
         else:
-            found.append(_extrapolated(plan, traces[2 * k], traces[2 * k + 1], micro, seq))
+            at_point.append(long)  # type: ignore[arg-type]
+    if retrace:  # the short lengths did not determine the step: trace the length itself
+        jobs = [functools.partial(_trace, plan, depth, *points[k]) for k in retrace for depth in depths]
+        again = run_all(jobs, cuda=plan.trace_device == "cuda")
+        for n, k in enumerate(retrace):
+            at_point[k] = again[n * len(depths):(n + 1) * len(depths)]
+    found = []
+    for k, ((micro, seq), sp) in enumerate(zip(points, seqs, strict=True)):
+        along = "" if sp is None or k in retrace else (
+            f"; along the sequence from {', '.join(f'{n:,}' for n in sorted(sp.lengths))} tokens")
+        if whole:
+            cands, counts, method = _whole(plan, at_point[k][0])
+        else:
+            cands, counts, method = _extrapolated(plan, at_point[k][0], at_point[k][1], micro, seq)
+        found.append((cands, counts, method + along))
     return found
 
 
@@ -196,11 +229,23 @@ def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:
             f"traced all {plan.depth} layers")
 
 
-def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int) -> Trace:
+def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int,
+           memory: dict[str, int] | None = None) -> Trace:
+    """One trace; ``memory``: settings under ``memory`` (dotted) to trace with instead of the
+    recipe's: those of a trace at a shorter length (:meth:`memtrain.estimator.seqlen.SeqPlan.settings`)."""
     # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
     foreach = plan.device == "cuda"
     rows = micro_batch * (2 if plan.cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]
-    return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
+    cfg = plan.cfg
+    if memory:
+        cfg = cfg.model_copy(deep=True)
+        for key, value in memory.items():
+            *parents, name = key.split(".")
+            section = cfg.memory
+            for parent in parents:
+                section = getattr(section, parent)
+            setattr(section, name, value)
+    return trace_step(cfg, with_depth(plan.config, depth), micro_batch, seq_len,
                       device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows))
 
 

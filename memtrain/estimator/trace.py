@@ -44,6 +44,7 @@ from memtrain.config import RunConfig
 from memtrain.distributed import sharding
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
+from memtrain.memory import loops
 from memtrain.model import count_parameters
 from memtrain.trainer.build import build_optimizer, example_batch, recipe_stage, step_loss, step_settings
 from memtrain.trainer.step import hold_gradients, training_step
@@ -63,6 +64,8 @@ class Trace:
     trainable: int
     patches: list[str]  # what the applied patches did
     work: Work | None = None  # what the step computes, for the planner's cost model
+    marks: np.ndarray | None = None  # (ops, 2): loop instance and iteration of each op (-1: none)
+    loop_info: dict[int, loops.Loop] | None = None  # the loop instances (memtrain.memory.loops)
 
 
 @dataclass(frozen=True)
@@ -166,14 +169,17 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             hold_gradients(model)
         layers = decoder_layers(model, config.num_hidden_layers)
         meter = _TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
-        with recipe_stage("model", "a training step on fake tensors"), meter:
+        with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording():
             training_step(*step, held_gradients=held, loss_fn=loss_fn)
+            marked = loops.loops()
         done = [r.detail or r.name for r in patches.records(model)]
     tracker = meter.tracker
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
                 tracker.ops["optimizer"])
     rows = np.array(tracker.rows, dtype=np.int64)
-    return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work)
+    marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
+    return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,
+                 marks, marked)
 
 
 @contextlib.contextmanager

@@ -19,8 +19,8 @@ from torch.utils.flop_counter import flop_registry
 
 from memtrain._compat.torch_tools import active_fake_mode, overload_packet
 from memtrain._compat.torch_trackers import MemRefType, UpdateType
+from memtrain.memory import loops, trackers
 from memtrain.memory import meter as meter_mod
-from memtrain.memory import trackers
 
 CATEGORY_NAMES = trackers.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
@@ -39,6 +39,7 @@ class _EventRecorder:
         self._rounded = 0
         self.phases: list[str] = []
         self.rows: list[tuple[int, ...]] = []
+        self.marks: list[tuple[int, int]] = []  # per row: (loop instance, iteration), memory.loops
         self.ops = {"step": 0, "optimizer": 0}
         self.written = 0
         self.flops = 0
@@ -98,8 +99,11 @@ class _EventRecorder:
             self.phases.append(phase)
         row = (len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],  # type: ignore[attr-defined]
                sum(self._raw[self.host_device]), self._rounded)  # type: ignore[attr-defined]
-        if not self.rows or row != self.rows[-1]:  # ops that allocate nothing (views) add no row
+        mark = loops.current()  # the loop iteration (tile, chunk) the op ran in, if any
+        # ops that allocate nothing (views) add no row
+        if not self.rows or row != self.rows[-1] or mark != self.marks[-1]:
             self.rows.append(row)
+            self.marks.append(mark)
 
     def _current_layer(self) -> int:
         parents = self.module_tracker.parents  # type: ignore[attr-defined]

@@ -12,13 +12,18 @@ Lengths are multiples of ``LENGTH_STEP`` tokens. Each probe is one estimate (fak
 the real step, seconds each; :func:`memtrain.estimator.estimate.estimate`), so the search probes
 few: two lengths give a line and its crossing with the budget, then regula falsi (Illinois) between
 the longest length that fits and the shortest that does not (a bisection every fourth probe, should
-the estimate bend), until they are one step apart. Estimates are kept per settings for the
+the estimate bend), until they are one step apart. An estimate extrapolated along the sequence
+(:mod:`memtrain.estimator.seqlen`) costs the same at any length and is affine in it op by op; then
+the search first solves that model (:func:`_solve`): the budget's crossing of a line through two
+lengths far apart, confirmed by an estimate at the answer and one at the next step. Estimates are
+kept per settings for the
 process, so planning the same recipe for several budgets (scripts/bench_long_context.py) starts
 from every length probed before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +39,8 @@ LENGTH_STEP = 256  # planned lengths are multiples of this many tokens
 FIRST_PROBE = 4096
 LONGEST = 2**24  # no search beyond 16M tokens
 MAX_KEY = "data.max_length"
+SOLVE_SPAN = 8  # the affine model's second length: this many times the first
+SOLVE_ROUNDS = 3
 
 _ESTIMATES: dict[tuple[str, int], est.Estimate] = {}  # (settings, length) -> estimate, for the process
 
@@ -98,6 +105,7 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     for key, length in list(_ESTIMATES):  # lengths probed before with these settings, this process
         if key == base and length % step == 0 and length <= top:
             at(length)
+    _solve(found, at, usable, step, top)
     lo = max((n for n, b in found.probes.items() if b <= usable), default=0)
     hi = min((n for n, b in found.probes.items() if b > usable and n > lo), default=None)
     count, kept, weight = 0, "", [1.0, 1.0]  # Illinois: an end kept twice counts half in the line
@@ -116,6 +124,41 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
             "or train a smaller model.")
     found.chosen, found.estimate = lo, at(lo)
     return found
+
+
+def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, step: int, top: int) -> None:
+    """Solve the affine model for the longest length, then confirm it: an estimate at the answer
+    and one at the next step (what regula falsi below ends on, in fewer estimates).
+
+    An estimate extrapolated along the sequence (:mod:`memtrain.estimator.seqlen`) costs the same
+    at any length, and its bytes are affine in the length op by op, so the peak is the largest of
+    a few lines: the line through two lengths far apart meets the budget at or past the answer, the
+    line through the two probes nearest the crossing at the answer. Only when the first probe was
+    extrapolated (a step that had to be traced at its length costs more the longer it is, and may
+    not be affine), and for at most ``SOLVE_ROUNDS`` rounds; whatever is left, the search goes on from
+    the probes made here.
+    """
+    if found.probes or top <= step:
+        return
+    first = min(FIRST_PROBE, top)
+    if "along the sequence" not in at(first).method or found.probes[first] > usable:
+        return
+    at(min(top, max(first + step, _down(first * SOLVE_SPAN, step))))
+    for _ in range(SOLVE_ROUNDS):
+        fits = sorted(n for n, b in found.probes.items() if b <= usable)
+        over = sorted(n for n, b in found.probes.items() if b > usable)
+        lo, hi = fits[-1], (over[0] if over else None)
+        if lo == top or (hi is not None and hi - lo <= step):
+            return
+        a, b = (lo, hi) if hi is not None else (fits[-2], lo)
+        slope = (found.probes[b] - found.probes[a]) / (b - a)
+        if slope <= 0:
+            return
+        guess = _down(a + (usable - found.probes[a]) / slope, step)
+        guess = min(top, max(lo + step, guess if hi is None else min(hi - step, guess)))
+        at(guess)
+        if guess < top and found.probes[guess] <= usable:
+            at(guess + step)
 
 
 def _next(probes: dict[int, int], lo: int, hi: int | None, usable: int, step: int, top: int,
