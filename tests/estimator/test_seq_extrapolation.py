@@ -91,9 +91,10 @@ def test_quadratic_attention_is_traced_at_the_length(tmp_path: Path, tiny_text_f
 
 
 def test_length_search_solves_the_affine_model(tmp_path: Path, tiny_text_file: Path, monkeypatch) -> None:
-    """The search on extrapolated estimates finds the full search's length (never shorter), in
-    fewer estimates: the model's crossing, then the answer and the next step."""
-    from memtrain.estimator import seqlen
+    """Solving the affine model finds the length regula falsi finds (never shorter), in no more
+    estimates. Both run on extrapolated estimates, which the tests above check against traced ones;
+    against a search over traced estimates it agreed too (5,120 tokens; 810 s on a loaded 2-core
+    machine, too slow to keep)."""
     from memtrain.plan import length
 
     memory = {"checkpointing": "full", "loss": "chunked", "loss_chunk_tokens": 48, "tiled_mlp": True,
@@ -106,7 +107,7 @@ def test_length_search_solves_the_affine_model(tmp_path: Path, tiny_text_file: P
     fast = length.longest_length(cfg, "cpu", usable)
     assert fast.chosen == 5120 and fast.probes[5376] > usable
     length._ESTIMATES.clear()
-    monkeypatch.setattr(seqlen, "plan", lambda *args, **kwargs: None)  # every estimate traced at its length
-    full = length.longest_length(cfg, "cpu", usable)
-    assert full.chosen == fast.chosen
-    assert len(fast.probes) <= len(full.probes)
+    monkeypatch.setattr(length, "_solve", lambda *args: None)  # regula falsi alone
+    falsi = length.longest_length(cfg, "cpu", usable)
+    assert falsi.chosen == fast.chosen
+    assert len(fast.probes) <= len(falsi.probes)
