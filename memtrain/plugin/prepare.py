@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain._compat.transformers_trainer import set_loss_scaled_for_ga
 from memtrain._compat.versions import check_versions
 from memtrain.data.rows import Rows
 from memtrain.device import configure_allocator
@@ -144,11 +145,10 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         elif self.trainer_estimate is None and (self.estimate is True or (
                 self.estimate == "auto" and overrides_step(trainer))):
             self._estimate_step(trainer)
-        if trainer.loss_is_scaled_for_ga is None and _is_classifier(trainer.model):
-            # Transformers 5 would skip 1/accumulation for sequence classifiers (their forward takes
-            # **kwargs, but the loss is a plain mean): gradients would grow with the accumulation
-            # that prepare_for_budget raises. Same fix as memtrain.trainer.trainer.build_trainer.
-            trainer.loss_is_scaled_for_ga = False
+        if getattr(trainer, "loss_is_scaled_for_ga", None) is None and _is_classifier(trainer.model):
+            # Transformers 5 skips 1/accumulation for classifiers (a **kwargs forward, a plain-mean
+            # loss): gradients would grow with accumulation. Same fix and shim as build_trainer.
+            set_loss_scaled_for_ga(trainer, False)
         if self.recover and getattr(trainer, "oom_recovery", None) is None and self.recovery is None:
             self.recovery = MicroBatchRecovery(trainer, budget_bytes=self.limit or self.budget,
                                                fixes=PLUGIN_FIXES).install()
