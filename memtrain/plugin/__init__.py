@@ -16,7 +16,9 @@
 Importing the plugin imports transformers, and with it torchao and bitsandbytes, whose compiled
 extensions for other machines fail to load on this one and say so in five harmless lines (two
 "Failed to load ...torchao/_C_...so", two ``torch.utils._pytree`` deprecation warnings torchao's
-enums trigger, one bitsandbytes "Failed to load CPU gemm_4bit_forward from kernels-community").
+enums trigger, one bitsandbytes "Failed to load CPU gemm_4bit_forward from kernels-community"; on
+torch 2.10, torchao 0.18's "Skipping import of cpp extensions": memtrain uses only its pure-Python
+CPU-offload optimizer).
 :func:`_quiet_imports` drops exactly those records while the import runs; every other message,
 and the same messages later, still reach the user's logging.
 """
@@ -26,7 +28,7 @@ import logging
 from collections.abc import Iterator
 
 # logger -> the start of the messages dropped from it during the import
-HARMLESS = {"torchao": ("Failed to load ",),
+HARMLESS = {"torchao": ("Failed to load ", "Skipping import of cpp extensions"),
             "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",),
             "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",)}
 
