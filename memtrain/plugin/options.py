@@ -7,7 +7,7 @@ option below is a :class:`Rule` that either says how the estimate models it, or 
 plan's notes (``model.memtrain_plan.notes``, printed with the plan), that it is **not modelled**
 and what that means for the predicted peak.
 
-:data:`RULES` is the one list (``tests/plugin/test_options.py`` runs every entry); a new option
+:data:`RULES` is the one list (``tests/plugin/test_plugin_length.py`` runs every entry); a new option
 is a new entry. :func:`option_notes` applies it to what the plugin sees.
 """
 

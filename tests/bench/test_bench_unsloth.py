@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,28 @@ import pytest
 from scripts import bench_unsloth as bench
 
 GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _own_profile_and_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The inline workers set one torch thread, and a plan on another thread count measures rates
+    and saves them into the calibration profile: give these tests a copy of the suite's profile and
+    restore the thread count, so no later test plans with rates measured here."""
+    import os
+    import shutil
+
+    import torch
+
+    from memtrain.plan import costmodel
+
+    copy = tmp_path / "calibration.json"
+    shutil.copy(os.environ["MEMTRAIN_CALIBRATION"], copy)
+    monkeypatch.setenv("MEMTRAIN_CALIBRATION", str(copy))
+    threads = torch.get_num_threads()
+    costmodel.rates.cache_clear()
+    yield
+    torch.set_num_threads(threads)
+    costmodel.rates.cache_clear()
 
 
 def fake_longest(framework: str, cap_gib: int) -> int:

@@ -77,6 +77,7 @@ def test_each_technique_alone(memory: dict[str, Any], tmp_path: Path, tiny_text_
     _same(_cfg(tmp_path, tiny_text_file, "llama", 4096, memory))
 
 
+@pytest.mark.heavy  # 66 s; the suite's budget (pytest -m heavy runs it)
 def test_the_loss_chunk_rule_is_the_targets(tmp_path: Path, tiny_text_file: Path) -> None:
     """With the chunk left to the rule, the short traces get the chunk the rule gives the target."""
     memory = {**EVERY, "loss_chunk_tokens": None}
@@ -90,6 +91,7 @@ def test_quadratic_attention_is_traced_at_the_length(tmp_path: Path, tiny_text_f
     _same(_cfg(tmp_path, tiny_text_file, "gpt2", 4096, {}, config), along=False)
 
 
+@pytest.mark.heavy  # 223 s; the suite's budget (pytest -m heavy runs it)
 def test_length_search_solves_the_affine_model(tmp_path: Path, tiny_text_file: Path, monkeypatch) -> None:
     """Solving the affine model finds the length regula falsi finds (never shorter), in no more
     estimates. Both run on extrapolated estimates, which the tests above check against traced ones;
