@@ -11,16 +11,20 @@ precomputation, ...) and runs the stock ``DPOTrainer``. What is here has no publ
   ``DPOTrainer`` needs a dataset, an accelerator and a process group);
 - :func:`add_fused_head`: ``trl.trainer.utils.add_fused_lm_head`` (not exported by ``trl``);
 - :func:`forget_metrics`: ``_metrics`` and ``_total_train_tokens``, what TRL's trainers collect in
-  ``compute_loss`` (the auto-fit probe's steps are not training steps).
+  ``compute_loss`` (the auto-fit probe's steps are not training steps);
+- :func:`generated`: ``GRPOTrainer``'s training step without its generation: its ``_prepare_inputs``
+  (which generates completions every ``steps_per_generation`` steps) answers the given, already
+  generated inputs, and its step counter ``_step`` is put back (the estimator traces the loss step).
 
 Checked on trl 1.16.0 (installed; the tested range is :data:`memtrain._compat.versions.TESTED`, 1.16).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -108,6 +112,26 @@ def dpo_loss(model: nn.Module, beta: float, loss_types: list[str],
         return compute(trainer, model, batch, return_outputs=False)
 
     return loss
+
+
+@contextlib.contextmanager
+def generated(trainer: Any) -> Iterator[None]:
+    """Inside: ``trainer.training_step(model, inputs, None)`` of a ``GRPOTrainer`` takes ``inputs`` as
+    the generation outputs (TRL's ``_prepare_inputs`` answers them unchanged, no generation), and
+    ``_step`` (TRL's micro-step counter) is what it was before. Nothing for another trainer."""
+    from trl import GRPOTrainer
+
+    if not isinstance(trainer, GRPOTrainer):
+        yield
+        return
+    private(GRPOTrainer, "_prepare_inputs", f"{_SHIM}.generated", "trl")
+    step = private(trainer, "_step", f"{_SHIM}.generated", "trl")
+    trainer.__dict__["_prepare_inputs"] = lambda inputs: inputs
+    try:
+        yield
+    finally:
+        trainer.__dict__.pop("_prepare_inputs", None)
+        trainer._step = step
 
 
 def forget_metrics(trainer: Any) -> None:

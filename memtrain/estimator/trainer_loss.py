@@ -9,7 +9,10 @@ vocabulary entries, whatever the model); TRL's DPOTrainer runs the policy on ``2
 :func:`trainer_step_estimate` runs what the Trainer itself runs, on fake tensors:
 
 1. a batch from the Trainer's own collator, over the longest examples of its (already tokenized)
-   training set: the micro-batch of ``per_device_train_batch_size`` examples with the most tokens;
+   training set: the micro-batch of ``per_device_train_batch_size`` examples with the most tokens
+   (TRL's ``GRPOTrainer``: the worst-case generation output of :func:`memtrain.estimator.grpo.step_batch`,
+   which its ``compute_loss`` is handed; the generation itself is not traced, see
+   :func:`memtrain.estimator.grpo.trainer_generation_phase`);
 2. the Trainer's model (as the Trainer wrapped it: peft adapter, TRL's fused head, memtrain's
    patches) and its ``ref_model``, with every weight and buffer swapped for a fake one for the
    trace (no weight is copied; the real ones are put back);
@@ -49,8 +52,10 @@ from memtrain._compat.accelerate import original_forward
 from memtrain._compat.datasets import feature_type
 from memtrain._compat.torch_tools import FakeTensorMode, module_tensor_tables, unset_fake_temporarily
 from memtrain._compat.transformers_trainer import collator_with_removed_columns, remove_unused_columns
+from memtrain._compat.trl import generated
 from memtrain.data.rows import Rows
 from memtrain.estimator.fake import fake_tensor_mode
+from memtrain.estimator.grpo import is_grpo, step_batch
 from memtrain.estimator.trace import HOST, ROUNDED, _create_optimizer_state, _quiet
 from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
 from memtrain.reliability.replay import restore_effects, snapshot_effects
@@ -115,7 +120,7 @@ def trainer_step_estimate(trainer: Any, micro_batch: int | None = None,
     steps = accumulation or args.gradient_accumulation_steps
     result = TrainerEstimate(type(trainer).__name__, micro, steps)
     try:
-        batch = longest_batch(trainer, micro)
+        batch = step_batch(trainer, micro) if is_grpo(trainer) else longest_batch(trainer, micro)
     except Exception as err:
         result.reason = f"no batch could be built from its training set and collator ({_first_line(err)})"
         return result
@@ -159,6 +164,10 @@ def longest_batch_rows(trainer: Any, micro_batch: int) -> tuple[dict[str, Any], 
     """
     import datasets
 
+    if is_grpo(trainer):  # prompts, not token ids: the batch is the generation's worst-case output
+        batch = step_batch(trainer, micro_batch)
+        longest = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
+        return batch, Rows(longest=longest, uniform=False, packed=False, read=True)
     dataset = trainer.train_dataset
     collator = trainer.data_collator
     if isinstance(dataset, datasets.Dataset):
@@ -230,7 +239,7 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
     model = trainer.model
     held = [m for m in (model, getattr(trainer, "ref_model", None)) if isinstance(m, nn.Module)]
     with fake_tensor_mode(packed=_packed(batch), padded=padded, scalars=True) as mode, _quiet(), \
-            _swapped(trainer), _fake_weights(held, mode):
+            _swapped(trainer), _fake_weights(held, mode), generated(trainer):
         trainer.model_wrapped = model
         trainer.optimizer = None
         optimizer = trainer.create_optimizer()
@@ -241,7 +250,7 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
         trainer.current_gradient_accumulation_steps = accumulation
         meter = _TracingMeter(model, optimizer, inputs, [], [])
         with meter, _mixed_precision(trainer):
-            type(trainer).training_step(trainer, model, inputs)
+            type(trainer).training_step(trainer, model, inputs, None)  # TRL's GRPO: no default for it
             del inputs
             params = [p for p in model.parameters() if p.grad is not None]
             if trainer.args.max_grad_norm:  # as the Trainer's loop; the multi-tensor norm real tensors get

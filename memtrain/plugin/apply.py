@@ -67,7 +67,41 @@ def apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: 
     model.__dict__["memtrain_plan"] = result  # not a submodule, not saved with the weights
     into = IN_PLACE.get()
     if into is None:
-        return model, dataclasses.replace(args, **updates)
+        return model, new_arguments(args, updates)
     for name, value in updates.items():  # a Trainer holds these arguments: no new ones (see IN_PLACE)
         setattr(into, name, type(into.optim)(value) if name == "optim" else value)
+    keep_generation_batch(into)
     return model, into
+
+
+def new_arguments(args: TrainingArguments, updates: dict[str, Any]) -> TrainingArguments:
+    """``args`` with ``updates``, as a new object (its ``__post_init__`` checks run again).
+
+    TRL's ``GRPOConfig`` derives ``generation_batch_size`` and ``steps_per_generation`` from each
+    other and refuses both set: the new one keeps the completions generated at once
+    (``generation_batch_size``; so the completions per optimizer step too) and lets TRL derive
+    ``steps_per_generation`` from the new micro-batch (where it divides; else TRL's default, one
+    generation per optimizer step).
+    """
+    if getattr(args, "generation_batch_size", None) is not None and hasattr(args, "steps_per_generation"):
+        micro = updates.get("per_device_train_batch_size", args.per_device_train_batch_size)
+        if args.generation_batch_size % (micro * args.world_size) == 0:
+            updates = {**updates, "steps_per_generation": None}
+        else:
+            updates = {**updates, "generation_batch_size": None, "steps_per_generation": None}
+    return dataclasses.replace(args, **updates)
+
+
+def keep_generation_batch(args: Any) -> None:
+    """After ``per_device_train_batch_size`` changed in place: TRL's GRPOConfig's
+    ``steps_per_generation`` follows, so that ``generation_batch_size`` (completions generated at
+    once, whole groups of ``num_generations``) stays (see :func:`new_arguments`)."""
+    generation = getattr(args, "generation_batch_size", None)
+    if generation is None or not hasattr(args, "steps_per_generation"):
+        return
+    rows = args.per_device_train_batch_size * args.world_size
+    if generation % rows == 0:
+        args.steps_per_generation = generation // rows
+    else:  # TRL's default: one generation per optimizer step
+        args.steps_per_generation = args.gradient_accumulation_steps
+        args.generation_batch_size = rows * args.steps_per_generation

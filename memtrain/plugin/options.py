@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from memtrain._compat.transformers_config import attn_implementation
 
@@ -30,11 +30,13 @@ MODELLED_ATTENTION = ("eager", "sdpa")  # memtrain's recipe field model.attn_imp
 
 @dataclass(frozen=True)
 class Seen:
-    """What the plugin sees of the user's script: arguments, model and (at ``attach``) the collator."""
+    """What the plugin sees of the user's script: arguments, model and (at ``attach``) the collator
+    and the Trainer."""
 
     args: Any
     model: Any
     collator: Any = None
+    trainer: Any = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,54 @@ def _flattening(seen: Seen) -> Any:
     return name if name == "DataCollatorWithFlattening" else None
 
 
+def _grpo(name: str, unset: Any = (None, False, 0, "")) -> Callable[[Seen], Any]:
+    """A TRL ``GRPOConfig`` field (one that only GRPO's config has, ``num_generations`` marks it)."""
+    def value(seen: Seen) -> Any:
+        args = seen.args
+        if getattr(args, "num_generations", None) is None or not hasattr(args, "generation_batch_size"):
+            return None
+        found = getattr(seen.args, name, None)
+        return None if found in unset else found
+
+    return value
+
+
+def _separate_reference(seen: Seen) -> Any:
+    """A Trainer holding a reference model of its own (TRL's ``ref_model``: DPO, GRPO with beta > 0
+    and no peft adapter): its class name."""
+    reference = getattr(seen.trainer, "ref_model", None) if seen.trainer is not None else None
+    return type(reference).__name__ if reference is not None else None
+
+
+class _Generations(NamedTuple):
+    """GRPOConfig's generation shape; shown as ``num_generations``."""
+
+    num_generations: int
+    max_completion_length: int
+    generation_batch_size: int
+
+    def __repr__(self) -> str:
+        return str(self.num_generations)
+
+
+def _generations(seen: Seen) -> Any:
+    found = _grpo("num_generations")(seen)
+    args = seen.args
+    if found is None:
+        return None
+    return _Generations(found, args.max_completion_length, args.generation_batch_size)
+
+
+def _generation_note(found: _Generations) -> str:
+    return ("GRPO: per_device_train_batch_size counts completions; attach traces TRL's own training step "
+            "(its compute_loss on a micro-batch of completions after the longest prompt, every one "
+            f"max_completion_length={found.max_completion_length} tokens long, with the old-policy and "
+            "reference log-probabilities it is handed); the generation phase (HF generate of "
+            f"generation_batch_size={found.generation_batch_size} completions at once: KV cache, "
+            "prefill, sampling logits) is an analytic estimate, not traced; the predicted peak is the "
+            "larger of the two")
+
+
 RULES: tuple[Rule, ...] = (
     Rule("torch_compile", False, _arg("torch_compile"), lambda _: (
         "the estimate traces the eager step; a compiled step fuses operations (usually fewer "
@@ -119,6 +169,18 @@ RULES: tuple[Rule, ...] = (
         "attach(trainer, estimate=True) traces the Trainer's own create_optimizer instead")),
     Rule("padding_free", True, _arg("padding_free"), lambda _: (
         "planned as packed rows (position ids restart, no padding); attach traces TRL's own step")),
+    Rule("num_generations", True, _generations, _generation_note),
+    Rule("use_vllm", False, _grpo("use_vllm"), lambda _: (
+        "vLLM generates the completions: its memory (colocated: the vllm_gpu_memory_utilization share of the "
+        "GPU it reserves, its own copy of the weights and its KV cache; server mode: another process) is not "
+        "in the prediction, whose generation phase is HF generate's")),
+    Rule("use_transformers_continuous_batching", False, _grpo("use_transformers_continuous_batching"),
+         lambda _: ("transformers' continuous batching keeps a paged KV cache sized by its own config; the "
+                    "generation phase predicted is HF generate's dynamic cache")),
+    Rule("ref_model", False, _separate_reference, lambda found: (
+        f"the Trainer holds a reference model of its own ({found}, a second copy of the weights): the "
+        "predicted peak counts the trained model, its optimizer and the step, not that copy's bytes "
+        "(with a peft adapter TRL's reference is the adapter turned off: no copy)")),
     Rule("data_collator", True, _flattening, lambda _: (
         "a batch is one row of sequences: attach traces the Trainer's step on the collator's longest "
         "batch and picks the micro-batch from that trace")),

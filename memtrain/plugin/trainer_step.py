@@ -31,8 +31,9 @@ from transformers import Trainer
 
 from memtrain._compat.transformers_trainer import set_train_batch_size
 from memtrain.data.rows import Rows
+from memtrain.estimator.grpo import is_grpo, trainer_generation_phase
 from memtrain.estimator.trainer_loss import TrainerEstimate, longest_batch_rows, trainer_step_estimate
-from memtrain.plugin.apply import IN_PLACE
+from memtrain.plugin.apply import IN_PLACE, keep_generation_batch
 from memtrain.plugin.describe import BudgetPlan
 from memtrain.plugin.options import Seen, option_notes
 from memtrain.units import format_bytes
@@ -111,6 +112,7 @@ def _use(trainer: Trainer, micro: int, accumulation: int) -> None:
     args: Any = trainer.args
     args.per_device_train_batch_size = micro
     args.gradient_accumulation_steps = accumulation
+    keep_generation_batch(args)  # TRL's GRPO: the same completions per generation
     set_train_batch_size(trainer, args.train_batch_size)
 
 
@@ -141,21 +143,36 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prep
         else:
             flattened = rows.packed and batch["input_ids"].shape[0] == 1
             _replan(trainer, plan, rows, prepare)
-    plan.notes += option_notes(Seen(trainer.args, trainer.model, trainer.data_collator),
-                               only=lambda rule: rule.option == "data_collator")
+    plan.notes += option_notes(Seen(trainer.args, trainer.model, trainer.data_collator, trainer),
+                               only=lambda rule: rule.option in ("data_collator", "ref_model"))
     flattened = flattened or any("DataCollatorWithFlattening" in note for note in plan.notes)
     found = None
     if estimate is True or (estimate == "auto" and (overrides_step(trainer) or flattened)):
         found = check_trainer_step(trainer, plan.usable, grow=True)
         plan.notes.append(found.describe())
         if found.modelled and found.peak_bytes is not None:
-            plan.use_micro_batch(found.micro_batch, found.accumulation, found.peak_bytes)
+            peak = _with_generation(trainer, plan, found)
+            plan.use_micro_batch(found.micro_batch, found.accumulation, peak)
             plan.settings["max_length"] = found.batch.get("input_ids", (0, plan.settings["max_length"]))[-1]
             plan.length_from = "the Trainer's longest batch, its step traced"
     if not plan.quiet and (plan.pending or (plan.predicted_peak, plan.settings) != shown):
         plan.print()
     plan.pending = False
     return found
+
+
+def _with_generation(trainer: Trainer, plan: BudgetPlan, found: TrainerEstimate) -> int:
+    """The predicted peak: the traced step's; for TRL's GRPOTrainer the larger of it and the generation
+    phase (:func:`memtrain.estimator.grpo.trainer_generation_phase`, which the plan's notes state)."""
+    peak = found.peak_bytes or 0
+    if not is_grpo(trainer):
+        return peak
+    resident = sum(found.by_category.get(name, 0) for name in ("parameters", "buffers", "optimizer_state"))
+    generation = trainer_generation_phase(trainer, resident, found.batch["prompt_ids"][1])
+    larger = "the generation phase" if generation.peak_bytes > peak else "the training step"
+    plan.notes.append(f"{generation.describe()}; the predicted peak is {larger}'s "
+                      f"(training step traced: {format_bytes(peak)})")
+    return max(peak, generation.peak_bytes)
 
 
 def _replan(trainer: Trainer, plan: BudgetPlan, rows: Rows, prepare: Callable[..., Any]) -> None:

@@ -12,6 +12,7 @@ import copy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -81,6 +82,8 @@ def test_the_plan_never_goes_beyond_the_models_positions(tmp_path: Path) -> None
     assert any("more than the model's 64 positions" in n for n in plan.notes)
 
 
+GRPO = {"num_generations": 4, "max_completion_length": 16, "generation_batch_size": 8}
+ATTRIBUTES = ("padding_free", *GRPO, "use_vllm", "use_transformers_continuous_batching")
 SETUPS: dict[str, Any] = {  # rule -> (TrainingArguments extras, model overrides, collator)
     "torch_compile": ({"torch_compile": True}, {}, None),
     "use_liger_kernel": ({"use_liger_kernel": True}, {}, None),
@@ -92,6 +95,12 @@ SETUPS: dict[str, Any] = {  # rule -> (TrainingArguments extras, model overrides
     "optim": ({"optim": "lion_32bit"}, {}, None),
     "padding_free": ({"padding_free": True}, {}, None),
     "data_collator": ({}, {}, "flattening"),
+    # TRL's GRPOConfig fields, set on plain TrainingArguments as padding_free is
+    "num_generations": ({**GRPO}, {}, None),
+    "use_vllm": ({**GRPO, "use_vllm": True}, {}, None),
+    "use_transformers_continuous_batching": ({**GRPO, "use_transformers_continuous_batching": True}, {},
+                                             None),
+    "ref_model": ({}, {}, "reference"),  # a Trainer holding a reference model of its own
 }
 
 
@@ -106,13 +115,15 @@ def test_every_trainer_option_is_modelled_or_said_not_to_be(rule: Any, tmp_path:
     from transformers import DataCollatorWithFlattening
 
     extras, overrides, collator = SETUPS[_rule_id(rule)]
-    args: Any = arguments(tmp_path, 2, 1, 1, **{k: v for k, v in extras.items() if k != "padding_free"})
-    if "padding_free" in extras:  # TRL's configs have it; a plain TrainingArguments does not
-        args.padding_free = True
+    args: Any = arguments(tmp_path, 2, 1, 1, **{k: v for k, v in extras.items() if k not in ATTRIBUTES})
+    for name in ATTRIBUTES:  # TRL's configs have them; a plain TrainingArguments does not
+        if name in extras:
+            setattr(args, name, extras[name])
     model = mistral()
     if "attn_implementation" in overrides:  # flash kernels are not installed here: the config says it
         model.config._attn_implementation = overrides["attn_implementation"]
-    seen = Seen(args, model, DataCollatorWithFlattening() if collator else None)
+    trainer = SimpleNamespace(ref_model=mistral()) if collator == "reference" else None
+    seen = Seen(args, model, DataCollatorWithFlattening() if collator == "flattening" else None, trainer)
     notes = option_notes(seen)
     said = [n for n in notes if n.startswith(rule.option)]
     assert len(said) == 1, notes
