@@ -122,9 +122,11 @@ def grpo_notes(cfg: RunConfig) -> list[str]:
     t = cfg.training
     return [
         f"GRPO: the training phase above is traced as the causal-LM step of {t.micro_batch_size} rows "
-        f"(completions) of data.max_length tokens, not TRL's GRPO loss: the old-policy / reference "
-        f"log-prob passes (beta {t.grpo_beta}) and prompt + completion length "
-        f"(+{t.grpo_max_completion_length}) are not modelled (an approximation)",
+        f"(completions) of data.max_length tokens, not TRL's GRPO loss (an approximation, usually low: "
+        f"TRL's fused log-prob head with entropy holds several fp32 tiles of rows x tokens x vocabulary; "
+        f"+{t.grpo_max_completion_length} completion tokens and the reference log-probs at beta "
+        f"{t.grpo_beta} are not in it). memtrain train traces TRL's own training step on the built "
+        "Trainer before the first step and logs that as the predicted peak",
         generation_phase(cfg).describe() + "; a separate phase, not added to the training peak",
     ]
 

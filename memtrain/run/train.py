@@ -140,6 +140,7 @@ def train(cfg: RunConfig, console: Console | None = None,
             from memtrain.trainer.grpo import build_grpo_trainer
 
             trainer = build_grpo_trainer(cfg, model, tokenizer, data, batch, str(out), every)
+            _predict_grpo(trainer, meter, console)
         else:
             trainer = build_trainer(cfg, model, tokenizer, data, batch, str(out), every,
                                     fsdp_plugin=distributed.fsdp_plugin(model, cfg))
@@ -317,6 +318,27 @@ def _save_final(trainer: Any, tokenizer: Any, cfg: RunConfig, metrics: dict[str,
             shutil.rmtree(target)
         item.replace(target)
     staging.rmdir()
+
+
+def _predict_grpo(trainer: Any, meter: MemoryMeterCallback, console: Console) -> None:
+    """The logged prediction of a GRPO run: TRL's own training step traced on the built Trainer
+    (:func:`memtrain.estimator.trainer_loss.trainer_step_estimate`: its ``compute_loss`` on the worst-case
+    generation output, every completion at full length after the longest prompt), or the analytic
+    generation phase where that is larger; the recipe estimate before it is the causal-LM step's
+    approximation (:func:`memtrain.estimator.grpo.grpo_notes`)."""
+    from memtrain.estimator.grpo import trainer_generation_phase
+    from memtrain.estimator.trainer_loss import trainer_step_estimate
+
+    found = trainer_step_estimate(trainer)
+    if not found.modelled or found.peak_bytes is None:
+        console.print(f"GRPO: {found.describe()}; the logged prediction is the recipe estimate's",
+                      style="yellow", highlight=False)
+        return
+    resident = sum(found.by_category.get(name, 0) for name in ("parameters", "buffers", "optimizer_state"))
+    generation = trainer_generation_phase(trainer, resident, found.batch["prompt_ids"][1])
+    meter.predicted_bytes = max(found.peak_bytes, generation.peak_bytes)
+    console.print(f"GRPO: TRL's training step traced: {format_bytes(found.peak_bytes)} "
+                  f"({found.describe()}); {generation.describe()}", highlight=False)
 
 
 def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedData,
