@@ -90,7 +90,10 @@ class Knob:
             selective and n-of-L are not comparable); default ``(0,)`` at ``off``, else ``(1,)``.
         exact: the technique changes no loss or gradient (beyond rounding).
         plannable: ``auto`` is allowed and the planner chooses it.
-        plugin: the plugin (``prepare_for_budget``) may choose it for a user's Trainer.
+        plugin: the plugin (``prepare_for_budget``) may choose it for a user's Trainer: a patch's
+            knob is then planned and applied by ``memtrain.plugin`` (``apply_patches``, limited to
+            such patches); False where it needs memtrain's own Trainer or step, with the reason
+            written beside the registration.
         patches_model: a value other than ``off`` patches the model, so its applicability shows on
             a fake model before any trace (``memtrain.plan.search.PATCHED_FIELDS``).
         needs_value: an estimate needs it decided (``memtrain.estimator.setup.NEEDS_VALUE``).

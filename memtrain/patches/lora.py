@@ -282,6 +282,8 @@ def lean_lora_layers(model: nn.Module) -> int:
 
 # DPO's reference is the base with the adapter disabled: a LoRA run (config/checks.py). The adapter is
 # the model being trained, kept in a plain trace (base), and not counted as a memory technique.
+# plugin=False: a user's model is its own adapter (a peft model, or TRL's `peft_config=`), described
+# to the planner, never wrapped again by memtrain.
 KNOBS = (Knob("adapter.method",
               lambda cfg, shape: ["lora"] if cfg.training.objective == "dpo" else ["full", "lora"],
               "full", order=20, base=True, technique=False),)

@@ -27,6 +27,7 @@ def _none(cfg: Any, shape: ModelShape) -> list[Any]:
     return []  # decided by auto-fit among the valid pairs (memtrain.plan.space.batches)
 
 
+# plugin=False: a user's model arrives loaded; the plugin describes its quantization, cannot change it
 register_setting("quantization", "model.quantization", (
     Knob("model.quantization", fixed("none", "nf4"), "none", order=10, exact=False, base=True,
          cost="dequantization"),
@@ -45,23 +46,30 @@ register_setting("batch", "training.micro_batch_size", (
          technique=False),
 ))
 
+# plugin=False: memtrain's Trainer builds the offloaded optimizer (trainer/build.py, create_optimizer);
+# a user's Trainer builds its own from `optim`, which has no such choice
 register_setting("optimizer_offload", "memory.offload.optimizer", (
     Knob("memory.offload.optimizer", one_process(False, True), False, order=60, cost="optimizer_offloaded"),
 ), Doc("optimizer offload", "`memory.offload.optimizer: true`",
        "optimizer state and step on the host; transfers each step (on a CPU-only machine the same RAM)",
        "[memory_modes.md](docs/bench/memory_modes.md)"))
 
+# plugin=False: the step inside backward is memtrain's own training step (trainer/step.py), not the
+# step a user's Trainer runs
 register_setting("optimizer_in_backward", "training.optimizer_in_backward", (
     Knob("training.optimizer_in_backward", fixed(False, True), False, order=120),
 ), Doc("optimizer step inside backward", "`training.optimizer_in_backward: true`",
        "no full set of gradients; exact", "[floor.md](docs/bench/floor.md)"))
 
+# plugin=False: memtrain's DPO builder precomputes the reference (trainer/build.py); a user's DPO
+# trainer is configured by the user's own DPOConfig
 register_setting("dpo_precompute_ref", "training.dpo_precompute_ref", (
     Knob("training.dpo_precompute_ref", fixed(False, True), False, order=160),
 ), Doc("DPO reference precomputed", "`training.dpo_precompute_ref: true`",
        "no reference forward in the step; one pass over the data first", "[dpo.md](docs/bench/dpo.md)"))
 
-# one process: nothing to shard
+# one process: nothing to shard. plugin=False: a user's launcher (accelerate, torchrun) and
+# TrainingArguments decide processes and FSDP; the plugin plans one process
 register_setting("sharding", "distributed.sharding", (
     Knob("distributed.sharding",
          lambda cfg, shape: ["none", "grad_op", "full"] if cfg.distributed.processes > 1 else ["none"],

@@ -107,7 +107,7 @@ def budget_bytes(cfg: RunConfig, budget: str | int | None = None, device: str | 
 
 
 def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None = None,
-         tune: int = 0, rows: Rows | None = None) -> Plan:
+         tune: int = 0, rows: Rows | None = None, alternatives: bool = True) -> Plan:
     """Decide every ``auto`` field of ``cfg`` (see the module docstring).
 
     Args:
@@ -120,6 +120,9 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             (:func:`tune_choice`). Builds the real model; 0 (default) decides from predictions.
         rows: the longest batch of the data at hand (:mod:`memtrain.data.rows`); default: the
             recipe's worst case, every row ``data.max_length`` tokens.
+        alternatives: False traces only the candidates that can change the choice (the plugin's
+            plans, which show none): the same choice, fewer traces, and ``Plan.alternatives``
+            lists only those traced. Tuning needs them (``tune`` > 0 keeps them).
 
     Raises:
         NothingFits: no candidate fits; the message gives the smallest peak and its settings.
@@ -136,7 +139,7 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             raise ValueError("data.max_length: auto is planned for the worst case; pass no rows")
         length = longest_length(cfg, target, usable, host=host.usable)
         cfg = with_values(cfg, {"data.max_length": length.chosen})
-    search = _Search(cfg, target, usable, rows=rows, host=host)
+    search = _Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives or tune > 0)
     chosen = search.run()
     fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
                   key=lambda c: c.seconds)

@@ -61,8 +61,11 @@ class _Search:
     """Enumerate, bound and evaluate candidates (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None,
-                 rows: Rows | None = None, host: HostBudget | None = None) -> None:
+                 rows: Rows | None = None, host: HostBudget | None = None, alternatives: bool = True
+                 ) -> None:
         self.cfg, self.device, self.usable = cfg, device, usable
+        # False: trace only what can change the choice (see run); the alternatives are not all known
+        self.alternatives = alternatives
         self.host = host  # the host RAM a plan may keep (None: no limit)
         self.rows = rows  # the data's longest batch (None: the recipe's worst case)
         self.config, _ = resolve_config(cfg.model)
@@ -112,6 +115,19 @@ class _Search:
                 cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
                 self.pruned.append(cand)
                 continue
+            if not self.alternatives and fastest is not None and bound >= fastest.seconds:
+                # Candidates come in the order of their bounds: none from here on is faster than
+                # `fastest`, so the tie window is final, and one with more techniques than a
+                # candidate inside it cannot be chosen (the tie rule counts techniques first).
+                fewest = min((c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)),
+                             key=self.techniques)
+                if self.techniques(cand) > self.techniques(fewest):
+                    cand.reason = (f"not traced: at least {bound:.3g} s per step, no faster than "
+                                   f"{fastest.seconds:.3g} s, with more memory techniques than "
+                                   f"{fewest.label() or 'the recipe as written'}, which fits within the "
+                                   f"cost model's {TIE:.0%} error")
+                    self.pruned.append(cand)
+                    continue
             try:
                 self.evaluate(cand)
             except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)

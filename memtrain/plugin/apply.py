@@ -1,5 +1,13 @@
 """``prepare_for_budget``'s decision applied: memtrain's patches on the model, new TrainingArguments.
 
+What the plugin may choose is read from the registry of techniques (:mod:`memtrain.patches`):
+every patch knob with ``plugin=True`` (:func:`memtrain.plugin.describe.patch_knobs`) is ``auto``
+in the recipe the plugin plans, unless the user fixed it (``prepare_for_budget(..., memory={...})``).
+The decision is applied with the same :func:`memtrain.patches.apply_patches` as ``memtrain train``,
+in stage order, limited to the patches the plugin may choose
+(:func:`memtrain.plugin.describe.patch_names`; the adapter is the user's own model). The
+Trainer-level settings (micro-batch, accumulation, optimizer) become TrainingArguments.
+
 A re-run (a notebook cell, or ``attach`` re-planning for the Trainer's data) first undoes what the
 last call applied, so nothing is nested.
 """
@@ -14,8 +22,9 @@ from typing import Any
 from torch import nn
 from transformers import TrainingArguments
 
+from memtrain.config import RunConfig
 from memtrain.memory import hostmem
-from memtrain.plugin.describe import BudgetPlan
+from memtrain.plugin.describe import BudgetPlan, memory_fields, patch_knobs, patch_names
 from memtrain.units import format_bytes
 
 log = logging.getLogger("memtrain.plugin.prepare")
@@ -32,11 +41,40 @@ def say(line: str) -> None:
     Console(stderr=True).print(line, highlight=False)
 
 
-def apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: BudgetPlan
-                ) -> tuple[nn.Module, TrainingArguments]:
-    """Patch ``model`` as the plan says (after undoing a previous call's patches); new arguments."""
-    from memtrain.config import FewBitConfig, RandomizedLinearConfig
-    from memtrain.patches import checkpointing, chunked_loss, fewbit, lora, randomized_linear, records
+def planned_fields(memory: dict[str, Any] | None, user_checkpointing: bool, margin: float,
+                   adapter_pending: bool) -> dict[str, Any]:
+    """The recipe fields the plugin sets before planning: every :func:`patch_knobs` field ``auto``
+    (an approximate one's options are only "off" without ``allow_approximate``), the batch
+    ``auto``, the user's checkpointing as ``full``, and what ``memory=`` fixes.
+
+    Args:
+        memory: the ``memory`` fields the user fixed (``{"tiled_mlp": True}``, dotted below
+            ``memory``: ``"offload.activations"``; nested dicts are read the same way).
+        adapter_pending: a trainer will wrap the model in an adapter later (TRL's ``peft_config=``):
+            the input embedding is still trained now, so embedding offload cannot be applied.
+
+    Raises:
+        MemtrainError: a ``memory=`` field the plugin cannot apply.
+    """
+    values: dict[str, Any] = {k.path: "auto" for k in patch_knobs() if k.plannable}
+    values.update({"training.micro_batch_size": "auto", "training.gradient_accumulation": "auto",
+                   "memory.margin": margin})
+    if user_checkpointing:
+        values["memory.checkpointing"] = "full"
+    if adapter_pending:
+        values["memory.offload.embeddings"] = False
+    values.update(memory_fields(memory))
+    return values
+
+
+def apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: BudgetPlan,
+               planned: RunConfig) -> tuple[nn.Module, TrainingArguments]:
+    """Patch ``model`` as the plan says (after undoing a previous call's patches); new arguments.
+
+    ``planned``: the recipe the planner decided ``decided`` for; its decided copy is what
+    :func:`memtrain.patches.apply_patches` reads, as in ``memtrain train``.
+    """
+    from memtrain.patches import apply_patches, lora, records
 
     for record in reversed(records(model)):  # a re-run (notebook cell) starts from the plain model
         if record.undo is not None:
@@ -45,16 +83,10 @@ def apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: 
     inner = getattr(model, "get_base_model", lambda: model)()
     if getattr(inner, "is_gradient_checkpointing", False):
         inner.gradient_checkpointing_disable()  # memtrain's patch checkpoints; never both
-    settings = decided.settings()
-    lora.lean_lora_layers(model)  # as memtrain's estimate of a LoRA model assumes (exact)
-    if settings.get("memory.loss") == "chunked":
-        chunked_loss.apply(model)
-    if result.settings["checkpointing"] != "none":
-        checkpointing.apply(model, result.settings["checkpointing"])
-    if settings.get("memory.activation_bits"):
-        fewbit.apply(model, FewBitConfig(bits=settings["memory.activation_bits"]))
-    if settings.get("memory.randomized_linear"):
-        randomized_linear.apply(model, RandomizedLinearConfig(**settings["memory.randomized_linear"]))
+    # the user's adapter (not memtrain's `lora` patch) keeps its input in its own dtype, as memtrain's
+    # estimate of a LoRA model assumes (exact)
+    lora.lean_lora_layers(model)
+    model = apply_patches(model, decided.apply(planned), only=patch_names())
     updates: dict[str, Any] = {key: result.settings[key] for key in
                                ("per_device_train_batch_size", "gradient_accumulation_steps", "optim")}
     # memtrain's patch checkpoints; never both (transformers 5 names it activation_checkpointing)

@@ -23,8 +23,10 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
 )
 
+from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
+from memtrain.patches import Knob
 from memtrain.plugin.options import planned_attention, planned_optimizer
 from memtrain.units import format_bytes
 
@@ -229,21 +231,92 @@ def _adapter(model: nn.Module, given: Any = None) -> dict[str, Any]:
             "target_modules": "all-linear" if targets == "all-linear" else sorted(targets)}
 
 
+def patch_knobs() -> list[Knob]:
+    """The recipe fields of patches the plugin may choose (registered with ``plugin=True``), in the
+    planner's order. The Trainer-level settings it chooses (batch, optimizer) are not among them:
+    ``prepare_for_budget`` turns those into TrainingArguments."""
+    return [k for t in patches.techniques() if t.hook is not None for k in t.knobs if k.plugin]
+
+
+def patch_names() -> list[str]:
+    """The registered patches the plugin applies (those with a knob it may choose), in stage order."""
+    return [t.name for t in patches.techniques() if t.hook is not None and any(k.plugin for k in t.knobs)]
+
+
+# memory fields prepare_for_budget decides from its own arguments (budget=, margin=, allow_approximate=),
+# or that describe loading the model, which the user did
+NOT_FIXED_BY_MEMORY = ("memory.budget", "memory.simulate_budget", "memory.margin", "memory.allow_approximate",
+                       "memory.lean_kbit", "memory.offload.parameters")
+
+
+def memory_fields(memory: dict[str, Any] | None) -> dict[str, Any]:
+    """``prepare_for_budget``'s ``memory=`` as dotted recipe fields (``{"offload": {"activations":
+    True}}`` and ``{"offload.activations": True}`` are both ``memory.offload.activations``).
+
+    A field may be a technique the plugin chooses (:func:`patch_knobs`) or a parameter of one that
+    no knob decides (``offload.min_tensor_bytes``, ``tiled_mlp_tiles``, ``host_budget``).
+
+    Raises:
+        MemtrainError: a field the plugin cannot apply (a registered knob without ``plugin=True``,
+            e.g. ``offload.optimizer``; one of prepare_for_budget's own arguments), or no such field.
+    """
+    fields = _dotted(memory or {}, "memory")
+    choosable = {k.path for k in patch_knobs()}
+    knobs = {k.path for k in patches.knobs()}
+    for path in fields:
+        exists = _field_exists(path)
+        if path in choosable or (exists and path not in knobs and path not in NOT_FIXED_BY_MEMORY):
+            continue
+        names = ", ".join(f"{p.removeprefix('memory.')!r}" for p in sorted(choosable))
+        why = "is not a field of the recipe's memory section" if not exists else (
+            "is not a setting the plugin applies to your model")
+        raise MemtrainError(f"prepare_for_budget: `memory={{{path.removeprefix('memory.')!r}: ...}}` {why}. "
+                            f"Fix: one of {names}, or a parameter of one (docs/RECIPES.md, the memory "
+                            "section, says what each takes).")
+    return fields
+
+
+def _field_exists(path: str) -> bool:
+    model: Any = RunConfig
+    for part in path.split("."):
+        info = getattr(model, "model_fields", {}).get(part)
+        if info is None:
+            return False
+        model = info.annotation
+    return True
+
+
+def _dotted(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = key if key.startswith(f"{prefix}.") else f"{prefix}.{key}"
+        out.update(_dotted(value, path) if isinstance(value, dict) and path != "memory.randomized_linear"
+                   else {path: value})
+    return out
+
+
 def budget_plan(decided: Any, args: TrainingArguments, optimizer_changed: bool,
-                user_checkpointing: bool, adapter: str = "full") -> BudgetPlan:
+                user_checkpointing: bool, adapter: str = "full", applied: RunConfig | None = None,
+                fixed: dict[str, Any] | None = None) -> BudgetPlan:
     """The planner's decision as a :class:`BudgetPlan`, with each change and its reason
-    (``adapter``: what the plan trains, ``full`` or e.g. ``lora r=8``)."""
+    (``adapter``: what the plan trains, ``full`` or e.g. ``lora r=8``; ``applied``: the recipe with
+    every field decided, whose :func:`patch_knobs` values are the settings; ``fixed``: what the
+    user's ``memory=`` fixed)."""
+    from memtrain.estimator.setup import recipe_value
+
     chosen = decided.settings()
     micro, accumulation = chosen["training.micro_batch_size"], chosen["training.gradient_accumulation"]
-    mode = chosen.get("memory.checkpointing", "full" if user_checkpointing else "none")
+    values = {k.path: recipe_value(applied, k.path) if applied is not None else chosen.get(k.path, k.off)
+              for k in patch_knobs()}
+    mode = values.get("memory.checkpointing", "none")
     settings: dict[str, Any] = {"per_device_train_batch_size": micro,
                                 "gradient_accumulation_steps": accumulation,
                                 "optim": EIGHT_BIT_OPTIM if optimizer_changed else optim_name(args),
-                                "checkpointing": mode, "loss": chosen.get("memory.loss", "standard"),
+                                "checkpointing": mode, "loss": values.get("memory.loss", "standard"),
                                 "adapter": adapter}
-    for key in ("memory.activation_bits", "memory.randomized_linear"):
-        if chosen.get(key):
-            settings[key.split(".")[1]] = chosen[key]
+    turned_on = [k for k in patch_knobs() if k.path not in ("memory.checkpointing", "memory.loss")
+                 and values[k.path] != k.off and values[k.path] is not None]
+    settings.update({setting_name(k): values[k.path] for k in turned_on})
     changes: list[Change] = []
     if micro != args.per_device_train_batch_size:
         why = ("the largest micro-batch that fits; the accumulation makes up the rest, so your effective "
@@ -264,11 +337,28 @@ def budget_plan(decided: Any, args: TrainingArguments, optimizer_changed: bool,
                               "per parameter instead of 8 (bitsandbytes)"))
     if settings["loss"] == "chunked":
         changes.append(Change("loss", "standard", "chunked", "the full logits of a step do not fit"))
-    for name in ("activation_bits", "randomized_linear"):
-        if name in settings:
-            changes.append(Change(name, "off", str(settings[name]), "allow_approximate=True: saves "
-                                  "activation memory, with approximate gradients"))
+    asked = set(memory_fields(fixed))
+    for knob in turned_on:
+        name = setting_name(knob)
+        if knob.path in asked:
+            why = "you asked for it (memory=)"
+        elif not knob.exact:
+            why = "allow_approximate=True: saves activation memory, with approximate gradients"
+        else:
+            why = f"the fastest setting that fits: {_trades(knob)}"
+        changes.append(Change(name, "off" if knob.off in (False, None) else str(knob.off),
+                              str(settings[name]), why))
     return BudgetPlan(decided.budget, decided.usable, decided.device, decided.chosen.peak, settings, changes)
+
+
+def setting_name(knob: Knob) -> str:
+    """A patch knob's name in :attr:`BudgetPlan.settings`: its recipe field below ``memory``."""
+    return knob.path.removeprefix("memory.")
+
+
+def _trades(knob: Knob) -> str:
+    owner = next(t for t in patches.techniques() if knob in t.knobs)
+    return owner.doc.trades if owner.doc is not None else owner.name
 
 
 def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, args: TrainingArguments,

@@ -19,9 +19,10 @@ a micro-batch over the budget is refitted, and a step that cannot be traced is s
 modelled.
 
 :func:`prepare_for_budget` describes the user's model and arguments as a memtrain recipe, asks the
-estimator (no weights are touched) for the least change that fits — the largest micro-batch that
-keeps per-device batch × accumulation unchanged, then activation checkpointing, then an 8-bit
-optimizer — applies memtrain's checkpointing patch to the model and returns adjusted arguments;
+planner (no weights touched) for the fastest settings that fit — the micro-batch (per-device batch
+× accumulation unchanged), every technique the registry lets the plugin choose (``patch_knobs``),
+an 8-bit optimizer only if nothing else fits — applies the chosen patches to the model
+(``apply_patches``, as training does) and returns adjusted arguments;
 the decision (:class:`memtrain.plugin.describe.BudgetPlan`) is printed and kept as
 ``model.memtrain_plan``, which the callback takes as its budget and prediction.
 
@@ -50,7 +51,7 @@ from memtrain.data.rows import Rows
 from memtrain.device import configure_allocator
 from memtrain.errors import MemtrainError
 from memtrain.estimator.trainer_loss import TrainerEstimate
-from memtrain.plugin.apply import apply_plan, say
+from memtrain.plugin.apply import apply_plan, planned_fields, say
 from memtrain.plugin.describe import BudgetPlan, budget_plan, nothing_fits, planned_length, recipe_for
 from memtrain.plugin.options import Seen, option_notes
 from memtrain.plugin.trainer_step import check_trainer_step, complete_plan, overrides_step
@@ -284,8 +285,8 @@ def _is_classifier(model: nn.Module) -> bool:
 
 def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | int, *,
                        allow_approximate: bool = False, max_length: int | None = None, margin: float = 0.1,
-                       quiet: bool = False, peft_config: Any = None, rows: Rows | None = None
-                       ) -> tuple[nn.Module, TrainingArguments]:
+                       quiet: bool = False, peft_config: Any = None, rows: Rows | None = None,
+                       memory: dict[str, Any] | None = None) -> tuple[nn.Module, TrainingArguments]:
     """Patch ``model`` and adjust ``args`` so that a training step fits ``budget``.
 
     Args:
@@ -305,10 +306,12 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
             whether rows differ in length, whether they are packed); default: rows of
             ``max_length`` tokens that differ in length (padded), packed when ``args.packing`` or
             ``args.padding_free`` (TRL) says so.
+        memory: ``memory`` fields fixed instead of planned (of those the plugin chooses, docs/plugin.md),
+            e.g. ``{"tiled_mlp": True, "offload.activations": True}``; the rest are planned.
 
     Returns:
-        The model (with activation checkpointing and the chunked loss when they were needed, and
-        LoRA layers that keep their input in its own dtype; the decision, a
+        The model (with the patches the plan chose, and LoRA layers that keep their input in its
+        own dtype; the decision, a
         :class:`~memtrain.plugin.describe.BudgetPlan`, in ``model.memtrain_plan``) and new
         TrainingArguments (``per_device_train_batch_size``, ``gradient_accumulation_steps``, maybe
         ``optim``; ``gradient_checkpointing`` off, memtrain's patch does it). Calling it again on
@@ -338,30 +341,27 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     user_checkpointing = any(bool(getattr(owner, name, False)) for owner, name in (
         (args, "activation_checkpointing"), (args, "gradient_checkpointing"),
         (inner, "is_activation_checkpointing"), (inner, "is_gradient_checkpointing")))
-    auto: dict[str, Any] = {"training.micro_batch_size": "auto", "training.gradient_accumulation": "auto",
-                            "memory.checkpointing": "full" if user_checkpointing else "auto",
-                            "memory.margin": margin}
-    if allow_approximate:
-        auto.update({"memory.activation_bits": "auto", "memory.randomized_linear": "auto"})
-    if base.model.task == "causal-lm":
-        auto["memory.loss"] = "auto"
+    auto = planned_fields(memory, user_checkpointing, margin,
+                          adapter_pending=peft_config is not None and not hasattr(model, "peft_config"))
     optimizers = [base.training.optimizer]
     if "8bit" not in base.training.optimizer:
         optimizers.append("adamw_8bit")  # your optimizer first; the 8-bit one only if nothing else fits
     failures: list[tuple[str, Any]] = []
-    request = {"allow_approximate": allow_approximate, "margin": margin, "peft_config": peft_config}
+    request = {"allow_approximate": allow_approximate, "margin": margin, "peft_config": peft_config,
+               "memory": memory}
     for optimizer in optimizers:
+        planned = planner.with_values(base, {**auto, "training.optimizer": optimizer})
         try:
-            decided = planner.plan(planner.with_values(base, {**auto, "training.optimizer": optimizer}),
-                                   int(total), rows=rows)  # type: ignore[arg-type]
+            decided = planner.plan(planned, int(total), rows=rows, alternatives=False)  # type: ignore[arg-type]
         except planner.NothingFits as err:
             failures.append((optimizer, err))
             continue
         changed = optimizer != base.training.optimizer
         adapter = base.adapter.method + (f" r={base.adapter.r}" if base.adapter.method == "lora" else "")
-        result = budget_plan(decided, args, changed, user_checkpointing, adapter)
+        result = budget_plan(decided, args, changed, user_checkpointing, adapter, decided.apply(planned),
+                             fixed=memory)
         return apply_plan(model, args, decided, _finish(result, model, args, budget, length, length_from,
-                                                        notes, base.data.packing, quiet, request))
+                                                        notes, base.data.packing, quiet, request), planned)
     error = nothing_fits(failures, int(total), margin, args, user_checkpointing,  # type: ignore[arg-type]
                          lora=base.adapter.method == "lora")
     if length_from != "assumed":
