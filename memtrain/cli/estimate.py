@@ -66,10 +66,11 @@ def estimate(
     if chosen:
         result.notes.insert(0, chosen)
     if cfg.training.objective == "grpo":  # what is and is not predicted (issue 38)
-        from memtrain.estimator.grpo import check_grpo, grpo_notes
+        from memtrain.estimator.grpo import check_grpo
+        from memtrain.estimator.grpo_step import grpo_notes
 
         check_grpo(cfg)
-        result.notes[:0] = grpo_notes(cfg)
+        result.notes[:0] = grpo_notes(cfg, result.device, result.settings["seq_len"])
     host = HostBudget.of(cfg.memory)
     curves = est.sweep(cfg, device=device) if sweep else None
     if as_json:

@@ -30,7 +30,7 @@ import numpy as np
 from memtrain.config import RunConfig
 from memtrain.config.batch import resolve_batch
 from memtrain.data.rows import Rows
-from memtrain.estimator import calibrate, seqlen
+from memtrain.estimator import calibrate, grpo_step, seqlen
 from memtrain.estimator.pool import run_all
 from memtrain.estimator.setup import TraceSetup, trace_setup
 from memtrain.estimator.trace import (
@@ -233,6 +233,10 @@ def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int,
            memory: dict[str, int] | None = None) -> Trace:
     """One trace; ``memory``: settings under ``memory`` (dotted) to trace with instead of the
     recipe's: those of a trace at a shorter length (:meth:`memtrain.estimator.seqlen.SeqPlan.settings`)."""
+    if plan.cfg.training.objective == "grpo":  # TRL's own GRPO step (memtrain.estimator.grpo_step)
+        found = grpo_step.recipe_trace(plan, depth, micro_batch, seq_len)
+        if found is not None:
+            return found
     # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
     foreach = plan.device == "cuda"
     rows = micro_batch * (2 if plan.cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]

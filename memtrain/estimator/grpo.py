@@ -116,21 +116,6 @@ def _weight_bytes(config: Any, dtype: int) -> int:
     return sum(p.numel() for p in model.parameters()) * dtype
 
 
-def grpo_notes(cfg: RunConfig) -> list[str]:
-    """What ``memtrain estimate`` states of a GRPO recipe: the traced training phase is an
-    approximation, the generation phase an analytic estimate beside it (never summed)."""
-    t = cfg.training
-    return [
-        f"GRPO: the training phase above is traced as the causal-LM step of {t.micro_batch_size} rows "
-        f"(completions) of data.max_length tokens, not TRL's GRPO loss (an approximation, usually low: "
-        f"TRL's fused log-prob head with entropy holds several fp32 tiles of rows x tokens x vocabulary; "
-        f"+{t.grpo_max_completion_length} completion tokens and the reference log-probs at beta "
-        f"{t.grpo_beta} are not in it). memtrain train traces TRL's own training step on the built "
-        "Trainer before the first step and logs that as the predicted peak",
-        generation_phase(cfg).describe() + "; a separate phase, not added to the training peak",
-    ]
-
-
 # ------------------------------------------------------------------ a user's GRPOTrainer (the plugin)
 
 
@@ -173,17 +158,19 @@ def longest_prompt(trainer: Any) -> int:
     return -(-longest // multiple) * multiple if multiple else longest
 
 
-def step_batch(trainer: Any, micro_batch: int) -> dict[str, Any]:
+def step_batch(trainer: Any, micro_batch: int, prompt: int | None = None) -> dict[str, Any]:
     """The worst case of one GRPO micro-batch as TRL's ``_generate_and_score_completions`` hands it to
     ``compute_loss``: ``micro_batch`` completions, each after the longest prompt
     (:func:`longest_prompt`, left-padded) and ``max_completion_length`` tokens long (none stops early),
     the advantages, the token count, the old-policy log-probabilities (TRL computes them when
     ``gradient_accumulation_steps`` is not a multiple of ``steps_per_generation`` × ``num_iterations``)
-    and the reference's (``beta`` ≠ 0)."""
+    and the reference's (``beta`` ≠ 0). ``prompt``: the prompt length to assume instead of reading the
+    Trainer's training set (the recipe estimate: ``data.max_length``, or the data's longest prompt)."""
     import torch
 
     args = trainer.args
-    prompt = longest_prompt(trainer)
+    if prompt is None:
+        prompt = longest_prompt(trainer)
     completion = args.max_completion_length
     multiple = getattr(args, "pad_to_multiple_of", None)
     if multiple:

@@ -239,7 +239,22 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
     model = trainer.model
     held = [m for m in (model, getattr(trainer, "ref_model", None)) if isinstance(m, nn.Module)]
     with fake_tensor_mode(packed=_packed(batch), padded=padded, scalars=True) as mode, _quiet(), \
-            _swapped(trainer), _fake_weights(held, mode), generated(trainer):
+            _swapped(trainer), _fake_weights(held, mode):
+        tracker = trace_training_step(trainer, mode, batch, accumulation)
+    return np.array(tracker.rows, dtype=np.int64)[:, 2:]
+
+
+def trace_training_step(trainer: Any, mode: FakeTensorMode, batch: dict[str, Any], accumulation: int,
+                        layers: list[nn.Module] | None = None) -> Any:
+    """One optimizer step of ``trainer``, whose weights are fake tensors of ``mode`` (inside it), under
+    the estimator's meter; returns the meter's tracker (its rows, phases and, with ``layers``, the
+    decoder layer of each op). The Trainer's ``create_optimizer`` and state, the earlier
+    micro-batches' gradients held (``accumulation`` > 1), the Trainer class's ``training_step``
+    (TRL's GRPOTrainer: without its generation, :func:`memtrain._compat.trl.generated`), gradient
+    clipping, the optimizer step and ``zero_grad``. Shared by :func:`trainer_step_estimate` and the
+    recipe estimate of a GRPO recipe (:mod:`memtrain.estimator.grpo_step`)."""
+    model = trainer.model
+    with generated(trainer):
         trainer.model_wrapped = model
         trainer.optimizer = None
         optimizer = trainer.create_optimizer()
@@ -248,7 +263,7 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
         if accumulation > 1:
             hold_gradients(model)  # the earlier micro-batches' gradients, as memtrain's own trace holds them
         trainer.current_gradient_accumulation_steps = accumulation
-        meter = _TracingMeter(model, optimizer, inputs, [], [])
+        meter = _TracingMeter(model, optimizer, inputs, list(layers or []), [])
         with meter, _mixed_precision(trainer):
             type(trainer).training_step(trainer, model, inputs, None)  # TRL's GRPO: no default for it
             del inputs
@@ -257,7 +272,7 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
                 torch.nn.utils.clip_grad_norm_(params, trainer.args.max_grad_norm, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return np.array(meter.tracker.rows, dtype=np.int64)[:, 2:]
+    return meter.tracker
 
 
 @contextmanager

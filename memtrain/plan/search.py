@@ -385,7 +385,9 @@ class _Search:
                                                         "effective_batch_size"}})
         key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}"
         if key not in self._traces:
-            one = {"training.micro_batch_size": 1, "training.effective_batch_size": None,
+            # the traces' own micro-batches are 2 and 3; a GRPO recipe is valid only in whole groups
+            micro = cfg.training.grpo_num_generations if cfg.training.objective == "grpo" else 1
+            one = {"training.micro_batch_size": micro, "training.effective_batch_size": None,
                    "training.gradient_accumulation": min(accumulation, 2)}
             plan = trace_setup(with_values(cfg, one), (), self.device, self.rows)
             (c2, counts2, _), (c3, counts3, _) = est.trace_candidates_at(

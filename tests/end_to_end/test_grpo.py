@@ -63,16 +63,22 @@ def test_grpo_recipe_trains_its_adapter_from_both_rewards(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_grpo_training_step_is_predicted_within_5_percent(tmp_path: Path) -> None:
-    """The logged prediction of a GRPO run is TRL's own training step traced (its compute_loss on the
-    worst-case generation output: 16 completions of 4 tokens after the longest prompt; beta 0, so no
-    reference log-probs), not the causal-LM approximation of ``memtrain estimate`` (301.8 MiB for this
-    recipe, against 636-761 MiB measured). Prompts of one length make every step the worst case; each
-    step's peak, by memtrain's meter and by scripts/memprobe.py (no memtrain code), is within 5%.
-    When written: predicted 572.41 MiB; measured 572.13 and 572.41 MiB (meter), the same by memprobe.
-    On a CPU TRL's fused head scores every position (prompt too) in fp32 with entropy: ~8 tensors of
-    16 x 36 x 30,522 fp32 values at the peak, which the causal-LM approximation does not hold."""
+    """``memtrain estimate`` of a GRPO recipe (no weights loaded) traces TRL's own training step
+    (memtrain.estimator.grpo_step: the GRPOTrainer built around the fake model, its compute_loss on
+    the worst-case generation output: 16 completions of 4 tokens after the longest prompt; beta 0, so
+    no reference log-probs), and so does ``memtrain train`` before its first step (on the built
+    Trainer); the memory report compares with the estimate. Prompts of one length make every step
+    the worst case; each step's peak, by memtrain's meter and by scripts/memprobe.py (no memtrain
+    code), is within 5% of both predictions. The causal-LM approximation ``memtrain estimate`` used
+    before gave 301.8 MiB for this recipe, against 636-761 MiB measured: on a CPU TRL's fused head
+    scores every position (prompt too) in fp32 with entropy, ~8 tensors of 16 x 36 x 30,522 fp32
+    values at the peak. When written: estimate 572.41 MiB, train's trace 572.41 MiB; measured
+    572.13 and 572.41 MiB (meter), the same by memprobe."""
     import json
 
+    from memtrain.data.prepare import read_rows
+    from memtrain.estimator.estimate import estimate
+    from memtrain.estimator.grpo_step import grpo_notes
     from memtrain.run.train import train
     from scripts.memprobe import trainer_steps
 
@@ -83,10 +89,17 @@ def test_grpo_training_step_is_predicted_within_5_percent(tmp_path: Path) -> Non
     source.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     cfg = load_recipe(RECIPE, [f"output.dir={tmp_path / 'run'}", "training.max_steps=2",
                                "training.logging_steps=1", f"data.source={source}", "data.max_examples=64"])
+    estimated = estimate(cfg, rows=read_rows(cfg))  # `memtrain estimate --data`: no weights
+    notes = grpo_notes(cfg, estimated.device, estimated.settings["seq_len"])  # as `memtrain estimate` says
+    assert "TRL's own GRPOTrainer training_step" in notes[0], notes
     counter = trainer_steps()
     result = train(cfg, callbacks=[counter])
     logged = [e for e in result.log_history if "memory/peak_mib" in e]
     assert len(logged) == 2 and all("memory/predicted_peak_mib" in e for e in logged), result.log_history
-    predicted = logged[0]["memory/predicted_peak_mib"]
+    report = json.loads((tmp_path / "run" / "memory_report.json").read_text(encoding="utf-8"))
+    compared = report.get("same_batch") or report["predicted"]  # the report's comparison
+    predictions = {"estimate": estimated.peak_bytes / 2**20, "report": compared["peak_bytes"] / 2**20,
+                   "train": logged[0]["memory/predicted_peak_mib"]}
     measured = [e["memory/peak_mib"] for e in logged] + [s["peak"] / 2**20 for s in counter.steps]
-    assert all(0.95 <= predicted / m <= 1.05 for m in measured), (predicted, measured)
+    assert all(0.95 <= p / m <= 1.05 for p in predictions.values() for m in measured), (predictions, measured)
+
