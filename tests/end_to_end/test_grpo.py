@@ -1,6 +1,6 @@
 """``training.objective: grpo`` end to end: recipes/tiny-llama-grpo.yaml trains through TRL's
-GRPOTrainer, both rewards score its completions and the adapter moves; bad GRPO input exits 2 naming
-the field."""
+GRPOTrainer, both rewards score its completions and the mean reward rises; the estimate (no weights)
+and train's own prediction match the measured step; bad GRPO input exits 2 naming the field."""
 
 from __future__ import annotations
 
@@ -41,39 +41,45 @@ def test_bad_grpo_input_exits_2_naming_the_field(overrides: list[str], field: st
 
 
 @pytest.mark.slow
-def test_grpo_recipe_trains_its_adapter_from_both_rewards(tmp_path: Path) -> None:
-    """Four steps of the shipped recipe: TRL generates, both rewards score every logged step, and
-    the GRPO loss moves the adapter (lora_B starts at zero). Not checked: that the reward rises;
-    with this random model it does not yet in a short run (issue 38)."""
-    from safetensors.torch import load_file
-
+def test_grpo_recipe_reward_rises(tmp_path: Path) -> None:
+    """The shipped recipe as it is (20 steps, seed 0): TRL generates, both rewards score every logged
+    step, and the mean reward of the last three logs beats that of the first three by a clear
+    margin. What rises is the format reward (a random completion is words only ~70% of the time;
+    the policy learns to answer in words); exact_answer stays near 0 in so short a run. When
+    written: first three logs 0.81, 0.69, 0.66 (mean 0.72), last three 0.88, 0.91, 0.97 (mean 0.92);
+    87 s on this 2-core CPU shared with other work (load 5), ~35 s alone. Planted:
+    learning_rate 1e-12 (0 is refused) -> 0.79 then 0.74, fails; the format reward's sign flipped
+    (grpo_reward_weights [1, -1]) -> the format reward falls (0.79 then 0.69), fails."""
     from memtrain.run.train import train
 
-    cfg = load_recipe(RECIPE, [f"output.dir={tmp_path / 'run'}", "training.max_steps=4"])
+    cfg = load_recipe(RECIPE, [f"output.dir={tmp_path / 'run'}"])
     result = train(cfg)
     logs = [e for e in result.log_history if "reward" in e]
-    assert len(logs) >= 2, result.log_history  # logging_steps 2 (and the first step)
+    assert len(logs) >= 10, result.log_history  # the first step and every 2 of 20
     for log in logs:
         assert {"rewards/exact_answer/mean", "rewards/format/mean"} <= log.keys(), log
-        assert 0.0 <= log["reward"] <= 2.0 and log["completions/max_length"] <= 4, log
-    weights = load_file(tmp_path / "run" / "adapter_model.safetensors")
-    lora_b = [t for name, t in weights.items() if "lora_B" in name]
-    assert lora_b and min(float(t.norm()) for t in lora_b) > 1e-3, "the adapter did not move"
+        assert 0.0 <= log["reward"] <= 2.0 and log["completions/max_length"] <= 2, log
+    for key in ("reward", "rewards/format/mean"):  # the total, and the format reward itself (unweighted)
+        values = [log[key] for log in logs]
+        first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
+        assert last > first + 0.15, (key, first, last, values)
 
 
 @pytest.mark.slow
 def test_grpo_training_step_is_predicted_within_5_percent(tmp_path: Path) -> None:
     """``memtrain estimate`` of a GRPO recipe (no weights loaded) traces TRL's own training step
     (memtrain.estimator.grpo_step: the GRPOTrainer built around the fake model, its compute_loss on
-    the worst-case generation output: 16 completions of 4 tokens after the longest prompt; beta 0, so
+    the worst-case generation output: 16 completions of 2 tokens after the longest prompt; beta 0, so
     no reference log-probs), and so does ``memtrain train`` before its first step (on the built
     Trainer); the memory report compares with the estimate. Prompts of one length make every step
     the worst case; each step's peak, by memtrain's meter and by scripts/memprobe.py (no memtrain
-    code), is within 5% of both predictions. The causal-LM approximation ``memtrain estimate`` used
-    before gave 301.8 MiB for this recipe, against 636-761 MiB measured: on a CPU TRL's fused head
-    scores every position (prompt too) in fp32 with entropy, ~8 tensors of 16 x 36 x 30,522 fp32
-    values at the peak. When written: estimate 572.41 MiB, train's trace 572.41 MiB; measured
-    572.13 and 572.41 MiB (meter), the same by memprobe."""
+    code), is within 5% of both predictions. On a CPU TRL's fused head scores every position (prompt
+    too) in fp32 with entropy, ~8 tensors of rows x tokens x 30,522 fp32 values at the peak, which
+    the causal-LM trace ``memtrain estimate`` used before does not hold (301.8 MiB against 636-761
+    MiB measured in the issue's run). When written (the recipe trained in full, micro-batch 16):
+    estimate, report and train's trace 564.05 MiB; measured 548.45 (first step: no optimizer state
+    yet) and 564.05 MiB, by the meter and by memprobe. With LoRA, beta 0.04, 8 x 2 accumulation and
+    8-token completions (not in this test): 321.37 MiB predicted, 321.24 / 321.57 measured."""
     import json
 
     from memtrain.data.prepare import read_rows
@@ -88,7 +94,8 @@ def test_grpo_training_step_is_predicted_within_5_percent(tmp_path: Path) -> Non
     source = tmp_path / "prompts.jsonl"
     source.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     cfg = load_recipe(RECIPE, [f"output.dir={tmp_path / 'run'}", "training.max_steps=2",
-                               "training.logging_steps=1", f"data.source={source}", "data.max_examples=64"])
+                               "training.logging_steps=1", f"data.source={source}", "data.max_examples=64",
+                               "training.micro_batch_size=16"])
     estimated = estimate(cfg, rows=read_rows(cfg))  # `memtrain estimate --data`: no weights
     notes = grpo_notes(cfg, estimated.device, estimated.settings["seq_len"])  # as `memtrain estimate` says
     assert "TRL's own GRPOTrainer training_step" in notes[0], notes
