@@ -324,8 +324,8 @@ def _predict_grpo(trainer: Any, meter: MemoryMeterCallback, console: Console) ->
     """The logged prediction of a GRPO run: TRL's own training step traced on the built Trainer
     (:func:`memtrain.estimator.trainer_loss.trainer_step_estimate`: its ``compute_loss`` on the worst-case
     generation output, every completion at full length after the longest prompt), or the analytic
-    generation phase where that is larger; the recipe estimate before it is the causal-LM step's
-    approximation (:func:`memtrain.estimator.grpo.grpo_notes`)."""
+    generation phase where that is larger. The report's prediction is the recipe estimate, which traces
+    the same TRL step on the model built on fake tensors (:mod:`memtrain.estimator.grpo_step`)."""
     from memtrain.estimator.grpo import trainer_generation_phase
     from memtrain.estimator.trainer_loss import trainer_step_estimate
 
