@@ -30,7 +30,7 @@ import numpy as np
 from memtrain.config import RunConfig
 from memtrain.config.batch import resolve_batch
 from memtrain.data.rows import Rows
-from memtrain.estimator import calibrate, grpo_step, seqlen
+from memtrain.estimator import calibrate, grpo_step
 from memtrain.estimator.pool import run_all
 from memtrain.estimator.setup import TraceSetup, trace_setup
 from memtrain.estimator.trace import (
@@ -104,9 +104,10 @@ def estimate(recipe: RunConfig | str | Path | dict, overrides: Sequence[str] = (
         device: ``cuda`` or ``cpu``: where the run will train (default: CUDA when this machine
             has it). On a machine without CUDA, a CUDA run is traced on CPU fake tensors with
             CUDA's optimizer kernels.
-        exact: trace every layer at the full length instead of extrapolating in depth (from 2
-            and 3 layers) and along the sequence (from a few short lengths); slower, for checks.
-        exact_length: trace the full length, still extrapolating in depth.
+        exact: trace every layer, and every iteration of the loops over the tokens, instead of
+            extrapolating in depth (from 2 and 3 layers) and running a long loop's first and last
+            iterations (:mod:`memtrain.memory.loops`); slower, for checks.
+        exact_length: run every iteration of the loops over the tokens, still extrapolating in depth.
         rows: the longest batch of the data at hand (:meth:`memtrain.data.prepare.PreparedData.rows`);
             default: the recipe's worst case, every row ``data.max_length`` tokens.
 
@@ -162,50 +163,35 @@ def trace_candidates(plan: TraceSetup, micro_batch: int, seq_len: int, exact: bo
 def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exact: bool,
                         exact_length: bool = False) -> list[tuple[Candidates, Counts, str]]:
     """:func:`trace_candidates` at several (micro-batch, sequence length) points, their traces run side
-    by side (:mod:`memtrain.estimator.pool`). Unless ``exact`` or ``exact_length``, a long length is
-    extrapolated from a few short ones (:mod:`memtrain.estimator.seqlen`), whose cost does not grow
-    with the length; where they do not determine it exactly, the length itself is traced."""
+    by side (:mod:`memtrain.estimator.pool`). Unless ``exact`` or ``exact_length``, the loops over
+    the tokens (tiled MLP, lean norm, chunked loss) run only some of their iterations
+    (:mod:`memtrain.memory.loops`), so a trace costs the same at any length; a trace whose loops
+    were not steady is traced again whole."""
     whole = exact or plan.depth <= FULL_TRACE_DEPTH
     if not whole and isinstance(plan.cfg.memory.checkpointing, int):  # the first n layers differ
         if "checkpointing" not in " ".join(plan.notes):
             plan.notes.append("memory.checkpointing is a number of layers, so every layer was traced")
         whole = True
     depths = [plan.depth] if whole else [2, 3]
-    seqs = [None if exact or exact_length else seqlen.plan(plan.cfg, plan.config, micro, seq)
-            for micro, seq in points]
-    jobs = [functools.partial(_trace, plan, depth, micro, length, None if sp is None else sp.settings(length))
-            for (micro, seq), sp in zip(points, seqs, strict=True)
-            for length in (sp.lengths if sp is not None else (seq,)) for depth in depths]
+    elide = not (exact or exact_length)
+    jobs = [functools.partial(_trace, plan, depth, micro, seq, elide=elide)
+            for micro, seq in points for depth in depths]
     traces = run_all(jobs, cuda=plan.trace_device == "cuda")
-    at_point: list[list[Trace]] = []  # per point: the trace of each depth at its length
-    retrace: list[int] = []
-    for sp in seqs:
-        count = len(depths) * (len(sp.lengths) if sp is not None else 1)
-        mine, traces = traces[:count], traces[count:]
-        if sp is None:
-            at_point.append(mine)
-            continue
-        by_depth = [[mine[i * len(depths) + d] for i in range(len(sp.lengths))] for d in range(len(depths))]
-        long = [seqlen.along(series, sp) for series in by_depth]
-        if any(t is None for t in long):
-            retrace.append(len(at_point))
-            at_point.append([])
-        else:
-            at_point.append(long)  # type: ignore[arg-type]
-    if retrace:  # the short lengths did not determine the step: trace the length itself
-        jobs = [functools.partial(_trace, plan, depth, *points[k]) for k in retrace for depth in depths]
-        again = run_all(jobs, cuda=plan.trace_device == "cuda")
-        for n, k in enumerate(retrace):
-            at_point[k] = again[n * len(depths):(n + 1) * len(depths)]
+    unsteady = [k for k, t in enumerate(traces) if not t.steady()]
+    if unsteady:  # a loop's skipped iterations might have differed: trace those whole
+        again = run_all([functools.partial(jobs[k], elide=False) for k in unsteady],
+                        cuda=plan.trace_device == "cuda")
+        for k, trace in zip(unsteady, again, strict=True):
+            traces[k] = trace
     found = []
-    for k, ((micro, seq), sp) in enumerate(zip(points, seqs, strict=True)):
-        along = "" if sp is None or k in retrace else (
-            f"; along the sequence from {', '.join(f'{n:,}' for n in sorted(sp.lengths))} tokens")
+    for k, (micro, seq) in enumerate(points):
+        mine = traces[k * len(depths):(k + 1) * len(depths)]
+        elided = next((t.elision() for t in mine if t.elision()), "")
         if whole:
-            cands, counts, method = _whole(plan, at_point[k][0])
+            cands, counts, method = _whole(plan, mine[0])
         else:
-            cands, counts, method = _extrapolated(plan, at_point[k][0], at_point[k][1], micro, seq)
-        found.append((cands, counts, method + along))
+            cands, counts, method = _extrapolated(plan, mine[0], mine[1], micro, seq)
+        found.append((cands, counts, method + (f"; {elided}" if elided else "")))
     return found
 
 
@@ -229,10 +215,8 @@ def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:
             f"traced all {plan.depth} layers")
 
 
-def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int,
-           memory: dict[str, int] | None = None) -> Trace:
-    """One trace; ``memory``: settings under ``memory`` (dotted) to trace with instead of the
-    recipe's: those of a trace at a shorter length (:meth:`memtrain.estimator.seqlen.SeqPlan.settings`)."""
+def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int, elide: bool = False) -> Trace:
+    """One trace; ``elide``: long loops over the tokens run only some iterations."""
     if plan.cfg.training.objective == "grpo":  # TRL's own GRPO step (memtrain.estimator.grpo_step)
         found = grpo_step.recipe_trace(plan, depth, micro_batch, seq_len)
         if found is not None:
@@ -240,17 +224,8 @@ def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int,
     # torch optimizers take their multi-tensor kernels for real CUDA tensors, never for fake ones.
     foreach = plan.device == "cuda"
     rows = micro_batch * (2 if plan.cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]
-    cfg = plan.cfg
-    if memory:
-        cfg = cfg.model_copy(deep=True)
-        for key, value in memory.items():
-            *parents, name = key.split(".")
-            section = cfg.memory
-            for parent in parents:
-                section = getattr(section, parent)
-            setattr(section, name, value)
-    return trace_step(cfg, with_depth(plan.config, depth), micro_batch, seq_len,
-                      device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows))
+    return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
+                      device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows), elide=elide)
 
 
 # --------------------------------------------------------------------------------- reporting

@@ -66,6 +66,36 @@ class Trace:
     work: Work | None = None  # what the step computes, for the planner's cost model
     marks: np.ndarray | None = None  # (ops, 2): loop instance and iteration of each op (-1: none)
     loop_info: dict[int, loops.Loop] | None = None  # the loop instances (memtrain.memory.loops)
+    elided: frozenset[int] = frozenset()  # loop instances that ran only some iterations
+
+    def steady(self) -> bool:
+        """Every elided loop's stand-in iteration (``loops.KEEP - 2``) recorded the same rows as
+        the kept iteration run right after it: the skipped iterations, the same ops on the same
+        shapes, would have recorded those rows too (:mod:`memtrain.memory.loops`)."""
+        if not self.elided:
+            return True
+        if self.marks is None:
+            return False
+        for serial in self.elided:
+            rows = np.flatnonzero(self.marks[:, 0] == serial)
+            index = self.marks[rows, 1]
+            cuts = np.flatnonzero(np.diff(index)) + 1
+            groups = np.split(rows, cuts)
+            order = [int(self.marks[g[0], 1]) for g in groups]
+            if loops.KEEP - 2 not in order:
+                return False
+            k = order.index(loops.KEEP - 2)
+            if k + 1 >= len(order) or not np.array_equal(self.values[groups[k]],
+                                                          self.values[groups[k + 1]]):
+                return False
+        return True
+
+    def elision(self) -> str:
+        """How much of the loops the trace ran ('' when it ran them whole)."""
+        if not self.elided or self.loop_info is None:
+            return ""
+        longest = max(self.loop_info[s].count for s in self.elided)
+        return f"loops of up to {longest:,} iterations traced by {loops.KEEP + 1}"
 
 
 @dataclass(frozen=True)
@@ -122,7 +152,8 @@ def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
 
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
-               device: torch.device | str = "cpu", foreach: bool = False, padded: bool = True) -> Trace:
+               device: torch.device | str = "cpu", foreach: bool = False, padded: bool = True,
+               elide: bool = False) -> Trace:
     """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
 
     With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
@@ -140,6 +171,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             real CUDA tensors (fake tensors never get them by default).
         padded: the batch carries padding (masked attention); False: every row is ``seq_len``
             tokens (:func:`memtrain.trainer.build.example_batch`).
+        elide: long loops over the tokens run only some of their iterations
+            (:mod:`memtrain.memory.loops`); the caller checks :meth:`Trace.steady`.
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
@@ -169,9 +202,9 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             hold_gradients(model)
         layers = decoder_layers(model, config.num_hidden_layers)
         meter = _TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
-        with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording():
+        with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(elide):
             training_step(*step, held_gradients=held, loss_fn=loss_fn)
-            marked = loops.loops()
+            marked, elided = loops.loops(), loops.elided()
         done = [r.detail or r.name for r in patches.records(model)]
     tracker = meter.tracker
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
@@ -179,7 +212,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     rows = np.array(tracker.rows, dtype=np.int64)
     marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,
-                 marks, marked)
+                 marks, marked, frozenset(elided))
 
 
 @contextlib.contextmanager

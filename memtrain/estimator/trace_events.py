@@ -55,10 +55,11 @@ class _EventRecorder:
             return out
         if active_fake_mode() is not self._entry_fake_mode:
             return out  # DTensor's layout propagation (memtrain.estimator.fake): not part of the step
-        self.ops["optimizer" if phase == "optimizer" else "step"] += 1
+        times = loops.weight()  # an elided loop's kept iteration counts for the skipped ones
+        self.ops["optimizer" if phase == "optimizer" else "step"] += times
         count = flop_registry.get(overload_packet(func))
         if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
-            self.flops += flop_count(count, args, kwargs or {}, out)
+            self.flops += times * flop_count(count, args, kwargs or {}, out)
         return out
 
     def on_snapshot_update(self, u_type: UpdateType, winfo: object, old_mem_consumed: int | None = None,
@@ -79,7 +80,7 @@ class _EventRecorder:
             counts[slot] += raw
             delta_rounded = _round(raw)
             if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
-                self.written += raw
+                self.written += raw * loops.weight()
         elif u_type == UpdateType.DEL:
             counts[slot] -= old
             delta_rounded = -_round(old)

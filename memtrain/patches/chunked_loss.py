@@ -117,12 +117,13 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: nn.M
     size = chunk or chunk_tokens(flat.shape[0], flat.shape[-1], _out_features(head))
 
     def piece(h: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
-        loops.iteration("chunked_loss", k, flat.shape[0], size)  # also when backward recomputes it
-        logits = transform(head(h).float())
-        return nn.functional.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+        with loops.step("chunked_loss", k, flat.shape[0], size):  # also when backward recomputes it
+            logits = transform(head(h).float())
+            return nn.functional.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
 
     total = None
-    for k, start in enumerate(range(0, flat.shape[0], size)):
+    for k in loops.indices(-(-flat.shape[0] // size)):
+        start = k * size
         h, y = flat[start:start + size], targets[start:start + size]
         part = (checkpoint(piece, h, y, k, use_reentrant=False, preserve_rng_state=False)
                 if torch.is_grad_enabled() else piece(h, y, k))

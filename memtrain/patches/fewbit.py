@@ -27,6 +27,7 @@ from torch import nn
 
 from memtrain._compat.torch_tools import unset_fake_temporarily
 from memtrain.config import FewBitConfig, RunConfig, decided
+from memtrain.memory import loops
 from memtrain.patches import (
     APPROXIMATE,
     Doc,
@@ -167,7 +168,7 @@ def encode(x: torch.Tensor, boundaries: torch.Tensor, bits: int) -> torch.Tensor
     flat = x.detach().reshape(-1)
     n = flat.numel()
     packed = torch.empty(bits, math.ceil(n / 8), dtype=torch.uint8, device=x.device)
-    for start in range(0, n, _CHUNK):
+    for _, start, _stop in loops.chunks("fewbit_encode", n, _CHUNK):
         part = flat[start:start + _CHUNK]
         codes = torch.bucketize(part.float(), boundaries, out_int32=True).to(torch.uint8)
         packed[:, start // 8:start // 8 + math.ceil(part.numel() / 8)] = pack_codes(codes, bits)
@@ -181,8 +182,7 @@ def decode_mul(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor,
     n = flat.numel()
     out = torch.empty_like(flat)
     levels = levels.to(grad.dtype)
-    for start in range(0, n, _CHUNK):
-        end = min(n, start + _CHUNK)
+    for _, start, end in loops.chunks("fewbit_decode", n, _CHUNK):
         codes = unpack_codes(packed[:, start // 8:math.ceil(end / 8)], bits)[:end - start]
         torch.mul(flat[start:end], levels.index_select(0, codes.int()), out=out[start:end])
     return out.view(grad.shape)

@@ -157,10 +157,6 @@ def kind_of(module: nn.Module) -> Kind | None:
 # ------------------------------------------------------------------------------- the Function
 
 
-def _spans(rows: int, tile: int) -> list[tuple[int, int]]:
-    return [(start, min(start + tile, rows)) for start in range(0, rows, max(1, tile))]
-
-
 class _LeanNorm(torch.autograd.Function):
     """The module's RMSNorm over row tiles; saves ``x`` and ``rstd`` (fp32, one per row)."""
 
@@ -174,8 +170,7 @@ class _LeanNorm(torch.autograd.Function):
         out = flat.new_empty(flat.shape, dtype=out_dtype)
         rstd = flat.new_empty((flat.shape[0], 1), dtype=torch.float32)
         with never_saved():
-            for k, (start, stop) in enumerate(_spans(flat.shape[0], tile)):
-                loops.iteration("lean_norm", k, flat.shape[0], tile)
+            for _, start, stop in loops.chunks("lean_norm", flat.shape[0], tile):
                 xf = flat[start:stop].to(torch.float32)
                 r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
                 normed = xf * r
@@ -184,7 +179,6 @@ class _LeanNorm(torch.autograd.Function):
                 else:
                     torch.mul(weight, normed.to(cast), out=out[start:stop])
                 rstd[start:stop] = r
-            loops.done()
         ctx.save_for_backward(x, rstd)
         ctx.weight, ctx.scale, ctx.kind, ctx.cast, ctx.tile = weight, scale, kind, cast, tile
         return out.view(*x.shape[:-1], x.shape[-1])
@@ -197,8 +191,7 @@ class _LeanNorm(torch.autograd.Function):
         flat, grads = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(flat) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for k, (start, stop) in enumerate(_spans(flat.shape[0], ctx.tile)):
-            loops.iteration("lean_norm_backward", k, flat.shape[0], ctx.tile)
+        for _, start, stop in loops.chunks("lean_norm_backward", flat.shape[0], ctx.tile):
             r = rstd[start:stop]
             normed = flat[start:stop] * r  # fp32: forward's x.float() * rstd
             g = grads[start:stop].to(torch.float32, copy=True)  # its own buffer: changed in place
@@ -209,7 +202,6 @@ class _LeanNorm(torch.autograd.Function):
                 dot = (g * normed).mean(-1, keepdim=True)
                 grad_x[start:stop] = g.sub_(normed.mul_(dot)).mul_(r)  # the copy casts to x.dtype
             del normed, g
-        loops.done()
         return (None if grad_x is None else grad_x.view(x.shape),
                 None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
 

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memtrain._compat.peft import check_forward_args, has_variant
 from memtrain.config import AdapterConfig, RunConfig, decided
+from memtrain.memory import loops
 from memtrain.model import CLASSIFIER_HEADS
 from memtrain.patches import ADAPTER, Doc, Knob, NoMatchError, PatchRecord, add_records, register
 
@@ -196,11 +197,11 @@ class _LoraAdd(torch.autograd.Function):
         rows = _chunk_rows(base)
         flat_base, flat_h = base.reshape(-1, base.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
-        for start in range(0, flat_out.shape[0], rows):
-            piece = nn.functional.linear(flat_h[start:start + rows], weight_b) * scaling
-            part = flat_base[start:start + rows]
-            flat_out[start:start + rows] = (part + piece.to(base.dtype) if round_first
-                                            else part.to(piece.dtype) + piece)
+        for _, start, stop in loops.chunks("lora_add", flat_out.shape[0], rows):
+            piece = nn.functional.linear(flat_h[start:stop], weight_b) * scaling
+            part = flat_base[start:stop]
+            flat_out[start:stop] = (part + piece.to(base.dtype) if round_first
+                                    else part.to(piece.dtype) + piece)
         ctx.save_for_backward(weight_b, low_rank)
         ctx.scaling = scaling
         return out
@@ -212,10 +213,10 @@ class _LoraAdd(torch.autograd.Function):
         grad_h = torch.empty_like(flat_h)
         grad_b = torch.zeros_like(weight_b)
         rows = _chunk_rows(grad)
-        for start in range(0, flat_g.shape[0], rows):
-            g = flat_g[start:start + rows].to(weight_b.dtype) * ctx.scaling
-            grad_b += g.t() @ flat_h[start:start + rows]
-            grad_h[start:start + rows] = g @ weight_b
+        for _, start, stop in loops.chunks("lora_add_backward", flat_g.shape[0], rows):
+            g = flat_g[start:stop].to(weight_b.dtype) * ctx.scaling
+            grad_b += g.t() @ flat_h[start:stop]
+            grad_h[start:stop] = g @ weight_b
         return grad, grad_h.view(low_rank.shape), grad_b, None, None
 
 

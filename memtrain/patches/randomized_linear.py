@@ -38,6 +38,7 @@ from transformers.pytorch_utils import Conv1D
 
 from memtrain._compat.torch_tools import is_fake
 from memtrain.config import RandomizedLinearConfig, RunConfig, decided
+from memtrain.memory import loops
 from memtrain.patches import (
     APPROXIMATE,
     Doc,
@@ -94,8 +95,8 @@ def sketch_product(m: torch.Tensor, k: int, kind: str, seed: int) -> torch.Tenso
     if n <= step:  # one block: the common case
         return (_draw(kind, (n, k), gen, m).t() @ m).mul_(1 / math.sqrt(k))
     acc: torch.Tensor | None = None
-    for start in range(0, n, step):
-        block = m[start:start + step]
+    for _, start, stop in loops.chunks("sketch", n, step):
+        block = m[start:stop]
         part = _draw(kind, (block.shape[0], k), gen, m).t() @ block
         # Sum the blocks in at least fp32: bf16 partial sums would lose the small terms.
         if acc is None:

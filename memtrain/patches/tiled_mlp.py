@@ -142,7 +142,7 @@ class _TiledMLP(torch.autograd.Function):
     def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                 size: int, random: bool, *params: torch.Tensor) -> torch.Tensor:
         device = x.device
-        ctx.run, ctx.params, ctx.spans = run, params, _spans(x.numel() // x.shape[-1], size)
+        ctx.run, ctx.params, ctx.size = run, params, size
         ctx.rng = None
         if random:
             ctx.rng = (torch.get_rng_state(),
@@ -155,13 +155,11 @@ class _TiledMLP(torch.autograd.Function):
         flat = x.detach().reshape(-1, x.shape[-1])  # tiles that look like no-grad tensors to hooks
         out = None
         with never_saved():
-            for tile, (start, stop) in enumerate(ctx.spans):
-                loops.iteration("tiled_mlp", tile, flat.shape[0], size)
+            for _, start, stop in loops.chunks("tiled_mlp", flat.shape[0], size):
                 y = run(flat[start:stop])
                 if out is None:
                     out = y.new_empty((flat.shape[0], y.shape[-1]))
                 out[start:stop] = y
-            loops.done()
         assert out is not None  # at least one tile: x has at least one row
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -176,8 +174,7 @@ class _TiledMLP(torch.autograd.Function):
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         amp = torch.autocast(*ctx.autocast) if ctx.autocast is not None else contextlib.nullcontext()
         with _replayed_rng(ctx.rng, x.device), torch.enable_grad(), amp:
-            for tile, (start, stop) in enumerate(ctx.spans):
-                loops.iteration("tiled_mlp_backward", tile, flat_x.shape[0], ctx.spans[0][1])
+            for _, start, stop in loops.chunks("tiled_mlp_backward", flat_x.shape[0], ctx.size):
                 piece = flat_x[start:stop].detach().requires_grad_(need_x)
                 # The MLP gets a view, not the leaf: module hooks that watch input gradients
                 # (FlopCounterMode's ModuleTracker) cannot take a leaf inside autograd.grad.
@@ -189,7 +186,6 @@ class _TiledMLP(torch.autograd.Function):
                 for k, grad in enumerate(grads):
                     if grad is not None:
                         sums[k] = grad if sums[k] is None else sums[k].add_(grad)  # type: ignore[union-attr]
-        loops.done()
         param_grads: list[torch.Tensor | None] = [None] * len(ctx.params)
         for k, i in enumerate(wanted):
             param_grads[i] = sums[k]

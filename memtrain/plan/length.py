@@ -12,10 +12,11 @@ Lengths are multiples of ``LENGTH_STEP`` tokens. Each probe is one estimate (fak
 the real step, seconds each; :func:`memtrain.estimator.estimate.estimate`), so the search probes
 few: two lengths give a line and its crossing with the budget, then regula falsi (Illinois) between
 the longest length that fits and the shortest that does not (a bisection every fourth probe, should
-the estimate bend), until they are one step apart. An estimate extrapolated along the sequence
-(:mod:`memtrain.estimator.seqlen`) costs the same at any length and is affine in it op by op; then
-the search first solves that model (:func:`_solve`): the budget's crossing of a line through two
-lengths far apart, confirmed by an estimate at the answer and one at the next step. Estimates are
+the estimate bend), until they are one step apart. An estimate costs about the same at any length
+(the loops over the tokens run a few iterations, :mod:`memtrain.memory.loops`) and, with no
+``L x L`` attention matrix, its peak is affine in the length between kernel changes; so the search
+first solves that model (:func:`_solve`): the budget's crossing of a line through two lengths far
+apart, confirmed by an estimate at the answer and one at the next step. Estimates are
 kept per settings for the
 process, so planning the same recipe for several budgets (scripts/bench_long_context.py) starts
 from every length probed before.
@@ -130,18 +131,17 @@ def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, 
     """Solve the affine model for the longest length, then confirm it: an estimate at the answer
     and one at the next step (what regula falsi below ends on, in fewer estimates).
 
-    An estimate extrapolated along the sequence (:mod:`memtrain.estimator.seqlen`) costs the same
-    at any length, and its bytes are affine in the length op by op, so the peak is the largest of
-    a few lines: the line through two lengths far apart meets the budget at or past the answer, the
-    line through the two probes nearest the crossing at the answer. Only when the first probe was
-    extrapolated (a step that had to be traced at its length costs more the longer it is, and may
-    not be affine), and for at most ``SOLVE_ROUNDS`` rounds; whatever is left, the search goes on from
-    the probes made here.
+    An estimate costs about the same at any length, and where attention keeps no ``L x L`` matrix its
+    bytes are affine in the length op by op, so the peak is the largest of a few lines: the line
+    through two lengths far apart meets the budget at or past the answer, the line through the two
+    probes nearest the crossing at the answer. At most ``SOLVE_ROUNDS`` rounds; where the peak
+    bends (quadratic attention) the guesses are only guesses, and the search goes on from the
+    probes made here, so the answer is regula falsi's either way.
     """
     if found.probes or top <= step:
         return
     first = min(FIRST_PROBE, top)
-    if "along the sequence" not in at(first).method or found.probes[first] > usable:
+    if at(first) is None or found.probes[first] > usable:
         return
     at(min(top, max(first + step, _down(first * SOLVE_SPAN, step))))
     for _ in range(SOLVE_ROUNDS):
