@@ -38,7 +38,8 @@ TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that
 
 @dataclass
 class _Traced:
-    """A candidate's traces at micro-batch 2 and 3 (and single sizes traced on their own)."""
+    """A candidate's traces at micro-batch 2 and 3 (and single sizes traced on their own); when the
+    search allows only micro-batch 1, that one alone (``c2``, ``c3`` None; both counts its)."""
 
     plan: Any  # the estimator's plan (settings, architecture, device)
     c2: Any
@@ -100,8 +101,11 @@ class _Search:
         fastest: Candidate | None = None
         too_big: list[Candidate] = []
         fits: list[Candidate] = []
+        probed: set[int] | None = None  # candidates judged by the probe pass (_probe_leanest)
         for bound, i in sorted(bounds):
             cand = cands[i]
+            if probed is not None and i in probed:
+                continue  # judged already: in `fits`, or in `too_big` / `done` with its reason
             if (why := self.inapplicable(cand)) is not None:  # before any ranking: true on any machine
                 cand.reason = "not applicable to this model: " + why
                 self.pruned.append(cand)
@@ -137,6 +141,9 @@ class _Search:
             if cand.seconds == math.inf:
                 if cand.min_peak > self.usable:  # the device is too small; host RAM orders no fields
                     too_big.append(cand)
+                    if probed is None and len(self.fields) > 1:
+                        probed = self._probe_leanest(cands, too_big, fits)
+                        fastest = min(fits, key=lambda c: c.seconds, default=None)
                 continue
             fits.append(cand)
             if fastest is None or cand.seconds < fastest.seconds:
@@ -162,6 +169,39 @@ class _Search:
             else:
                 cand.reason = f"slower: {cand.seconds:.3g} s per step vs {best.seconds:.3g} s"
         return best
+
+    def _probe_leanest(self, cands: list[Candidate], too_big: list[Candidate],
+                       fits: list[Candidate]) -> set[int]:
+        """Judge, for every value of every searched field, the candidate that keeps least with it:
+        that value and every other field at the end of its memory order. Where that one does not
+        fit, no candidate with the value fits (each keeps at least as much in every field), and the
+        search prunes them all by dominance without tracing them. Run once, when the fastest
+        candidates turn out too big (a budget near the limit, as a planned longest context is):
+        one trace per field value instead of most of the product of the fields. Returns the
+        indices into ``cands`` judged here (added to ``too_big`` or ``fits``)."""
+        index = {json.dumps(c.values, sort_keys=True, default=str): k for k, c in enumerate(cands)}
+        domains = {f: options(self.cfg, f, self.shape) for f in self.fields}
+        lean = {f: values[-1] for f, values in domains.items()}
+        judged: set[int] = set()
+        for field_, values in domains.items():
+            for value in values:
+                k = index.get(json.dumps({**lean, field_: value}, sort_keys=True, default=str))
+                if k is None or k in judged:
+                    continue
+                cand = cands[k]
+                if (self.inapplicable(cand) is not None
+                        or any(self._dominated(cand, t) for t in too_big)):
+                    continue  # the main loop gives the reason
+                try:
+                    self.evaluate(cand)
+                except NoMatchError:
+                    continue  # the main loop evaluates it again and says why
+                judged.add(k)
+                if cand.seconds < math.inf:
+                    fits.append(cand)
+                elif cand.min_peak > self.usable:
+                    too_big.append(cand)
+        return judged
 
     def _settle(self, cand: Candidate) -> None:
         """The chosen candidate's own peak, where the search bounded it from above.
@@ -345,7 +385,7 @@ class _Search:
     def _summary(self, traced: _Traced, micro: int) -> est.Estimate:
         """The estimate at ``micro``: linear from the traces at 2 and 3 (size 1 is traced itself:
         some models take other paths for a single example)."""
-        cands = in_batch(traced.c2, traced.c3, 2, 3, micro) if micro >= 2 else None
+        cands = in_batch(traced.c2, traced.c3, 2, 3, micro) if micro >= 2 and traced.c2 is not None else None
         if cands is None:
             if micro not in traced.points:
                 traced.points[micro] = est.trace_candidates(traced.plan, micro, traced.plan.seq_len, False)[0]
@@ -379,17 +419,23 @@ class _Search:
             embedding_bytes=rows, extra_dequantized=tiled)
 
     def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
-        """Candidates and counts at micro-batch 2 and 3 (cached per settings and accumulation)."""
+        """Candidates and counts at micro-batch 2 and 3, or 1 alone when the search allows no other
+        (cached per settings and accumulation)."""
         key = cfg.model_dump_json(include={"model", "data", "adapter", "training", "memory", "distributed"},
                                   exclude={"training": {"micro_batch_size", "gradient_accumulation",
                                                         "effective_batch_size"}})
-        key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}"
+        single = max(m for m, _ in self.batches) == 1  # micro-batch 1 only (a long context)
+        key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{single}"
         if key not in self._traces:
             # the traces' own micro-batches are 2 and 3; a GRPO recipe is valid only in whole groups
             micro = cfg.training.grpo_num_generations if cfg.training.objective == "grpo" else 1
             one = {"training.micro_batch_size": micro, "training.effective_batch_size": None,
                    "training.gradient_accumulation": min(accumulation, 2)}
             plan = trace_setup(with_values(cfg, one), (), self.device, self.rows)
+            if single:  # the linear model in the micro-batch is not needed: trace 1 alone
+                c1, counts1, _ = est.trace_candidates(plan, 1, plan.seq_len, False)
+                self._traces[key] = _Traced(plan, None, None, counts1, counts1, {1: c1})
+                return self._traces[key]
             (c2, counts2, _), (c3, counts3, _) = est.trace_candidates_at(
                 plan, [(2, plan.seq_len), (3, plan.seq_len)], False)
             self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
