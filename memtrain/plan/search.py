@@ -183,6 +183,7 @@ class _Search:
         domains = {f: options(self.cfg, f, self.shape) for f in self.fields}
         lean = {f: values[-1] for f, values in domains.items()}
         judged: set[int] = set()
+        fitting: list[Candidate] = []  # a probe that fits: so does every leaner one
         for field_, values in domains.items():
             for value in values:
                 k = index.get(json.dumps({**lean, field_: value}, sort_keys=True, default=str))
@@ -190,8 +191,9 @@ class _Search:
                     continue
                 cand = cands[k]
                 if (self.inapplicable(cand) is not None
-                        or any(self._dominated(cand, t) for t in too_big)):
-                    continue  # the main loop gives the reason
+                        or any(self._dominated(cand, t) for t in too_big)  # cannot fit
+                        or any(self._dominated(f, cand) for f in fitting)):  # fits: no pruning
+                    continue  # the main loop judges it
                 try:
                     self.evaluate(cand)
                 except NoMatchError:
@@ -199,6 +201,7 @@ class _Search:
                 judged.add(k)
                 if cand.seconds < math.inf:
                     fits.append(cand)
+                    fitting.append(cand)
                 elif cand.min_peak > self.usable:
                     too_big.append(cand)
         return judged

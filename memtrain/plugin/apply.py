@@ -41,11 +41,18 @@ def say(line: str) -> None:
     Console(stderr=True).print(line, highlight=False)
 
 
+# The techniques the plugin plans first: a step's two big levers. Only when nothing fits with them
+# (and the batch) does it plan every technique it may choose (:func:`patch_knobs`): a search over
+# every field costs one trace per candidate, hundreds on a model whose budget fits without them.
+FIRST_FIELDS = ("memory.checkpointing", "memory.loss", "memory.activation_bits", "memory.randomized_linear")
+
+
 def planned_fields(memory: dict[str, Any] | None, user_checkpointing: bool, margin: float,
-                   adapter_pending: bool) -> dict[str, Any]:
+                   adapter_pending: bool, every: bool = True) -> dict[str, Any]:
     """The recipe fields the plugin sets before planning: every :func:`patch_knobs` field ``auto``
-    (an approximate one's options are only "off" without ``allow_approximate``), the batch
-    ``auto``, the user's checkpointing as ``full``, and what ``memory=`` fixes.
+    (an approximate one's options are only "off" without ``allow_approximate``; with ``every``
+    False, only :data:`FIRST_FIELDS`, the others off), the batch ``auto``, the user's
+    checkpointing as ``full``, and what ``memory=`` fixes.
 
     Args:
         memory: the ``memory`` fields the user fixed (``{"tiled_mlp": True}``, dotted below
@@ -56,7 +63,8 @@ def planned_fields(memory: dict[str, Any] | None, user_checkpointing: bool, marg
     Raises:
         MemtrainError: a ``memory=`` field the plugin cannot apply.
     """
-    values: dict[str, Any] = {k.path: "auto" for k in patch_knobs() if k.plannable}
+    values: dict[str, Any] = {k.path: "auto" if every or k.path in FIRST_FIELDS else k.off
+                              for k in patch_knobs() if k.plannable}
     values.update({"training.micro_batch_size": "auto", "training.gradient_accumulation": "auto",
                    "memory.margin": margin})
     if user_checkpointing:

@@ -376,7 +376,7 @@ def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, arg
     parts += [f"{k.split('.')[-1]} {v}" for k, v in values.items() if k != "training.optimizer"]
     usable = int(total * (1 - margin))
     needed = int(smallest.min_peak / (1 - margin)) + 1
-    yours = next((e.smallest.min_peak for o, e in failures if o == planned_optimizer(args)), None)
+    yours = min((e.smallest.min_peak for o, e in failures if o == planned_optimizer(args)), default=None)
     own = (f" (with your optim={optim_name(args)!r}: {format_bytes(yours)})"
            if yours is not None and optim != optim_name(args) else "")
     return MemtrainError(

@@ -341,15 +341,20 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     user_checkpointing = any(bool(getattr(owner, name, False)) for owner, name in (
         (args, "activation_checkpointing"), (args, "gradient_checkpointing"),
         (inner, "is_activation_checkpointing"), (inner, "is_gradient_checkpointing")))
-    auto = planned_fields(memory, user_checkpointing, margin,
-                          adapter_pending=peft_config is not None and not hasattr(model, "peft_config"))
+    pending = peft_config is not None and not hasattr(model, "peft_config")
+    tiers = [planned_fields(memory, user_checkpointing, margin, pending, every=False),
+             planned_fields(memory, user_checkpointing, margin, pending)]
+    if tiers[0] == tiers[1]:
+        tiers.pop()
     optimizers = [base.training.optimizer]
     if "8bit" not in base.training.optimizer:
         optimizers.append("adamw_8bit")  # your optimizer first; the 8-bit one only if nothing else fits
     failures: list[tuple[str, Any]] = []
     request = {"allow_approximate": allow_approximate, "margin": margin, "peft_config": peft_config,
                "memory": memory}
-    for optimizer in optimizers:
+    # checkpointing and the chunked loss first, then every technique the plugin may choose
+    # (apply.FIRST_FIELDS), then the same with the 8-bit optimizer: the fewest changes that fit
+    for optimizer, auto in ((o, a) for o in optimizers for a in tiers):
         planned = planner.with_values(base, {**auto, "training.optimizer": optimizer})
         try:
             decided = planner.plan(planned, int(total), rows=rows, alternatives=False)  # type: ignore[arg-type]
