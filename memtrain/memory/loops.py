@@ -16,7 +16,7 @@ unchanged, and the trace costs the same at any length (a 900k-token loop of 256-
 5 of its 3,516 tiles). The kept iteration ``KEEP - 2`` stands for the skipped ones in the step's
 work (:func:`weight`), and the estimator checks in every trace that it was steady: its rows equal
 those of the kept iteration run right after it (:func:`elided`); where not, it traces again
-without elision. ``tests/estimator/test_seq_extrapolation.py`` checks elided == whole byte for
+without elision. ``tests/estimator/test_loop_elision.py`` checks elided == whole byte for
 byte on several families with every long-context technique.
 
 A mark is sticky: the ops after an iteration's own code (autograd's backward of a checkpointed
