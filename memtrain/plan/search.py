@@ -181,7 +181,11 @@ class _Search:
         indices into ``cands`` judged here (added to ``too_big`` or ``fits``)."""
         index = {json.dumps(c.values, sort_keys=True, default=str): k for k, c in enumerate(cands)}
         domains = {f: options(self.cfg, f, self.shape) for f in self.fields}
-        lean = {f: values[-1] for f, values in domains.items()}
+        off = {**cands[0].values, **self._plain(cands[0])}
+        # each field's leanest value that applies to this model (a lean norm has no LayerNorm to take)
+        lean = {f: next((v for v in reversed(values)
+                         if self.inapplicable(Candidate({**off, f: v})) is None), values[0])
+                for f, values in domains.items()}
         judged: set[int] = set()
         fitting: list[Candidate] = []  # a probe that fits: so does every leaner one
         for field_, values in domains.items():

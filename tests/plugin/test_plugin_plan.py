@@ -27,9 +27,10 @@ def gpt2() -> torch.nn.Module:
 
 def smallest_peaks(model: torch.nn.Module, args: Any) -> dict[str, int]:
     """The smallest peak the plugin's planner can reach with each optimizer (as prepare_for_budget asks)."""
+    from memtrain.plugin.apply import planned_fields
+
     base = recipe_for(model, args, max_length=32)
-    auto = {"training.micro_batch_size": "auto", "training.gradient_accumulation": "auto",
-            "memory.checkpointing": "auto", "memory.loss": "auto"}
+    auto = planned_fields(None, False, 0.1, False)  # every technique the plugin may choose
     peaks = {}
     for optimizer in ("adamw", "adamw_8bit"):
         with pytest.raises(planner.NothingFits) as err:
