@@ -1,23 +1,24 @@
-"""How long memtrain takes to plan a long context (issue 37): extrapolated along the sequence vs traced.
+"""How long memtrain takes to estimate and plan a long context (issue 37), each command timed alone.
 
-Times, with ``/usr/bin/time`` (wall seconds, median of ``--repeat`` runs), each in a fresh process:
+Times, with ``/usr/bin/time`` (wall seconds of a fresh process, imports included, median of
+``--repeat`` runs):
 
-- ``estimate``: ``memtrain estimate`` of Llama-3.1-8B QLoRA r32, batch 1, with every long-context
-  technique (full checkpointing, chunked loss, activation and embedding offload, tiled MLP with
-  256-token tiles, lean norm) at ``--tokens`` tokens (default 900,000; YaRN in
-  ``model.config_overrides`` raises the model's 131,072 positions, as docs/bench/long_context.md
-  does). ``traced`` runs the same estimate with ``exact_length=True`` (the whole length traced; the
-  depth extrapolated as always) — hours at 900k tokens, so only at ``--traced-tokens``.
-- ``length search``: the planner's ``data.max_length: auto`` search
-  (:func:`memtrain.plan.length.longest_length`) with those settings, per GPU size; ``traced`` runs
-  it with every estimate traced at its length (the search before issue 37, regula falsi over full
-  traces), only for the sizes in ``--traced-sizes``.
+- ``memtrain estimate`` of Llama-3.1-8B QLoRA r32, batch 1, with every long-context technique
+  (full checkpointing, chunked loss, activation and embedding offload, tiled MLP with 256-token
+  tiles, lean norm) at ``--tokens`` tokens (default 907,520; YaRN in ``model.config_overrides``
+  raises the model's 131,072 positions, as docs/bench/long_context.md does). Beside it, at
+  ``--whole-tokens``, the same estimate with every loop iteration run (``exact_length=True``;
+  the estimator before issue 37 traced every tile at any length).
+- ``memtrain plan`` of the issue's command: that recipe with ``data.max_length=auto`` and every
+  long-context technique ``auto``, per GPU size (``--sizes``); beside it, for ``--whole-sizes``,
+  the length search alone with every estimate running every loop iteration.
+- ``memtrain plan recipes/quickstart.yaml training.micro_batch_size=auto memory.checkpointing=auto
+  --budget 200MiB``.
 
-Writes docs/bench/plan_speed.md. The machine is shared and its load is printed beside the table:
-absolute times on a loaded machine are inflated, compare rows of one run.
+Writes docs/bench/plan_speed.md with the machine's load when it started.
 
     PYTHONPATH=$PWD python scripts/bench_plan_speed.py
-    PYTHONPATH=$PWD python scripts/bench_plan_speed.py --sizes 8 24 80 --traced-sizes 8 --repeat 3
+    PYTHONPATH=$PWD python scripts/bench_plan_speed.py --repeat 3 --whole-sizes 8
 """
 
 from __future__ import annotations
@@ -44,34 +45,40 @@ SETTINGS = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
             "memory.tiled_mlp=true", "memory.offload.embeddings=true", "memory.host_budget=256GiB",
             "memory.lean_norm=true", EXTEND]
 GiB = 2**30
+AUTO = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1", "training.effective_batch_size=1",
+        "training.gradient_accumulation=1", "data.max_length=auto", "memory.host_budget=256GiB",
+        "memory.checkpointing=auto", "memory.loss=auto", "memory.tiled_mlp=auto",
+        "memory.tiled_mlp_tile_tokens=auto", "memory.offload.activations=auto",
+        "memory.offload.embeddings=auto", "memory.lean_norm=auto"]  # the issue's command
+QUICKSTART = ["recipes/quickstart.yaml", "training.micro_batch_size=auto", "memory.checkpointing=auto",
+              "--budget", "200MiB"]
 
-# Run in a fresh interpreter: one estimate, or one length search; prints a JSON line.
-ESTIMATE = """
-import json, sys
+# The length search with every loop iteration run (the estimator before issue 37 did that).
+WHOLE_SEARCH = """
+import json, functools
 from memtrain.config import load_recipe
-from memtrain.estimator.estimate import estimate
+from memtrain.estimator import estimate as est
+from memtrain.plan import length
+from memtrain.reliability.budget import usable_bytes
+length.est.estimate = functools.partial(est.estimate, exact_length=True)
 cfg = load_recipe({recipe!r}, {overrides!r})
-est = estimate(cfg, device="cuda", exact_length={traced!r})
-print(json.dumps({{"total": est.total_bytes, "host": est.host_peak_bytes, "method": est.method}}))
+found = length.longest_length(cfg, "cuda", usable_bytes({gb} * 2**30, 0.10), host=256 * 2**30)
+print(json.dumps({{"tokens": found.chosen, "probes": len(found.probes)}}))
 """
-SEARCH = """
+WHOLE_ESTIMATE = """
 import json
 from memtrain.config import load_recipe
-from memtrain.plan.length import longest_length
-from memtrain.reliability.budget import usable_bytes
-if {traced!r}:
-    from memtrain.estimator import seqlen
-    seqlen.plan = lambda *args, **kwargs: None  # every estimate traced at its length
-cfg = load_recipe({recipe!r}, {overrides!r})
-found = longest_length(cfg, "cuda", usable_bytes({gb} * 2**30, 0.10), host=256 * 2**30)
-print(json.dumps({{"tokens": found.chosen, "probes": len(found.probes), "leanest": found.leanest}}))
+from memtrain.estimator.estimate import estimate
+est = estimate(load_recipe({recipe!r}, {overrides!r}), device="cuda", exact_length=True)
+print(json.dumps({{"total": est.total_bytes, "method": est.method}}))
 """
 
 
-def timed(code: str, timeout: float) -> tuple[float | None, dict | None]:
-    """(wall seconds by /usr/bin/time, the JSON line) of ``python -c code``; (None, None) past the timeout."""
+def timed(argv: list[str], timeout: float) -> tuple[float | None, dict | None]:
+    """(wall seconds by /usr/bin/time, the last JSON object printed) of ``argv``; (None, None) past the
+    timeout or on failure."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as clock:
-        cmd = ["/usr/bin/time", "-f", "%e", "-o", clock.name, sys.executable, "-c", code]
+        cmd = ["/usr/bin/time", "-f", "%e", "-o", clock.name, *argv]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         try:
             out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -80,49 +87,79 @@ def timed(code: str, timeout: float) -> tuple[float | None, dict | None]:
         if out.returncode != 0:
             print(out.stderr[-2000:], file=sys.stderr)
             return None, None
-        last = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
-        return float(clock.read().split()[-1]), json.loads(last)
+        text = out.stdout[out.stdout.index("{"):] if "{" in out.stdout else "{}"
+        try:
+            found = json.loads(text)
+        except json.JSONDecodeError:
+            found = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+        return float(clock.read().split()[-1]), found
 
 
-def median(code: str, repeat: int, timeout: float) -> tuple[float | None, dict | None]:
-    runs = [timed(code, timeout) for _ in range(repeat)]
+def median(argv: list[str], repeat: int, timeout: float) -> tuple[float | None, dict | None]:
+    runs = [timed(argv, timeout) for _ in range(repeat)]
     seconds = [s for s, _ in runs if s is not None]
     result = next((r for _, r in runs if r is not None), None)
     return (statistics.median(seconds) if len(seconds) == len(runs) else None), result
 
 
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "memtrain", *args]
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=900_000)
-    parser.add_argument("--traced-tokens", type=int, default=16_384)
+    parser.add_argument("--tokens", type=int, default=907_520)
+    parser.add_argument("--whole-tokens", type=int, default=16_384)
     parser.add_argument("--sizes", type=int, nargs="*", default=[8, 24, 80])
-    parser.add_argument("--traced-sizes", type=int, nargs="*", default=[8])
+    parser.add_argument("--whole-sizes", type=int, nargs="*", default=[8])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per command")
     args = parser.parse_args()
     load = os.getloadavg()
     rows = []
-    tile = ["memory.tiled_mlp_tile_tokens=256"]
-    for tokens, traced in ((args.tokens, False), (args.traced_tokens, False), (args.traced_tokens, True)):
-        code = ESTIMATE.format(recipe=RECIPE, overrides=[*SETTINGS, *tile, f"data.max_length={tokens}"],
-                               traced=traced)
-        seconds, result = median(code, args.repeat, args.timeout)
-        rows.append(("estimate", f"{tokens:,} tokens", "traced" if traced else "extrapolated", seconds,
-                     f"{result['total'] / GiB:.3f} GiB; {result['method']}" if result else "-"))
+    tile = [*SETTINGS, "memory.tiled_mlp_tile_tokens=256"]
+
+    def row(what: str, at: str, how: str, argv: list[str], show) -> None:
+        seconds, result = median(argv, args.repeat, args.timeout)
+        shown = show(result) if result else f"no answer within {args.timeout:.0f} s"
+        rows.append((what, at, how, seconds, shown))
         print(rows[-1], flush=True)
-    search = ["memory.tiled_mlp_tile_tokens=auto", "data.max_length=auto"]
+
+    def total(r: dict) -> str:
+        return f"{r['total'] / GiB:.3f} GiB; {r['method']}"
+
+    for tokens in (args.tokens, args.whole_tokens):
+        row("memtrain estimate", f"{tokens:,} tokens", "loops elided",
+            cli("estimate", RECIPE, "--device", "cuda", "--json", *tile, f"data.max_length={tokens}"),
+            lambda r: f"{r['total_bytes'] / GiB:.3f} GiB; {r['method']}")
+    row("estimate, every iteration", f"{args.whole_tokens:,} tokens", "exact_length=True",
+        python(WHOLE_ESTIMATE.format(recipe=RECIPE,
+                                     overrides=[*tile, f"data.max_length={args.whole_tokens}"])),
+        total)
     for gb in args.sizes:
-        for traced in (False, True):
-            if traced and gb not in args.traced_sizes:
-                continue
-            code = SEARCH.format(recipe=RECIPE, overrides=[*SETTINGS, *search], traced=traced, gb=gb)
-            seconds, result = median(code, args.repeat, args.timeout)
-            what = (f"{result['tokens']:,} tokens, {result['probes']} lengths estimated" if result
-                    else f"no answer within {args.timeout:.0f} s")
-            how = "traced" if traced else "extrapolated"
-            rows.append(("length search", f"{gb} GiB GPU", how, seconds, what))
-            print(rows[-1], flush=True)
+        row("memtrain plan (every technique auto)", f"{gb} GiB GPU", "loops elided",
+            cli("plan", RECIPE, "--device", "cuda", "--budget", f"{gb}GiB", "--json", *AUTO), _plan)
+    for gb in args.whole_sizes:
+        row("length search alone, every iteration", f"{gb} GiB GPU", "exact_length=True",
+            python(WHOLE_SEARCH.format(recipe=RECIPE, gb=gb, overrides=[
+                *SETTINGS, "memory.tiled_mlp_tile_tokens=auto", "data.max_length=auto"])),
+            lambda r: f"{r['tokens']:,} tokens, {r['probes']} lengths estimated")
+    row("memtrain plan", "quickstart, 200 MiB", "", cli("plan", *QUICKSTART, "--json"), _plan)
     write(rows, args, load)
+
+
+def _plan(result: dict) -> str:
+    chosen = result.get("chosen") or {}
+    length = result.get("max_length")
+    length = length.get("chosen") if isinstance(length, dict) else length
+    head = f"{length:,} tokens; " if isinstance(length, int) else ""
+    values = ", ".join(f"{k.split('.', 1)[-1]}={v}" for k, v in (chosen.get("values") or {}).items())
+    peak = chosen.get("peak_bytes", 0) / GiB
+    return f"{head}{values}; micro-batch {chosen.get('micro_batch_size')}; peak {peak:.2f} GiB"
 
 
 def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float, float]) -> None:
@@ -130,7 +167,7 @@ def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float,
     import transformers
 
     lines = [
-        "# Planning speed: a long context from short traces (issue 37)",
+        "# Planning speed: estimates and plans at long contexts (issue 37)",
         "",
         f"`PYTHONPATH=$PWD python scripts/bench_plan_speed.py {' '.join(sys.argv[1:])}` on "
         f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
@@ -139,12 +176,14 @@ def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float,
         "inflated; compare rows of this run.** Seconds are `/usr/bin/time` wall time of a fresh "
         f"process (imports included), median of {args.repeat}.",
         "",
-        f"Llama-3.1-8B QLoRA r32, batch 1, `{RECIPE}` with {', '.join(f'`{s}`' for s in SETTINGS[:-1])} "
-        "and YaRN (`model.config_overrides`, 1,048,576 positions). *extrapolated*: the estimate traces a few "
-        "short lengths and extrapolates along the sequence (memtrain/estimator/seqlen.py; equal to the "
-        "traced length byte for byte, tests/estimator/test_seq_extrapolation.py); the length search "
-        "solves the affine model and confirms (memtrain/plan/length.py). *traced*: every estimate "
-        "traces its whole length (depth still extrapolated), the search as before issue 37.",
+        f"Llama-3.1-8B QLoRA r32, batch 1, `{RECIPE}`. Estimates: "
+        f"{', '.join(f'`{x}`' for x in SETTINGS[:-1])}, "
+        "`memory.tiled_mlp_tile_tokens=256` and YaRN (`model.config_overrides`, 1,048,576 positions). "
+        f"Plans: the issue's command, {', '.join(f'`{x}`' for x in AUTO)}, no YaRN (the model's 131,072 "
+        "positions bound the search). *loops elided*: an estimate runs a long loop's first four "
+        "iterations and its last (memtrain/memory/loops.py; equal to running every iteration byte for "
+        "byte, tests/estimator/test_loop_elision.py). *exact_length=True*: every iteration run, as the "
+        "estimator did before issue 37.",
         "",
         "| what | at | how | seconds | result |",
         "|---|---|---|---:|---|",
