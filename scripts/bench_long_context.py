@@ -74,7 +74,7 @@ def longest(usable: int) -> LengthSearch:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="*", default=sorted(UNSLOTH))
-    parser.add_argument("--searched-up-to", type=int, default=24, help="GPU sizes (GiB) above this are "
+    parser.add_argument("--searched-up-to", type=int, default=80, help="GPU sizes (GiB) above this are "
                         "extrapolated from the two longest searched rows, not searched")
     parser.add_argument("--check", action="store_true", help="estimate the first extrapolated row's "
                         "length exactly and print how far the line is off")
@@ -153,10 +153,10 @@ def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: floa
         "default 10% margin. Unsloth's "
         "figures are measured by Unsloth on real GPUs. Searched rows: the planner's "
         "`data.max_length: auto` search (`memtrain.plan.length`), the longest multiple of "
-        f"{LENGTH_STEP} tokens that fits and the next one not. *Extrapolated* rows: the line through "
-        "the two longest searched rows' estimates (device total and host RAM), not searched: an "
-        "estimate costs minutes at these lengths on a CPU (its time grows with the tiled MLP's "
-        "tiles, one per 256 tokens at the finest size). *MLP tile*: the tokens per tiled-MLP tile the "
+        f"{LENGTH_STEP} tokens that fits and the next one not; an estimate costs seconds at any "
+        "length (long loops elided, memtrain/memory/loops.py). *Extrapolated* rows (above "
+        "`--searched-up-to`): the line through the two longest searched rows' estimates (device "
+        "total and host RAM), not searched. *MLP tile*: the tokens per tiled-MLP tile the "
         "search needed (`memory.tiled_mlp_tile_tokens: auto`: 4,096 = hidden_size, 1,024 or 256); "
         "smaller tiles keep less and dequantize the 4-bit MLP weights once per tile and pass, so the "
         "step is slower.",
