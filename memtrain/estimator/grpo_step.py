@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import random
 import tempfile
-import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +42,7 @@ from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.grpo import generation_phase, step_batch
-from memtrain.estimator.trace import Trace, Work, decoder_layers
+from memtrain.estimator.trace import Trace, Work, decoder_layers, quiet_libraries
 from memtrain.estimator.trainer_loss import trace_training_step
 from memtrain.memory import loops
 from memtrain.model import count_parameters
@@ -113,7 +112,7 @@ def trace_grpo_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, s
     settings = resolve_batch(cfg.training, cfg.distributed.processes)
     accumulation = min(settings.accumulation, 2)  # a third micro-batch looks like the second
     tokenizer = _tokenizer(cfg)
-    with fake_tensor_mode(padded=padded, scalars=True) as mode, _quiet(), _kept_rng(), \
+    with fake_tensor_mode(padded=padded, scalars=True) as mode, quiet_libraries(), _kept_rng(), \
             tempfile.TemporaryDirectory(prefix="memtrain-grpo-") as out:
         model = build_fake_model(cfg, config)
         total, trainable = count_parameters(model)
@@ -164,21 +163,6 @@ def _tokenizer(cfg: RunConfig) -> Any:
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = load_tokenizer(cfg.model)
     return _TOKENIZERS[key]
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Library warnings about a Trainer built for a trace are noise here."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 @contextlib.contextmanager

@@ -178,7 +178,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
     # TRL's DPO loss reads metric values into Python (.item(), `if count > 0`); they answer 1.
     fake = fake_tensor_mode(packed=cfg.data.packing, padded=padded, scalars=cfg.training.objective == "dpo")
-    with _process_group(cfg, device) as mesh, fake, _default_device(device), _quiet():
+    with _process_group(cfg, device) as mesh, fake, _default_device(device), quiet_libraries():
         model = build_fake_model(cfg, config)
         total, trainable = count_parameters(model)  # before sharding: 4-bit weights lose their marks
         if mesh is not None:
@@ -363,8 +363,9 @@ def in_batch(c1: Candidates, c2: Candidates, b1: int, b2: int, batch: int) -> Ca
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Library warnings about a model built dozens of times per estimate are noise here."""
+def quiet_libraries() -> Iterator[None]:
+    """Library warnings about a model (or a Trainer) built for a trace, dozens of times per estimate,
+    are noise here."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()

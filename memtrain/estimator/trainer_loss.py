@@ -56,7 +56,7 @@ from memtrain._compat.trl import generated
 from memtrain.data.rows import Rows
 from memtrain.estimator.fake import fake_tensor_mode
 from memtrain.estimator.grpo import is_grpo, step_batch
-from memtrain.estimator.trace import HOST, ROUNDED, _create_optimizer_state, _quiet
+from memtrain.estimator.trace import HOST, ROUNDED, _create_optimizer_state, quiet_libraries
 from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
 from memtrain.reliability.replay import restore_effects, snapshot_effects
 from memtrain.trainer.step import hold_gradients
@@ -238,7 +238,7 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
     padded = isinstance(mask, torch.Tensor) and not bool(mask.all())
     model = trainer.model
     held = [m for m in (model, getattr(trainer, "ref_model", None)) if isinstance(m, nn.Module)]
-    with fake_tensor_mode(packed=_packed(batch), padded=padded, scalars=True) as mode, _quiet(), \
+    with fake_tensor_mode(packed=_packed(batch), padded=padded, scalars=True) as mode, quiet_libraries(), \
             _swapped(trainer), _fake_weights(held, mode):
         tracker = trace_training_step(trainer, mode, batch, accumulation)
     return np.array(tracker.rows, dtype=np.int64)[:, 2:]

@@ -22,7 +22,7 @@ from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
-from memtrain.estimator.trace import Work, _quiet, in_batch, with_depth
+from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
 from memtrain.patches import ModelShape, NoMatchError
 from memtrain.plan import costmodel, space
 from memtrain.plan.space import IN_BACKWARD, Candidate, auto_fields, batches, options, rank, with_values
@@ -452,7 +452,7 @@ class _Search:
 def _patch_error(cfg: RunConfig, config: Any) -> str | None:
     """Why the recipe's patches cannot be applied to a fake model of ``config`` (None: they can)."""
     try:
-        with fake_tensor_mode(packed=cfg.data.packing), _quiet():
+        with fake_tensor_mode(packed=cfg.data.packing), quiet_libraries():
             build_fake_model(cfg, config)
     except NoMatchError as err:
         return str(err).split(" Fix:")[0]
