@@ -5,7 +5,9 @@ that creates optimizer state) of the recipe's model on fake tensors: the same lo
 quantization, patches and Trainer optimizer as training (:mod:`memtrain.trainer.build`), counted
 by the same meter. It traces 2 and 3 decoder layers and extrapolates exactly to the real depth
 (:mod:`memtrain.estimator.trace` explains why that is exact), so a 70B model costs seconds and no
-weight memory. The sequence length is ``data.max_length`` (the worst case; data is never read).
+weight memory; with ``memory.checkpointing: n`` (the first n layers) it traces 2+2, 3+2 and 2+3
+checkpointed+plain layers and extrapolates in both counts (:data:`KINDS_TRACED`). The sequence
+length is ``data.max_length`` (the worst case; data is never read).
 
 On top of live tensor bytes, a CUDA run pays for the CUDA context and the caching allocator
 (512-byte rounding of each allocation, fragmentation). Those appear as separate named lines:
@@ -18,6 +20,7 @@ What to trace (architecture, step shape, device; :func:`resolve_config`) is deci
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -40,6 +43,7 @@ from memtrain.estimator.trace import (
     Trace,
     Work,
     direct,
+    extrapolate_checkpointed,
     extrapolate_depth,
     in_batch,
     trace_step,
@@ -51,6 +55,9 @@ PHASES = ("forward", "backward", "optimizer")
 Counts = tuple[int, int, list[str], "Work | None"]  # parameters, trainable, patches, work
 # Up to this depth a full trace costs no more than tracing 2 + 3 layers, and needs no extrapolation.
 FULL_TRACE_DEPTH = 5
+# With `memory.checkpointing: n` the first n layers differ from the rest: each point is traced at
+# (checkpointed, plain) = (2, 2), (3, 2) and (2, 3) layers, as (depth, checkpointed layers).
+KINDS_TRACED = [(4, 2), (5, 3), (5, 2)]
 
 
 @dataclass
@@ -168,14 +175,19 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
     (:mod:`memtrain.memory.loops`), so a trace costs the same at any length; a trace whose loops
     were not steady is traced again whole."""
     whole = exact or plan.depth <= FULL_TRACE_DEPTH
-    if not whole and isinstance(plan.cfg.memory.checkpointing, int):  # the first n layers differ
+    count = plan.cfg.memory.checkpointing
+    kinds = not whole and isinstance(count, int)  # the first n layers are checkpointed, the rest not
+    if kinds and not 2 <= count <= plan.depth - 2:
         if "checkpointing" not in " ".join(plan.notes):
-            plan.notes.append("memory.checkpointing is a number of layers, so every layer was traced")
-        whole = True
-    depths = [plan.depth] if whole else [2, 3]
+            plan.notes.append(f"memory.checkpointing: {count} of {plan.depth} layers leaves fewer than 2 "
+                              "layers checkpointed or not, so every layer was traced")
+        whole, kinds = True, False
+    # (depth, checkpointed layers: None for the recipe's own setting) of each trace of a point
+    shapes = [(plan.depth, None)] if whole else KINDS_TRACED if kinds else [(2, None), (3, None)]
     elide = not (exact or exact_length)
-    jobs = [functools.partial(_trace, plan, depth, micro, seq, elide=elide)
-            for micro, seq in points for depth in depths]
+    jobs = [functools.partial(_trace, plan if n is None else _checkpointing(plan, n), depth, micro, seq,
+                              elide=elide)
+            for micro, seq in points for depth, n in shapes]
     traces = run_all(jobs, cuda=plan.trace_device == "cuda")
     unsteady = [k for k, t in enumerate(traces) if not t.steady()]
     if unsteady:  # a loop's skipped iterations might have differed: trace those whole
@@ -185,10 +197,12 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
             traces[k] = trace
     found = []
     for k, (micro, seq) in enumerate(points):
-        mine = traces[k * len(depths):(k + 1) * len(depths)]
+        mine = traces[k * len(shapes):(k + 1) * len(shapes)]
         elided = next((t.elision() for t in mine if t.elision()), "")
         if whole:
             cands, counts, method = _whole(plan, mine[0])
+        elif kinds:
+            cands, counts, method = _two_kinds(plan, *mine, micro, seq)
         else:
             cands, counts, method = _extrapolated(plan, mine[0], mine[1], micro, seq)
         found.append((cands, counts, method + (f"; {elided}" if elided else "")))
@@ -207,6 +221,38 @@ def _extrapolated(plan: TraceSetup, a: Trace, b: Trace, micro_batch: int, seq_le
         return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
     plan.notes.append("layers differ in structure, so every layer was traced")
     return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
+
+
+def _two_kinds(plan: TraceSetup, base: Trace, more_checkpointed: Trace, more_plain: Trace,
+               micro_batch: int, seq_len: int) -> tuple[Candidates, Counts, str]:
+    """The full-depth step of a recipe that checkpoints its first n layers, from traces of
+    (checkpointed, plain) = (2, 2), (3, 2) and (2, 3) layers (:data:`KINDS_TRACED`)."""
+    checkpointed = int(plan.cfg.memory.checkpointing)
+    plain = plan.depth - checkpointed
+    dc, dp = checkpointed - 2, plain - 2
+
+    def plane(at: Any, more_c: Any, more_p: Any) -> Any:  # affine in both counts, as the bytes are
+        return at + dc * (more_c - at) + dp * (more_p - at)
+
+    work = None
+    if base.work is not None and more_checkpointed.work is not None and more_plain.work is not None:
+        less = base.work.scaled(-1)
+        work = base.work + (more_checkpointed.work + less).scaled(dc) + (more_plain.work + less).scaled(dp)
+    counts = (plane(base.parameters, more_checkpointed.parameters, more_plain.parameters),
+              plane(base.trainable, more_checkpointed.trainable, more_plain.trainable),
+              more_checkpointed.patches, work)
+    found = extrapolate_checkpointed(base, more_checkpointed, more_plain, checkpointed, plain)
+    if found is not None:
+        return found, counts, (f"traced 2+2, 3+2 and 2+3 of {checkpointed}+{plain} layers "
+                               "(checkpointed+plain), extrapolated")
+    plan.notes.append("layers differ in structure, so every layer was traced")
+    return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
+
+
+def _checkpointing(plan: TraceSetup, layers: int) -> TraceSetup:
+    """``plan`` with its first ``layers`` layers checkpointed (for a shallower trace)."""
+    memory = plan.cfg.memory.model_copy(update={"checkpointing": layers})
+    return dataclasses.replace(plan, cfg=plan.cfg.model_copy(update={"memory": memory}))
 
 
 def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:

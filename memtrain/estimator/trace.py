@@ -354,6 +354,87 @@ def _with_layers(pre_a: np.ndarray, pre_b: np.ndarray, post_a: np.ndarray, post_
     return np.concatenate(parts)
 
 
+def extrapolate_checkpointed(base: Trace, more_checkpointed: Trace, more_plain: Trace, checkpointed: int,
+                             plain: int) -> Candidates | None:
+    """Candidates of a step whose first ``checkpointed`` layers are checkpointed and the next ``plain``
+    are not (``memory.checkpointing: n``), from traces of (checkpointed, plain) = (2, 2) (``base``),
+    (3, 2) and (2, 3) layers.
+
+    The argument of :func:`extrapolate_depth` with two kinds of layer: an op inside a layer sees the
+    state of ``c`` checkpointed and ``p`` plain layers, what the layers before it saved and the
+    gradients of those after it, each a fixed number of bytes per layer of a kind, so its value is
+    affine in ``(c, p)`` and, within a kind, in its index there. The three traces pin every
+    coefficient: ``v(c, p) = v(2, 2) + (c - 2)·(v(3, 2) - v(2, 2)) + (p - 2)·(v(2, 3) - v(2, 2))``
+    for the ops outside the layers and for the first and second layer of each kind (the first of a
+    kind gets its own line, as layer 0 does in depth: it follows an embedding or a layer of the other
+    kind); the last layer of a kind is its second plus the per-index slope (layers 2 - 1 of the (3, 2)
+    trace, 4 - 3 of the (2, 3) one). Returns None when the traces do not align (then trace the full
+    depth).
+    """
+    traces = (base, more_checkpointed, more_plain)
+    if not base.phases == more_checkpointed.phases == more_plain.phases:
+        return None
+    steps = (checkpointed - 2, plain - 2)
+    phases: list[str] = []
+    rows: list[np.ndarray] = []
+    for occ, phase in enumerate(base.phases):
+        split = [_split(t, occ) for t in traces]
+        if any(s is None for s in split):
+            return None
+        pre, blocks, post = zip(*split, strict=True)  # type: ignore[misc]
+        if not any(blocks):
+            new = _outside_plane(pre, steps)
+        elif [sorted(b) for b in blocks] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]:
+            new = _with_two_kinds(pre, post, blocks, steps)
+        else:
+            return None
+        if new is None:
+            return None
+        phases += [phase] * len(new)
+        rows.append(new)
+    return Candidates(phases, np.concatenate(rows).astype(np.float64))
+
+
+# Representative layers of the (2, 2), (3, 2) and (2, 3) traces: the first and second layer of each kind.
+_FIRST_AND_SECOND = ((0, 0, 0), (1, 1, 1), (2, 3, 2), (3, 4, 3))
+
+
+def _plane(values: tuple[np.ndarray, ...], steps: tuple[int, int]) -> np.ndarray:
+    """Values at (2 + steps[0], 2 + steps[1]) layers from those at (2, 2), (3, 2) and (2, 3)."""
+    at, more_checkpointed, more_plain = values
+    return _line(at, more_checkpointed, steps[0]) + steps[1] * (more_plain - at)
+
+
+def _outside_plane(values: tuple[np.ndarray, ...], steps: tuple[int, int]) -> np.ndarray:
+    """:func:`_outside_layers` in two directions."""
+    if len({len(v) for v in values}) == 1:
+        return _plane(values, steps)
+    if min(len(v) for v in values) == 0:
+        return values[0]  # cannot pair: keep what was seen (never the peak)
+    tops = tuple(v[np.argmax(v[:, :HOST].sum(axis=1))] for v in values)
+    return _plane(tops, steps)[None, :]
+
+
+def _with_two_kinds(pre: tuple[np.ndarray, ...], post: tuple[np.ndarray, ...],
+                    blocks: tuple[dict[int, np.ndarray], ...], steps: tuple[int, int]) -> np.ndarray | None:
+    _, more_checkpointed, more_plain = blocks
+    slopes = ((more_checkpointed[1], more_checkpointed[2]), (more_plain[3], more_plain[4]))
+    if any(len(a) != len(b) for a, b in slopes):
+        return None
+    first_and_second = []
+    for layers in _FIRST_AND_SECOND:
+        values = tuple(b[i] for b, i in zip(blocks, layers, strict=True))
+        if len({len(v) for v in values}) != 1:
+            return None
+        first_and_second.append(_plane(values, steps))
+    first_c, second_c, first_p, second_p = first_and_second
+    last_c = second_c + steps[0] * (slopes[0][1] - slopes[0][0])  # layer c - 1
+    last_p = second_p + steps[1] * (slopes[1][1] - slopes[1][0])  # layer c + p - 1
+    parts = [_outside_plane(pre, steps), first_c, second_c, last_c, first_p, second_p, last_p,
+             _outside_plane(post, steps)]
+    return np.concatenate(parts)
+
+
 def in_batch(c1: Candidates, c2: Candidates, b1: int, b2: int, batch: int) -> Candidates | None:
     """Candidates at micro-batch ``batch``, linear per op from those at ``b1`` and ``b2``."""
     if c1.phases != c2.phases:

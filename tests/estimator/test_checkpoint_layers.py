@@ -1,0 +1,157 @@
+"""`memory.checkpointing: n` (the first n of L layers) estimated from three short traces.
+
+With n checkpointed layers and L - n plain ones, the estimator traces (checkpointed, plain) =
+(2, 2), (3, 2) and (2, 3) layers and extrapolates every representative op affinely in both counts
+(:func:`memtrain.estimator.trace.extrapolate_checkpointed`). Each case compares that, figure by
+figure (peak, phases, categories, host, CUDA lines, parameter counts and the step's work), with a
+trace of every layer (``exact=True``), on 8-layer models: Llama, Qwen2 (grouped-query attention) and
+GPT-2, with LoRA and full fine-tuning, activation offload on and off, and the long-context loops
+(tiled MLP, chunked loss) elided. Where the traces ran every iteration, the extrapolated candidate ops
+are also compared row by row with those of the same layers in the whole trace (the figures of an
+estimate are maxima, which a tiny model's head and loss often hold).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from memtrain.config import load_recipe
+from memtrain.estimator import estimate as est
+from memtrain.estimator import pool
+from memtrain.estimator.estimate import estimate
+from memtrain.estimator.trace import HOST, Trace, extrapolate_checkpointed
+from tests.conftest import TINY_CONFIGS, causal_recipe
+
+DEPTH = 8  # deeper than est.FULL_TRACE_DEPTH, so the fast estimate extrapolates
+COMPARED = ("peak_bytes", "by_category", "by_phase", "category_at_phase_peak", "host_peak_bytes",
+            "host_resident_bytes", "overheads", "overhead_sources", "total_bytes", "parameters",
+            "trainable", "work")
+FULL = {"adapter": {"method": "full"}}
+OFFLOAD = {"offload": {"activations": True, "min_tensor_bytes": 0}}
+LONG = {"loss": "chunked", "loss_chunk_tokens": 48, "tiled_mlp": True, "tiled_mlp_tile_tokens": 64}
+
+CASES: dict[str, tuple[str, int, dict[str, Any], dict[str, Any]]] = {  # arch, n, memory, other sections
+    "llama-lora-3": ("llama", 3, {}, {}),
+    "llama-full-5": ("llama", 5, {}, FULL),
+    "qwen2-lora-4": ("qwen2", 4, {}, {}),
+    "qwen2-full-3-offload": ("qwen2", 3, OFFLOAD, FULL),
+    "gpt2-full-4": ("gpt2", 4, {}, FULL),
+    "gpt2-lora-3-offload": ("gpt2", 3, OFFLOAD, {}),
+    "llama-lora-4-offload-accumulation": ("llama", 4, OFFLOAD,
+                                          {"training": {"micro_batch_size": 2, "gradient_accumulation": 2}}),
+}
+
+
+def _cfg(tmp_path: Path, data: Path, arch: str, n: int, memory: dict[str, Any],
+         sections: dict[str, Any], length: int = 32) -> Any:
+    sections = copy.deepcopy(sections)
+    training = {"micro_batch_size": 1, **sections.pop("training", {})}
+    recipe = causal_recipe(tmp_path, data, arch, training=training,
+                           memory={**memory, "checkpointing": n}, **sections)
+    recipe["model"]["from_config"] = config = copy.deepcopy(TINY_CONFIGS[arch])
+    gpt2 = arch == "gpt2"
+    config["n_layer" if gpt2 else "num_hidden_layers"] = DEPTH
+    config["n_positions" if gpt2 else "max_position_embeddings"] = max(256, length)
+    recipe["data"]["max_length"] = length
+    return load_recipe(recipe)
+
+
+@pytest.fixture
+def traced(monkeypatch) -> list[list[Trace]]:
+    """The traces of each :func:`memtrain.estimator.pool.run_all` call the estimates make."""
+    seen: list[list[Trace]] = []
+
+    def run_all(jobs: Any, cuda: bool = False) -> list[Trace]:
+        seen.append(pool.run_all(jobs, cuda))
+        return seen[-1]
+
+    monkeypatch.setattr(est, "run_all", run_all)
+    return seen
+
+
+def _same(cfg: Any, traced: list[list[Trace]]) -> Any:
+    fast = estimate(cfg, device="cuda")  # CUDA: the allocator's rounding and fragmentation lines too
+    short = traced[-1]
+    full = estimate(cfg, device="cuda", exact=True)
+    n = cfg.memory.checkpointing
+    assert fast.method.startswith(f"traced 2+2, 3+2 and 2+3 of {n}+{DEPTH - n} layers (checkpointed+plain), "
+                                  "extrapolated"), fast.method
+    assert full.method == f"traced all {DEPTH} layers"
+    for name in COMPARED:
+        assert getattr(fast, name) == getattr(full, name), name
+    assert full.work is not None and full.overheads["allocator_rounding"] > 0
+    if len(short) == 3 and not any(t.elided for t in short):
+        _same_rows(short, traced[-1][0], n)
+    return fast
+
+
+def _same_rows(short: list[Trace], whole: Trace, n: int) -> None:
+    """The extrapolated candidates are the whole trace's ops of layers 0, 1, n - 1 (checkpointed),
+    n, n + 1, L - 1 (plain) and of those outside the layers, phase occurrence by occurrence (where
+    the op count of an occurrence outside the layers depends on the depth, as a per-parameter loop
+    in the optimizer would, the extrapolation keeps its largest op)."""
+    found = extrapolate_checkpointed(*short, n, DEPTH - n)
+    assert found is not None
+    labels = np.array(found.phases)
+    starts = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]])  # one run per phase occurrence
+    runs = np.split(found.values, starts[1:])
+    assert [found.phases[k] for k in starts] == whole.phases
+    for occ, got in enumerate(runs):
+        want = _representative(whole, occ, [0, 1, n - 1, n, n + 1, DEPTH - 1]).astype(np.float64)
+        if got.shape != want.shape and not (whole.layer[whole.occurrence == occ] >= 0).any():
+            top = lambda v: v[np.argmax(v[:, :HOST].sum(axis=1))]  # noqa: E731
+            got, want = top(got), top(want)
+        assert np.array_equal(got, want), (whole.phases[occ], occ)
+
+
+def _representative(trace: Trace, occ: int, layers: list[int]) -> np.ndarray:
+    """One phase occurrence's ops before the layers, those of ``layers`` in that order, those after."""
+    mask = trace.occurrence == occ
+    values, owner = trace.values[mask], trace.layer[mask].copy()
+    inside = np.flatnonzero(owner >= 0)
+    if inside.size == 0:
+        return values
+    first, last = inside[0], inside[-1]
+    for k in range(last - 1, first, -1):  # ops between two layers belong to the layer after them
+        if owner[k] < 0:
+            owner[k] = owner[k + 1]
+    return np.concatenate([values[:first], *(values[owner == i] for i in layers), values[last + 1:]])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpointed_and_plain_layers_extrapolate_to_the_whole_trace(case: str, tmp_path: Path,
+                                                                      tiny_text_file: Path, traced) -> None:
+    arch, n, memory, sections = CASES[case]
+    fast = _same(_cfg(tmp_path, tiny_text_file, arch, n, memory, sections), traced)
+    if memory:
+        assert fast.host_peak_bytes > 0
+
+
+def test_elided_loops_with_checkpointed_layers(tmp_path: Path, tiny_text_file: Path, traced) -> None:
+    """Tiled MLP and chunked loss at 512 tokens: the three short traces run the loops' first and
+    last iterations; the whole trace runs every iteration of every layer."""
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", 3, {**LONG, **OFFLOAD}, {}, length=512)
+    fast = _same(cfg, traced)
+    assert "traced by" in fast.method, fast.method
+
+
+@pytest.mark.parametrize("n", [1, DEPTH - 1])
+def test_fewer_than_two_of_a_kind_are_traced_whole(n: int, tmp_path: Path, tiny_text_file: Path) -> None:
+    found = estimate(_cfg(tmp_path, tiny_text_file, "llama", n, {}, {}), device="cuda")
+    assert found.method == f"traced all {DEPTH} layers"
+    assert f"memory.checkpointing: {n} of {DEPTH} layers leaves fewer than 2" in " ".join(found.notes)
+
+
+def test_traces_that_do_not_align_fall_back_to_the_whole_depth(tmp_path: Path, tiny_text_file: Path,
+                                                               monkeypatch) -> None:
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", 3, {}, {})
+    monkeypatch.setattr(est, "extrapolate_checkpointed", lambda *args: None)
+    found = estimate(cfg, device="cuda")
+    assert found.method == f"traced all {DEPTH} layers"
+    assert "layers differ in structure, so every layer was traced" in found.notes
+    assert found.peak_bytes == estimate(cfg, device="cuda", exact=True).peak_bytes
