@@ -67,26 +67,47 @@ class Trace:
     marks: np.ndarray | None = None  # (ops, 2): loop instance and iteration of each op (-1: none)
     loop_info: dict[int, loops.Loop] | None = None  # the loop instances (memtrain.memory.loops)
     elided: frozenset[int] = frozenset()  # loop instances that ran only some iterations
+    scaled: frozenset[int] = frozenset()  # of those, whose stand-in's kept storages were multiplied
+    irregular: frozenset[int] = frozenset()  # of those, whose stand-in could not be multiplied
 
     def steady(self) -> bool:
-        """Every elided loop's stand-in iteration (``loops.KEEP - 2``) recorded the same rows as
-        the kept iteration run right after it: the skipped iterations, the same ops on the same
-        shapes, would have recorded those rows too (:mod:`memtrain.memory.loops`)."""
+        """Every elided loop's skipped iterations would have recorded what its stand-in iteration
+        (``loops.KEEP - 2``) says they would (:mod:`memtrain.memory.loops`). Its neighbours in the
+        order the iterations ran (``before``, ``after``) show it. Either the stand-in recorded the
+        same rows as ``after`` and no storage was multiplied: the skipped iterations, the same ops
+        on the same shapes, record those rows too. Or each iteration leaves the same bytes ``D``
+        behind at every row, and the storages it keeps were counted once per iteration the
+        stand-in stands for (``weight``; :meth:`_EventRecorder._multiply`): then ``after`` is
+        ``before + (weight + 1) D`` on every row (it stands for the last skipped iteration), and
+        each row of the stand-in is ``before + D`` or, once it freed multiplied storages,
+        ``before + weight D``; each row is then a row the whole loop records, its peak among them."""
         if not self.elided:
             return True
-        if self.marks is None:
+        if self.marks is None or self.loop_info is None:
             return False
         for serial in self.elided:
+            if serial in self.irregular:
+                return False
             rows = np.flatnonzero(self.marks[:, 0] == serial)
-            index = self.marks[rows, 1]
-            cuts = np.flatnonzero(np.diff(index)) + 1
-            groups = np.split(rows, cuts)
-            order = [int(self.marks[g[0], 1]) for g in groups]
+            cuts = np.flatnonzero(np.diff(self.marks[rows, 1])) + 1
+            split = np.split(rows, cuts)
+            groups, order = [self.values[g] for g in split], [int(self.marks[g[0], 1]) for g in split]
             if loops.KEEP - 2 not in order:
                 return False
             k = order.index(loops.KEEP - 2)
-            if k + 1 >= len(order) or not np.array_equal(self.values[groups[k]],
-                                                          self.values[groups[k + 1]]):
+            if k + 1 >= len(order):
+                return False
+            stand_in, after = groups[k], groups[k + 1]
+            if serial not in self.scaled and np.array_equal(stand_in, after):
+                continue
+            if k == 0 or not stand_in.shape == after.shape == groups[k - 1].shape:
+                return False
+            weight = self.loop_info[serial].count - loops.KEEP
+            span, gap = after - groups[k - 1], stand_in - groups[k - 1]
+            if not (span == span[0]).all() or (span[0] % (weight + 1)).any():
+                return False
+            each = span[0] // (weight + 1)
+            if not ((gap == each).all(axis=1) | (gap == weight * each).all(axis=1)).all():
                 return False
         return True
 
@@ -212,7 +233,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     rows = np.array(tracker.rows, dtype=np.int64)
     marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,
-                 marks, marked, frozenset(elided))
+                 marks, marked, frozenset(elided), frozenset(tracker.scaled), frozenset(tracker.irregular))
 
 
 @contextlib.contextmanager

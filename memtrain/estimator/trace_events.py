@@ -11,8 +11,10 @@ op ran in: the rows that :mod:`memtrain.estimator.trace` extrapolates. It also c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
@@ -24,6 +26,18 @@ from memtrain.memory import meter as meter_mod
 
 CATEGORY_NAMES = trackers.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
+
+
+@dataclass
+class _Pending:
+    """An elided loop's stand-in iteration, ended, while the iteration after it runs."""
+
+    serial: int  # the loop instance
+    mark: tuple[int, int]  # the iteration after it
+    survivors: dict[int, Any]  # id(winfo) -> winfo: what the stand-in allocated, still alive
+    added: dict[Any, list[int]]  # device -> bytes per category the stand-in added, net
+    times: int  # iterations the stand-in stands for
+    first_row: int  # the first row recorded after the stand-in
 
 
 class _EventRecorder:
@@ -44,6 +58,16 @@ class _EventRecorder:
         self.written = 0
         self.flops = 0
         self._entry_fake_mode: Any = None
+        # An elided loop's stand-in iteration (memtrain.memory.loops.weight() > 1): the storages it
+        # allocates that outlive the iteration after it count once per iteration it stands for.
+        self._stand_in: dict[int, Any] | None = None  # id(winfo) -> winfo allocated in it, alive
+        self._stand_in_mark = (-1, -1)
+        self._stand_in_times = 1
+        self._stand_in_start: dict[Any, list[int]] = {}
+        self._stand_in_freed: dict[Any, list[int]] = {}  # multiplied storages it freed, all copies
+        self._pending: _Pending | None = None  # the stand-in has ended, the iteration after it runs
+        self.scaled: set[int] = set()  # loop instances whose stand-in's storages were multiplied
+        self.irregular: set[int] = set()  # loop instances whose stand-in also freed or moved others
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
@@ -69,11 +93,15 @@ class _EventRecorder:
 
     def _account(self, u_type: UpdateType, winfo: Any, old_reftype: Any) -> None:
         # MemTracker rounds CUDA sizes into its own totals; these are raw bytes, rounded kept apart.
+        self._follow_loops()
         counts = self._raw.get(winfo.device)
         if counts is None:
             return
         raw = winfo.size * winfo.element_size
         old = getattr(winfo, "_memtrain_raw", raw)
+        times = getattr(winfo, "_memtrain_times", 1)  # > 1: a stand-in iteration's storage
+        if times > 1 and u_type != UpdateType.ADD and loops.current()[0] >= 0:
+            self.scaled.add(loops.current()[0])  # its loop sees the multiplied bytes go
         slot = self._index[winfo.reftype]
         delta_rounded = 0
         if u_type == UpdateType.ADD:
@@ -81,20 +109,82 @@ class _EventRecorder:
             delta_rounded = _round(raw)
             if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
                 self.written += raw * loops.weight()
+            if self._stand_in is not None:
+                self._stand_in[id(winfo)] = winfo
         elif u_type == UpdateType.DEL:
-            counts[slot] -= old
-            delta_rounded = -_round(old)
+            counts[slot] -= old * times
+            if self._stand_in is not None and times > 1:
+                self._stand_in_freed[winfo.device][slot] += old * times
+            delta_rounded = -_round(old) * times
+            for held in (self._stand_in, self._pending.survivors if self._pending else None):
+                if held is not None:
+                    held.pop(id(winfo), None)
         elif u_type == UpdateType.REF and old_reftype is not None:
-            counts[self._index[old_reftype]] -= old
-            counts[slot] += old
+            counts[self._index[old_reftype]] -= old * times
+            counts[slot] += old * times
         elif u_type == UpdateType.SIZE:
-            counts[slot] += raw - old
-            delta_rounded = _round(raw) - _round(old)
+            counts[slot] += (raw - old) * times
+            delta_rounded = (_round(raw) - _round(old)) * times
         winfo._memtrain_raw = raw
         if winfo.device == self.compute_device:  # type: ignore[attr-defined]
             self._rounded += delta_rounded
 
+    def _follow_loops(self) -> None:
+        """Start or end an elided loop's stand-in iteration (:func:`memtrain.memory.loops.weight`)
+        and the iteration after it."""
+        mark = loops.current()
+        if self._pending is not None and mark != self._pending.mark:
+            self._multiply(self._pending)
+            self._pending = None
+        if self._stand_in is not None and mark != self._stand_in_mark:
+            added = {d: [now - before + freed for now, before, freed in
+                         zip(self._raw[d], self._stand_in_start[d], self._stand_in_freed[d], strict=True)]
+                     for d in self._raw}  # net, but for multiplied storages (of a loop before) it freed
+            self._pending = _Pending(self._stand_in_mark[0], mark, self._stand_in, added,
+                                     self._stand_in_times, len(self.rows))
+            self._stand_in = None
+        if self._stand_in is None and loops.weight() > 1:
+            self._stand_in, self._stand_in_mark, self._stand_in_times = {}, mark, loops.weight()
+            self._stand_in_start = {d: list(c) for d, c in self._raw.items()}
+            self._stand_in_freed = {d: [0] * len(c) for d, c in self._raw.items()}
+
+    def _multiply(self, pending: _Pending) -> None:
+        """The iteration after an elided loop's stand-in has ended. What the stand-in allocated and
+        still holds (outputs kept for backward, a selective checkpoint's saved matmuls; not a loop
+        variable the next iteration replaced) each skipped iteration would hold too: each such
+        storage counts ``times`` over from the stand-in's end until it goes, the rows recorded since
+        included. That is exact when those storages are all the stand-in added: it freed or moved
+        nothing of before it but storages multiplied by an earlier loop's stand-in (a recompute
+        consuming a forward's saved chunks). When it added nothing (it replaced what an earlier
+        iteration left, as an accumulated gradient), no storage is multiplied; otherwise the loop is
+        marked irregular and :meth:`memtrain.estimator.trace.Trace.steady` sends it to a whole trace."""
+        held = {d: [0] * len(c) for d, c in self._raw.items()}
+        for winfo in pending.survivors.values():
+            if winfo.device in held:
+                held[winfo.device][self._index[winfo.reftype]] += winfo._memtrain_raw
+        if held != pending.added:
+            if any(any(v) for v in pending.added.values()) or any(any(v) for v in held.values()):
+                self.irregular.add(pending.serial)
+            return
+        if not any(any(v) for v in held.values()):
+            return
+        extra = pending.times - 1
+        device, host = held[self.compute_device], sum(held[self.host_device])  # type: ignore[attr-defined]
+        rounded = sum(_round(w._memtrain_raw) for w in pending.survivors.values()
+                      if w.device == self.compute_device)  # type: ignore[attr-defined]
+        for d, counts in held.items():
+            for slot, n in enumerate(counts):
+                self._raw[d][slot] += n * extra
+        self._rounded += rounded * extra
+        for winfo in pending.survivors.values():
+            winfo._memtrain_times = pending.times
+        shift = np.array([0, 0, *device, host, rounded], dtype=np.int64) * extra
+        self.rows[pending.first_row:] = [tuple(int(v) for v in np.add(row, shift))
+                                         for row in self.rows[pending.first_row:]]
+        self.scaled.add(pending.serial)
+
     def on_peak_update(self, peak_state: object) -> None:
+        self._follow_loops()
         phase = self.phase()  # type: ignore[attr-defined]
         if not self.phases or self.phases[-1] != phase:
             self.phases.append(phase)

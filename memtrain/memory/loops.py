@@ -10,14 +10,17 @@ tiled MLP tile) is part of that iteration: it runs whole and marks nothing.
 While :func:`recording` is on (the estimator's trace), the estimator's meter files every op it
 records under the current mark. With ``elide=True`` a long loop also runs only some of its
 iterations: the first ``KEEP`` and the last. Its interior iterations are the same ops on tensors of
-the same shapes, and from the second or third on they allocate nothing that outlives them, so
-the skipped ones would have recorded exactly the rows of a kept steady one: the step's peak is
-unchanged, and the trace costs the same at any length (a 900k-token loop of 256-token tiles runs
-5 of its 3,516 tiles). The kept iteration ``KEEP - 2`` stands for the skipped ones in the step's
-work (:func:`weight`), and the estimator checks in every trace that it was steady: its rows equal
-those of the kept iteration run right after it (:func:`elided`); where not, it traces again
-without elision. ``tests/estimator/test_loop_elision.py`` checks elided == whole byte for
-byte on several families with every long-context technique.
+the same shapes, and from the second or third on each frees what it allocates or keeps the same
+bytes as the one before (a selective checkpoint's saved matmul of each LoRA chunk), so the
+skipped ones would have recorded the rows of a kept steady one, shifted by what they keep: the
+step's peak is unchanged, and the trace costs the same at any length (a 900k-token loop of
+256-token tiles runs 5 of its 3,516 tiles). The kept iteration ``KEEP - 2`` stands for the
+skipped ones (:func:`weight`): in the step's work, and in memory, where the estimator's meter
+counts what it keeps once per iteration it stands for
+(:mod:`memtrain.estimator.trace_events`). The estimator checks in every trace that the loop was
+steady (``Trace.steady``, with :func:`elided`); where not, it traces again without elision.
+``tests/estimator/test_loop_elision.py`` checks elided == whole byte for byte on several
+families with every long-context technique.
 
 A mark is sticky: the ops after an iteration's own code (autograd's backward of a checkpointed
 loss chunk runs between two recomputes) belong to it until the next mark or :func:`done`. A new
