@@ -103,6 +103,10 @@ class Knob:
             rule (LoRA vs full fine-tuning does not).
         cost: its step-time cost hook, by name (``memtrain.plan.costmodel``), or "" when the FLOP
             count of the trace already says it.
+        to_host: a value other than ``off`` moves device bytes to the host, so the memory order
+            is reversed on the host (an offload). Every other knob's leaner values keep no more on
+            the host either (fewer saved activations offload fewer bytes), which lets the planner
+            prune by the host budget too (``memtrain.plan.search``).
     """
 
     path: str
@@ -118,6 +122,7 @@ class Knob:
     base: bool = False
     technique: bool = True
     cost: str = ""
+    to_host: bool = False
 
     def rank_of(self, value: Any, shape: ModelShape) -> tuple[int, ...]:
         """``value``'s position in this knob's memory order."""

@@ -49,7 +49,8 @@ register_setting("batch", "training.micro_batch_size", (
 # plugin=False: memtrain's Trainer builds the offloaded optimizer (trainer/build.py, create_optimizer);
 # a user's Trainer builds its own from `optim`, which has no such choice
 register_setting("optimizer_offload", "memory.offload.optimizer", (
-    Knob("memory.offload.optimizer", one_process(False, True), False, order=60, cost="optimizer_offloaded"),
+    Knob("memory.offload.optimizer", one_process(False, True), False, order=60, cost="optimizer_offloaded",
+         to_host=True),
 ), Doc("optimizer offload", "`memory.offload.optimizer: true`",
        "optimizer state and step on the host; transfers each step (on a CPU-only machine the same RAM)",
        "[memory_modes.md](docs/bench/memory_modes.md)"))

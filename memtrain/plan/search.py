@@ -100,6 +100,7 @@ class _Search:
         bounds = [(self.lower_bound(c), i) for i, c in enumerate(cands)]
         fastest: Candidate | None = None
         too_big: list[Candidate] = []
+        host_big: list[Candidate] = []  # fit the device, not the host
         fits: list[Candidate] = []
         probed: set[int] | None = None  # candidates judged by the probe pass (_probe_leanest)
         for bound, i in sorted(bounds):
@@ -117,6 +118,11 @@ class _Search:
                 continue
             if (big := next((t for t in too_big if self._dominated(cand, t)), None)) is not None:
                 cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
+                self.pruned.append(cand)
+                continue
+            if (big := next((t for t in host_big if self._dominated(cand, t, host=True)), None)) is not None:
+                cand.reason = (f"keeps at least as much on the host as {big.label()}, which does not fit "
+                               "the host")
                 self.pruned.append(cand)
                 continue
             if not self.alternatives and fastest is not None and bound >= fastest.seconds:
@@ -139,11 +145,13 @@ class _Search:
                 self.pruned.append(cand)
                 continue
             if cand.seconds == math.inf:
-                if cand.min_peak > self.usable:  # the device is too small; host RAM orders no fields
+                if cand.min_peak > self.usable:  # the device is too small
                     too_big.append(cand)
                     if probed is None and len(self.fields) > 1:
-                        probed = self._probe_leanest(cands, too_big, fits)
+                        probed = self._probe_leanest(cands, too_big, fits, host_big)
                         fastest = min(fits, key=lambda c: c.seconds, default=None)
+                elif self._host_short(cand):
+                    host_big.append(cand)
                 continue
             fits.append(cand)
             if fastest is None or cand.seconds < fastest.seconds:
@@ -171,7 +179,7 @@ class _Search:
         return best
 
     def _probe_leanest(self, cands: list[Candidate], too_big: list[Candidate],
-                       fits: list[Candidate]) -> set[int]:
+                       fits: list[Candidate], host_big: list[Candidate]) -> set[int]:
         """Judge, for every value of every searched field, the candidate that keeps least with it:
         that value and every other field at the end of its memory order. Where that one does not
         fit, no candidate with the value fits (each keeps at least as much in every field), and the
@@ -196,6 +204,7 @@ class _Search:
                 cand = cands[k]
                 if (self.inapplicable(cand) is not None
                         or any(self._dominated(cand, t) for t in too_big)  # cannot fit
+                        or any(self._dominated(cand, t, host=True) for t in host_big)
                         or any(self._dominated(f, cand) for f in fitting)):  # fits: no pruning
                     continue  # the main loop judges it
                 try:
@@ -208,6 +217,8 @@ class _Search:
                     fitting.append(cand)
                 elif cand.min_peak > self.usable:
                     too_big.append(cand)
+                elif self._host_short(cand):
+                    host_big.append(cand)
         return judged
 
     def _settle(self, cand: Candidate) -> None:
@@ -253,8 +264,9 @@ class _Search:
                                            seconds=cost.seconds, parts=cost.parts))
         return out
 
-    def _dominated(self, cand: Candidate, small: Candidate) -> bool:
-        """``cand`` keeps at least as much memory as ``small`` in every field.
+    def _dominated(self, cand: Candidate, small: Candidate, host: bool = False) -> bool:
+        """``cand`` keeps at least as much memory as ``small`` in every field: on the device, or
+        with ``host``, on the host (where an offload's order is reversed: :func:`space.to_host`).
 
         The step in backward saves gradients but allows no accumulation (fewer micro-batch
         choices), so candidates that differ in it are not comparable.
@@ -262,8 +274,18 @@ class _Search:
         if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
             return False
         at = functools.partial(rank, depth=self.depth, vocab=self.vocab)
-        return all(a <= b for f in self.fields
-                   for a, b in zip(at(f, cand.values[f]), at(f, small.values[f]), strict=True))
+        for f in self.fields:
+            pairs = zip(at(f, cand.values[f]), at(f, small.values[f]), strict=True)
+            if host and space.to_host(f):
+                if any(a < b for a, b in pairs):
+                    return False
+            elif any(a > b for a, b in pairs):
+                return False
+        return True
+
+    def _host_short(self, cand: Candidate) -> bool:
+        """``cand`` (evaluated, not fitting) fits the device but not the host budget."""
+        return cand.min_peak <= self.usable and self.host is not None and not self.host.fits(cand.host)
 
     def lower_bound(self, cand: Candidate) -> float:
         """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base."""
@@ -413,10 +435,12 @@ class _Search:
         passes = 1.0 if ckpt == "full" else (min(1.0, ckpt / self.depth) if isinstance(ckpt, int) else 0.0)
         frozen = counts[0] - counts[1]
         opt_off = bool(get("memory.offload.optimizer"))
-        m = cfg.memory  # the tiled MLP dequantizes its 4-bit weights once per tile and pass
+        # the tiled MLP dequantizes its 4-bit weights once per tile and pass: the candidate's tiles,
+        # also in a lower bound (from a trace without them), where they can cost more than the rest
         tiled = (costmodel.tiled_dequantized(self.config, micro * int(cfg.data.max_length),
-                                             m.tiled_mlp_tiles, m.tiled_mlp_tile_tokens, passes)
-                 if quantized and m.tiled_mlp is True else 0)
+                                             get("memory.tiled_mlp_tiles"),
+                                             get("memory.tiled_mlp_tile_tokens"), passes)
+                 if quantized and get("memory.tiled_mlp") is True else 0)
         return costmodel.step_seconds(
             work, micro_batches=accumulation, rates=self.rates, dtype=cfg.model.dtype,
             optimizer=str(get("training.optimizer")), trainable=counts[1],

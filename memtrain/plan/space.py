@@ -107,6 +107,11 @@ def rank(path: str, value: Any, depth: int, vocab: int = 0) -> tuple[int, ...]:
     return patches.knob(path).rank_of(value, ModelShape(depth, 0, vocab))
 
 
+def to_host(path: str) -> bool:
+    """Whether ``path``'s technique moves device bytes to the host (its knob's ``to_host``)."""
+    return patches.knob(path).to_host
+
+
 def turns_on(path: str, value: Any, depth: int) -> bool:
     """Whether ``value`` of ``path`` counts as one memory technique in the tie rule: a value other
     than its knob's off value (LoRA vs full fine-tuning is not one; a size other than its default

@@ -240,3 +240,73 @@ def test_a_search_allowing_only_micro_batch_1_traces_only_micro_batch_1(
     assert points and {micro for micro, _ in points} == {1}
     chosen = planner.with_values(cfg, decided.chosen.values)
     assert decided.chosen.peak == estimate(chosen).total_bytes
+
+
+def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
+    """What host-budget pruning assumes (``_Search._dominated(host=True)``), on real estimates: a
+    candidate that keeps at least as much in every field but an offload, and offloads at least as
+    much, keeps at least as many host bytes. Checkpointing, activation offload, the tiled MLP,
+    the lean norm and the chunked loss, every combination. (Planted: the offload's order not
+    reversed on the host -> a pair breaks it, fails.)"""
+    import itertools
+
+    recipe = causal_recipe(tmp_path, corpus, data={"max_length": 256},
+                           training={"effective_batch_size": 1, "micro_batch_size": 1,
+                                     "gradient_accumulation": 1},
+                           memory={"checkpointing": "auto", "offload": {"activations": "auto",
+                                                                         "min_tensor_bytes": 1024},
+                                   "tiled_mlp": "auto", "lean_norm": "auto", "loss": "auto",
+                                   "loss_chunk_tokens": 64, "tiled_mlp_tile_tokens": 64})
+    recipe["model"]["from_config"]["num_hidden_layers"] = 4  # none, selective, 2 of 4 and full
+    cfg = load_recipe(recipe)
+    search = planner._Search(cfg, "cuda", 2**40)
+    cands = [planner.Candidate(c.values) for c in search.candidates()]
+    host = {id(c): estimate(planner.with_values(cfg, c.values), device="cuda").host_peak_bytes
+            for c in cands}
+    assert len(set(host.values())) >= 4  # the offload moves different bytes per candidate
+    pairs = [(a, b) for a, b in itertools.permutations(cands, 2) if search._dominated(a, b, host=True)]
+    assert len(pairs) > len(cands)
+    broken = [(a.label(), b.label()) for a, b in pairs if host[id(a)] < host[id(b)]]
+    assert not broken, broken[:3]
+
+
+def test_host_budget_pruning_keeps_the_choice(tmp_path: Path, corpus: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate that fits the device but not the host budget prunes every candidate that keeps
+    at least as much on the host: the same choice as without that pruning, in fewer traces."""
+    from memtrain.plan import search as search_mod
+
+    recipe = causal_recipe(tmp_path, corpus, data={"max_length": 256},
+                           training={"effective_batch_size": 1, "micro_batch_size": 1,
+                                     "gradient_accumulation": 1},
+                           memory={"checkpointing": "auto", "lean_norm": "auto", "loss": "auto",
+                                   "offload": {"activations": "auto", "min_tensor_bytes": 1024}})
+    recipe["model"]["from_config"]["num_hidden_layers"] = 4
+    cfg = load_recipe(recipe)
+    full = planner.with_values(cfg, {"memory.checkpointing": "full", "memory.offload.activations": True,
+                                     "memory.lean_norm": True, "memory.loss": "chunked"})
+    lean = estimate(full, device="cuda")
+    plain = estimate(planner.with_values(full, {"memory.offload.activations": False}), device="cuda")
+    margin = cfg.memory.margin_fraction  # the leanest offload fits the host, little more does
+    cfg = planner.with_values(cfg, {"memory.host_budget": str(int(lean.host_peak_bytes / (1 - margin)) + 64)})
+    budget = int((lean.total_bytes + plain.total_bytes) / 2 / 0.9)  # only offloading fits the device
+    runs = {}
+    for pruned in (True, False):
+        search_mod._TRACES.clear()
+        if not pruned:
+            monkeypatch.setattr(search_mod._Search, "_host_short", lambda self, cand: False)
+        evaluated: list[dict] = []
+        evaluate = search_mod._Search.evaluate
+
+        def counted(self, cand, ev=evaluate, seen=evaluated) -> None:
+            seen.append(cand.values)
+            ev(self, cand)
+
+        monkeypatch.setattr(search_mod._Search, "evaluate", counted)
+        decided = planner.plan(cfg, budget, device="cuda")
+        runs[pruned] = (decided, len(evaluated))
+        monkeypatch.setattr(search_mod._Search, "evaluate", evaluate)
+    assert runs[True][0].chosen.values == runs[False][0].chosen.values
+    assert runs[True][0].chosen.values["memory.offload.activations"] is True
+    assert runs[True][1] < runs[False][1], (runs[True][1], runs[False][1])
+    assert any("on the host" in c.reason for c in runs[True][0].rejected)
