@@ -1,8 +1,8 @@
 """The building blocks of the recipe schema: :class:`Section`, :class:`Problem` and shared types.
 
 Checks that involve several fields live in ``after`` validators. They do not raise: they append a
-:class:`Problem` to the list passed in the validation context (:func:`_report`), so that one pass
-reports every mistake of a recipe at once, even when another section has type errors.
+:class:`Problem` to the list passed in the validation context (:func:`report_problem`), so that one
+pass reports every mistake of a recipe at once, even when another section has type errors.
 """
 
 from __future__ import annotations
@@ -50,16 +50,21 @@ class Problem:
     fix: str = ""
 
     def __str__(self) -> str:
-        shown = "" if self.value is _MISSING else f", got {self.value!r}"
+        shown = "" if self.value is MISSING else f", got {self.value!r}"
         fix = f" Fix: {self.fix}" if self.fix else ""
         return f"`{self.path}`: {self.message}{shown}.{fix}"
 
 
-_MISSING = object()
+# The value of a :class:`Problem` about a key that is absent (required, needed with another
+# setting, unknown): its message then shows no ``got ...``. Shared by every section's checks.
+MISSING = object()
 
 
-def _report(info: ValidationInfo, problem: Problem) -> None:
-    """Record a cross-field problem in the validation context (see module docstring)."""
+def report_problem(info: ValidationInfo, problem: Problem) -> None:
+    """Record a cross-field problem in the validation context (see module docstring).
+
+    Every section's ``after`` validators call it instead of raising.
+    """
     if info.context is not None and "problems" in info.context:
         info.context["problems"].append(problem)
     else:  # validated outside load_recipe: fail loudly rather than lose the problem

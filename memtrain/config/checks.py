@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from memtrain.config.base import _MISSING, Problem
+from memtrain.config.base import MISSING, Problem
 from memtrain.config.grpo_section import grpo_problems
 
 
@@ -107,12 +107,12 @@ def node_problems(d: Any) -> list[Problem]:
             f"processes per machine, e.g. {d.nodes * max(1, d.processes // d.nodes)}."))
     if d.node_rank is None:
         out.append(Problem(
-            "distributed.node_rank", _MISSING, f"is needed with `distributed.nodes: {d.nodes}`",
+            "distributed.node_rank", MISSING, f"is needed with `distributed.nodes: {d.nodes}`",
             "set this machine's number (0 on the machine at `master_addr`), or `env` to read "
             "NODE_RANK / SLURM_NODEID from the launcher."))
     if d.master_addr is None:
         out.append(Problem(
-            "distributed.master_addr", _MISSING, f"is needed with `distributed.nodes: {d.nodes}`",
+            "distributed.master_addr", MISSING, f"is needed with `distributed.nodes: {d.nodes}`",
             "set the host name or IP address of machine 0, or `env` to read MASTER_ADDR."))
     return out
 

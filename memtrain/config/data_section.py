@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from memtrain.config.base import Auto, FractionOr, Problem, Section, _report
+from memtrain.config.base import Auto, FractionOr, Problem, Section, report_problem
 
 # ---------------------------------------------------------------------------------------- data
 
@@ -222,7 +222,7 @@ class DataConfig(DatasetConfig):
         for i, entry in enumerate(data["mix"]):
             if isinstance(entry, dict):
                 for key in [k for k in COMMON_DATA_KEYS if k in entry]:
-                    _report(info, Problem(
+                    report_problem(info, Problem(
                         f"data.mix[{i}].{key}", entry[key], "is common to all the datasets of a mix",
                         f"set it once, as `data.{key}`, and remove it here.",
                     ))
@@ -235,7 +235,7 @@ class DataConfig(DatasetConfig):
         """Each entry, completed by the top-level keys, must be a valid causal-LM dataset; a problem
         is reported at the entry's own key (one it inherits is reported at the top level)."""
         if self.mix and self.kind not in CAUSAL_FORMATS:
-            _report(info, Problem(
+            report_problem(info, Problem(
                 "data.mix", [e.source for e in self.mix], f"mixing is for causal-LM data, and "
                 f"`data.format` is `{self.format}`", "train a classifier on one dataset: remove `data.mix`.",
             ))
@@ -247,9 +247,9 @@ class DataConfig(DatasetConfig):
             for problem in found:
                 key = problem.path.removeprefix("data.")
                 if key in own:
-                    _report(info, replace(problem, path=f"data.mix[{i}].{key}"))
+                    report_problem(info, replace(problem, path=f"data.mix[{i}].{key}"))
             if merged.kind not in CAUSAL_FORMATS:
-                _report(info, Problem(
+                report_problem(info, Problem(
                     f"data.mix[{i}].format", merged.format, "mixed datasets must be causal-LM data "
                     "(all of them train one next-token objective)",
                     f"use one of {', '.join(CAUSAL_FORMATS)}, or remove this entry.",
@@ -259,7 +259,7 @@ class DataConfig(DatasetConfig):
     @model_validator(mode="after")
     def _packing_causal_only(self, info: ValidationInfo) -> DataConfig:
         if self.packing and self.kind not in CAUSAL_FORMATS:
-            _report(info, Problem(
+            report_problem(info, Problem(
                 "data.packing", True, f"packing applies to causal-LM formats, not `{self.format}`",
                 "remove `data.packing`.",
             ))
@@ -268,13 +268,15 @@ class DataConfig(DatasetConfig):
                            ("alpaca_template_no_input", ("instruction",))):
             missing = [n for n in names if "{" + n + "}" not in getattr(self, key)]
             if missing:
-                _report(info, Problem(
+                report_problem(info, Problem(
                     f"data.{key}", getattr(self, key), f"has no {', '.join('{' + n + '}' for n in missing)}",
                     "put the placeholder where the column's text goes.",
                 ))
         roles = {"user", "assistant", "system", "tool"}
         bad = {k: v for k, v in self.sharegpt_roles.items() if v not in roles}
         if bad:
-            _report(info, Problem("data.sharegpt_roles", bad, "maps to unknown roles",
-                                  f"map each name to one of {', '.join(sorted(roles))}."))
+            report_problem(info, Problem(
+                "data.sharegpt_roles", bad, "maps to unknown roles",
+                f"map each name to one of {', '.join(sorted(roles))}.",
+            ))
         return self

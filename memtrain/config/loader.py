@@ -19,7 +19,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from memtrain import sources
-from memtrain.config.schema import _MISSING, Problem, RunConfig, cross_section_problems
+from memtrain.config.base import MISSING
+from memtrain.config.schema import Problem, RunConfig, cross_section_problems
 from memtrain.config.suggest import did_you_mean, size_problem
 from memtrain.errors import MemtrainError
 
@@ -213,7 +214,7 @@ def _read_yaml(path: Path) -> dict:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise RecipeError(
-            [Problem("recipe", _MISSING, f"is not valid YAML{where}: {problem}",
+            [Problem("recipe", MISSING, f"is not valid YAML{where}: {problem}",
                      "fix the YAML syntax (indentation, quotes, `key: value`).")], str(path)
         ) from None
     except (OSError, UnicodeDecodeError) as err:
@@ -313,7 +314,7 @@ def section_model(annotation: Any) -> type[BaseModel] | None:
 
 def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
     first = errors[0]
-    value = first.get("input", _MISSING)
+    value = first.get("input", MISSING)
     kind = first["type"]
     if kind == "extra_forbidden":
         valid = list(field[1].model_fields)
@@ -321,9 +322,9 @@ def _to_problem(path: str, errors: list[dict], field: Any) -> Problem:
         sections = {name: m for name, f in RunConfig.model_fields.items()
                     if (m := section_model(f.annotation)) is not None}
         hint = did_you_mean(key, valid, sections, section)
-        return Problem(path, _MISSING, "unknown key", f"{hint}Valid keys here: {', '.join(valid)}.")
+        return Problem(path, MISSING, "unknown key", f"{hint}Valid keys here: {', '.join(valid)}.")
     if kind == "missing":
-        return Problem(path, _MISSING, "is required", f"add it: {field.description}")
+        return Problem(path, MISSING, "is required", f"add it: {field.description}")
     constraint = [e for e in errors if not any(t in e["type"] for t in _TYPE_ERRORS)]
     if constraint:
         msg = constraint[0]["msg"].removeprefix("Value error, ").replace("Input should be", "must be")

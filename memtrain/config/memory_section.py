@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from memtrain.config.base import Auto, FractionOr, Problem, Section, _report
+from memtrain.config.base import Auto, FractionOr, Problem, Section, report_problem
 from memtrain.units import parse_size
 
 # -------------------------------------------------------------------------------------- memory
@@ -192,38 +192,48 @@ class MemoryConfig(Section):
     def _tiles(self, info: ValidationInfo) -> MemoryConfig:
         size = self.tiled_mlp_tile_tokens
         if isinstance(size, int) and (isinstance(size, bool) or size < 1):
-            _report(info, Problem("memory.tiled_mlp_tile_tokens", size, "tokens per tile must be at least 1",
-                                  "use e.g. 1024, `auto` (the planner sizes it), or null for hidden_size."))
+            report_problem(info, Problem(
+                "memory.tiled_mlp_tile_tokens", size, "tokens per tile must be at least 1",
+                "use e.g. 1024, `auto` (the planner sizes it), or null for hidden_size.",
+            ))
         elif size is not None and self.tiled_mlp_tiles is not None:
-            _report(info, Problem("memory.tiled_mlp_tile_tokens", size,
-                                  "the tiles are sized twice: `memory.tiled_mlp_tiles` is set too",
-                                  "set one of `memory.tiled_mlp_tiles` (a count) and "
-                                  "`memory.tiled_mlp_tile_tokens` (a size), and null the other."))
+            report_problem(info, Problem(
+                "memory.tiled_mlp_tile_tokens", size,
+                "the tiles are sized twice: `memory.tiled_mlp_tiles` is set too",
+                "set one of `memory.tiled_mlp_tiles` (a count) and "
+                "`memory.tiled_mlp_tile_tokens` (a size), and null the other.",
+            ))
         elif size is not None and self.tiled_mlp is False:
-            _report(info, Problem("memory.tiled_mlp_tile_tokens", size,
-                                  "sizes tiles, but the tiled MLP is off",
-                                  "set `memory.tiled_mlp: true` (or `auto`), or drop "
-                                  "`memory.tiled_mlp_tile_tokens`."))
+            report_problem(info, Problem(
+                "memory.tiled_mlp_tile_tokens", size,
+                "sizes tiles, but the tiled MLP is off",
+                "set `memory.tiled_mlp: true` (or `auto`), or drop "
+                "`memory.tiled_mlp_tile_tokens`.",
+            ))
         return self
 
     @model_validator(mode="after")
     def _chunks(self, info: ValidationInfo) -> MemoryConfig:
         size = self.loss_chunk_tokens
         if isinstance(size, int) and (isinstance(size, bool) or size < 1):
-            _report(info, Problem("memory.loss_chunk_tokens", size, "tokens per chunk must be at least 1",
-                                  "use e.g. 512, `auto` (the planner sizes it), or null for the rule."))
+            report_problem(info, Problem(
+                "memory.loss_chunk_tokens", size, "tokens per chunk must be at least 1",
+                "use e.g. 512, `auto` (the planner sizes it), or null for the rule.",
+            ))
         elif size is not None and self.loss == "standard":
-            _report(info, Problem("memory.loss_chunk_tokens", size,
-                                  "sizes loss chunks, but the loss is `standard` (full logits)",
-                                  "set `memory.loss: chunked` (or `auto`), or drop "
-                                  "`memory.loss_chunk_tokens`."))
+            report_problem(info, Problem(
+                "memory.loss_chunk_tokens", size,
+                "sizes loss chunks, but the loss is `standard` (full logits)",
+                "set `memory.loss: chunked` (or `auto`), or drop "
+                "`memory.loss_chunk_tokens`.",
+            ))
         return self
 
     @model_validator(mode="after")
     def _bits_range(self, info: ValidationInfo) -> MemoryConfig:
         bits = self.activation_bits
         if isinstance(bits, int) and not 1 <= bits <= 4:
-            _report(info, Problem(
+            report_problem(info, Problem(
                 "memory.activation_bits", bits, "few-bit backward supports 1 to 4 bits",
                 "use 1, 2, 3 or 4 (3 is the usual choice), or null to turn it off.",
             ))

