@@ -1,4 +1,4 @@
-"""What every ``memtrain`` subcommand module shares: the consoles, argument types, checks.
+"""What every ``memtrain`` subcommand module shares: the consoles, argument types, user errors.
 
 User mistakes (:class:`MemtrainError`) print their message and exit with status 2, without a
 traceback (:func:`user_errors`); anything else is a bug and keeps its traceback.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import wraps
-from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -42,47 +41,3 @@ def user_errors(func: F) -> F:
             raise typer.Exit(err.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-def _check_device(device: str | None) -> None:
-    """``--device`` must be a device memtrain plans for."""
-    if device is None or device in ("cpu", "cuda") or (
-            device.startswith("cuda:") and device.removeprefix("cuda:").isdigit()):
-        return
-    raise MemtrainError(f"`--device` must be cpu, cuda or cuda:N, got {device!r}. Fix: use one of those "
-                        "(memtrain does not plan for other devices).")
-
-
-def _check_budget(budget: str | None) -> None:
-    """``--budget`` must be a size or ``auto``, checked before any work."""
-    from memtrain.units import parse_size
-
-    if budget is None or budget == "auto":
-        return
-    try:
-        if parse_size(budget) <= 0:
-            raise ValueError("a budget must be more than 0 bytes")
-    except ValueError as err:
-        raise MemtrainError(f"`--budget` must look like '24GiB', '512MiB' or 'auto', got {budget!r} "
-                            f"({err}). Fix: a positive size with a unit, e.g. --budget 24GiB.") from None
-
-
-def _check_plot(plot: Path | None, sweep: bool) -> None:
-    """``--plot`` draws the ``--sweep`` curves into a folder that exists."""
-    if plot is None:
-        return
-    if not sweep:
-        raise MemtrainError("`--plot` saves the curves of `--sweep`, which was not given. Fix: add "
-                            "`--sweep`, or leave out `--plot`.")
-    if not plot.parent.is_dir():
-        raise MemtrainError(f"`--plot`: the folder {str(plot.parent)!r} does not exist. Fix: create it, "
-                            "or give a path in an existing folder.")
-
-
-def _write_figure(fig: Any, path: Path, what: str) -> None:
-    """Save a matplotlib figure; a folder that cannot be written is a user error, not a traceback."""
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as err:
-        raise MemtrainError(f"{what}: cannot write {str(path)!r} ({err.strerror or err}). Fix: give a "
-                            "path in a folder you can write to.") from None

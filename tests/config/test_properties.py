@@ -94,7 +94,7 @@ def test_any_override_string(overrides: list[str]) -> None:
 @given(st.text(max_size=12) | st.sampled_from(["24GiB", "auto", "-1GiB", "0", "1e400GiB", "nanGiB"]),
        st.text(max_size=8) | st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:x", "tpu"]))
 def test_any_budget_and_device_option(budget: str, device: str) -> None:
-    from memtrain.cli.common import _check_budget, _check_device
+    from memtrain.cli.estimate import _check_budget, _check_device
 
     for check, value in ((_check_budget, budget), (_check_device, device)):
         with contextlib.suppress(MemtrainError):  # anything else fails the test
