@@ -1,4 +1,5 @@
-"""Tokenize a dataset per format: one encoder per ``data.format`` (``_ENCODERS``), then cut.
+"""Tokenize a dataset per format: one encoder per ``data.format`` (``_ENCODERS``), then cut
+(:func:`encode_splits`).
 
 Each encoder maps loaded rows to ``input_ids`` and ``labels`` (``IGNORE_INDEX`` where no loss is
 taken); :mod:`memtrain.data.prepare` loads and checks the rows first and collates the result.
@@ -217,3 +218,18 @@ def _drop_unlabelled(ds: Dataset, cfg: DataConfig) -> Dataset:
         log.warning("dropped %d examples with no answer tokens left after data.max_length=%d",
                     len(ds) - len(kept), cfg.max_length)
     return kept
+
+
+def encode_splits(data: DataConfig, tokenizer: PreTrainedTokenizerBase, label_names: list[str] | None,
+                  splits: list[Dataset | None], read: int) -> list[Dataset | None]:
+    """The loaded (train, eval) splits of one dataset, ``read`` rows in all, tokenized by the encoder
+    of its format: bad rows refused together (:func:`without_bad_rows`), causal examples cut at
+    ``data.max_length`` (unless packed text) and those left with no answer token dropped."""
+    encode = _ENCODERS[data.kind]
+    splits = [encode(s, data, tokenizer, label_names) if s is not None else None for s in splits]
+    splits = without_bad_rows(data, splits, read)
+    if data.kind not in ("classification", "preference") and not (data.packing and data.kind == "text"):
+        splits = [_cut(s, data.max_length) if s is not None else None for s in splits]
+    if data.kind not in ("text", "classification", "preference"):
+        splits = [_drop_unlabelled(s, data) if s is not None else None for s in splits]
+    return splits

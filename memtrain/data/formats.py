@@ -80,7 +80,9 @@ def _row_numbers(split: str, rows: Sequence[int]) -> str:
     return f"{where}rows {shown}"
 
 
-def _text(cfg: DataConfig, row: Mapping[str, Any], field: str, *, optional: bool = False) -> str:
+def column_text(cfg: DataConfig, row: Mapping[str, Any], field: str, *, optional: bool = False) -> str:
+    """The text in the column that the recipe field ``field`` names (numbers as text); an empty
+    column is ``""`` when ``optional``, else a :class:`RowError`, as is anything but text."""
     value = row.get(getattr(cfg, field))
     if value is None:
         if optional:
@@ -95,17 +97,17 @@ def _text(cfg: DataConfig, row: Mapping[str, Any], field: str, *, optional: bool
 
 def completion_pair(cfg: DataConfig, row: Mapping[str, Any]) -> tuple[str, str]:
     """``(prompt text, response text)`` of a completion row, the prompt in ``completion_template``."""
-    prompt = _text(cfg, row, "prompt_column")
-    return cfg.completion_template.replace("{prompt}", prompt), _text(cfg, row, "response_column")
+    prompt = column_text(cfg, row, "prompt_column")
+    return cfg.completion_template.replace("{prompt}", prompt), column_text(cfg, row, "response_column")
 
 
 def alpaca_pair(cfg: DataConfig, row: Mapping[str, Any]) -> tuple[str, str]:
     """``(prompt text, response text)`` of an alpaca row; the input appears only when non-empty."""
-    instruction = _text(cfg, row, "instruction_column")
-    extra = _text(cfg, row, "input_column", optional=True).strip()
+    instruction = column_text(cfg, row, "instruction_column")
+    extra = column_text(cfg, row, "input_column", optional=True).strip()
     template = cfg.alpaca_template if extra else cfg.alpaca_template_no_input
     prompt = template.replace("{instruction}", instruction).replace("{input}", extra)
-    return prompt, _text(cfg, row, "output_column")
+    return prompt, column_text(cfg, row, "output_column")
 
 
 def _turns(cfg: DataConfig, row: Mapping[str, Any], field: str) -> list[Any]:
@@ -119,8 +121,11 @@ def _turns(cfg: DataConfig, row: Mapping[str, Any], field: str) -> list[Any]:
     return turns
 
 
-def _message(cfg: DataConfig, row: Mapping[str, Any], field: str, index: int, turn: Any,
-             keys: tuple[str, str], roles: Mapping[str, str] | None) -> Message:
+def read_message(cfg: DataConfig, row: Mapping[str, Any], field: str, index: int, turn: Any,
+                 keys: tuple[str, str], roles: Mapping[str, str] | None) -> Message:
+    """Message ``index`` of a row's conversation as ``{"role", "content"}``: ``keys`` name its role
+    and content keys, ``roles`` maps the row's role names (None: they must be :data:`ROLES`). A
+    message without them, or with an unknown role, is a :class:`RowError` with the fix."""
     role_key, content_key = keys
     where = f"message {index + 1}"
     if not isinstance(turn, Mapping) or turn.get(role_key) is None:
@@ -157,7 +162,7 @@ def _roles_fix(cfg: DataConfig, turns: Any, name: str, roles: Mapping[str, str])
 
 def _conversation(cfg: DataConfig, row: Mapping[str, Any], field: str, keys: tuple[str, str],
                   roles: Mapping[str, str] | None) -> list[Message]:
-    messages = [_message(cfg, row, field, i, t, keys, roles)
+    messages = [read_message(cfg, row, field, i, t, keys, roles)
                 for i, t in enumerate(_turns(cfg, row, field))]
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError(cfg, row[ROW], field, "the conversation has no assistant message, so nothing "

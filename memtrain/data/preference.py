@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.config import DataConfig, Problem, RecipeError
 from memtrain.data.chat import IGNORE_INDEX, encode_spans, render
-from memtrain.data.formats import PROBLEM, ROW, Message, RowError, _message, _text
+from memtrain.data.formats import PROBLEM, ROW, Message, RowError, column_text, read_message
 
 log = logging.getLogger("memtrain.data.prepare")
 
@@ -46,7 +46,8 @@ def _messages(cfg: DataConfig, row: Mapping[str, Any], field: str, default_role:
         raise RowError(cfg, row[ROW], field, "expected a list of messages or a string, found "
                        f"{'nothing' if not value else type(value).__name__}",
                        "store each as a string or a non-empty list of {role, content} objects.")
-    return [_message(cfg, row, field, i, turn, ("role", "content"), None) for i, turn in enumerate(value)]
+    return [read_message(cfg, row, field, i, turn, ("role", "content"), None)
+            for i, turn in enumerate(value)]
 
 
 def is_conversational(cfg: DataConfig, row: Mapping[str, Any]) -> bool:
@@ -57,8 +58,8 @@ def _sequence(cfg: DataConfig, tok: PreTrainedTokenizerBase, row: Mapping[str, A
               template: str | None) -> dict[str, list[int]]:
     """prompt + one answer, tokenized once; ``labels`` mark the answer's tokens."""
     if template is None:
-        prompt = _text(cfg, row, "prompt_column")
-        text = prompt + _text(cfg, row, answer)
+        prompt = column_text(cfg, row, "prompt_column")
+        text = prompt + column_text(cfg, row, answer)
         return encode_spans(tok, text, [(len(prompt), len(text))], special_tokens=True, close=True)
     prompt_messages = _messages(cfg, row, "prompt_column", "user")
     before = render(tok, template, prompt_messages, True)

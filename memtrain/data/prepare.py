@@ -25,7 +25,7 @@ from memtrain.builtin_data import BUILTINS
 from memtrain.config import DataConfig, Problem, RecipeError, RunConfig
 from memtrain.data import mixing, packing
 from memtrain.data.chat import IGNORE_INDEX, resolve_chat_template
-from memtrain.data.encoders import _ENCODERS, _cut, _drop_unlabelled, without_bad_rows
+from memtrain.data.encoders import encode_splits
 from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW, missing_column_fix
 from memtrain.data.rows import Rows, rows_of
 from memtrain.errors import TRL_MISSING, MemtrainError
@@ -144,14 +144,8 @@ def _encode_dataset(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedToken
     train, evaluation = load_splits(data, cfg.training.seed, need_eval_split=need_eval_split)
     _require_columns(train, data)
     label_names = _label_names(train, cfg) if data.kind == "classification" else None
-    encode = _ENCODERS[data.kind]
-    splits = [encode(s, data, tokenizer, label_names) if s is not None else None
-              for s in (train, evaluation)]
-    splits = without_bad_rows(data, splits, len(train) + len(evaluation or []))
-    if data.kind not in ("classification", "preference") and not (data.packing and data.kind == "text"):
-        splits = [_cut(s, data.max_length) if s is not None else None for s in splits]
-    if data.kind not in ("text", "classification", "preference"):
-        splits = [_drop_unlabelled(s, data) if s is not None else None for s in splits]
+    splits = encode_splits(data, tokenizer, label_names, [train, evaluation],
+                           len(train) + len(evaluation or []))
     assert splits[0] is not None
     return splits[0], splits[1], label_names
 
