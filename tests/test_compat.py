@@ -150,7 +150,7 @@ def _attribute_findings(tree: ast.Module, lib: set[str], allowed: set[str]) -> l
         if isinstance(node, ast.Attribute):
             root = _receiver_root(node.value)
             if isinstance(root, ast.Name) and root.id in modules_bound and root.id not in lib:
-                continue  # memtrain's or the standard library's modules (``os._exit``, ``meter._Tracker``)
+                continue  # memtrain's or the standard library's modules (``os._exit``, ``meter._ACTIVE``)
             check(node.value, node.attr, node.lineno, isinstance(node.ctx, ast.Store))
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in ATTR_FUNCTIONS and len(node.args) >= 2

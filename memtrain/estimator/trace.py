@@ -43,7 +43,7 @@ from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.distributed import sharding
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
-from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
+from memtrain.estimator.trace_events import CATEGORY_NAMES, TracingMeter
 from memtrain.memory import loops
 from memtrain.model import count_parameters
 from memtrain.trainer.build import build_optimizer, example_batch, recipe_stage, step_loss, step_settings
@@ -214,7 +214,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         batch = example_batch(cfg, config, batch_size, seq_len, device, padded=padded)
         loss_fn = step_loss(cfg, model)
         step = (model, batch, optimizer, accumulation, settings["max_grad_norm"])
-        _create_optimizer_state(model, optimizer)
+        create_optimizer_state(model, optimizer)
         # With accumulation, the first micro-batch's gradients are put in place before the meter
         # starts and only the second runs; under FSDP2 the first leaves full gradients inside
         # FSDP (no gradient sync), so both micro-batches run.
@@ -222,7 +222,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         if held:
             hold_gradients(model)
         layers = decoder_layers(model, config.num_hidden_layers)
-        meter = _TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
+        meter = TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
         with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(elide):
             training_step(*step, held_gradients=held, loss_fn=loss_fn)
             marked, elided = loops.loops(), loops.elided()
@@ -267,7 +267,7 @@ def _ddp_buckets(cfg: RunConfig, model: nn.Module) -> list[torch.Tensor]:
     return [torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()]
 
 
-def _create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """What the warm-up step leaves behind, without its forward and backward: optimizer state.
 
     An optimizer step on zero gradients creates exactly the state a real first step creates

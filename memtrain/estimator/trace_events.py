@@ -1,6 +1,6 @@
 """The estimator's meter: the memory meter's trackers, recording every op's bytes.
 
-:func:`memtrain.estimator.trace.trace_step` measures its fake step with :class:`_TracingMeter`, a
+:func:`memtrain.estimator.trace.trace_step` measures its fake step with :class:`TracingMeter`, a
 :class:`memtrain.memory.meter.MemoryMeter` whose tracker (torch's ``MemTracker``, or
 ``FSDPMemTracker`` for an FSDP2 model, as in the meter) records, after every op that changes
 them, the raw bytes per category on the device and the host, the phase, and the decoder layer the
@@ -205,7 +205,7 @@ class _EventRecorder:
         return -1
 
 
-class _EventTracker(_EventRecorder, meter_mod._Tracker):
+class _EventTracker(_EventRecorder, trackers.Tracker):
     """The meter's tracker, recording raw bytes per op instead of keeping running peaks."""
 
     def __init__(self, device: torch.device, host: torch.device, layers: list[nn.Module]) -> None:
@@ -213,7 +213,7 @@ class _EventTracker(_EventRecorder, meter_mod._Tracker):
         self._init_events(layers)
 
 
-class _FSDPEventTracker(_EventRecorder, trackers._FSDPTracker):
+class _FSDPEventTracker(_EventRecorder, trackers.FSDPTracker):
     """The meter's FSDP2 tracker (sharded vs. gathered state), recording raw bytes per op."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
@@ -244,7 +244,7 @@ def _round(n: int) -> int:
     return math.ceil(n / CUDA_BLOCK) * CUDA_BLOCK
 
 
-class _TracingMeter(meter_mod.MemoryMeter):
+class TracingMeter(meter_mod.MemoryMeter):
     """A MemoryMeter (so offload code's ``mark_host`` reaches it) with the recording tracker.
 
     ``gradients``: tensors that hold gradient bytes from before the step (DDP's buckets), counted
@@ -257,12 +257,12 @@ class _TracingMeter(meter_mod.MemoryMeter):
         host = self._tracker.host_device
         self.tracker: _EventTracker | _FSDPEventTracker = (
             _FSDPEventTracker(model, optimizer, self.device, host, layers)
-            if isinstance(self._tracker, trackers._FSDPTracker)
+            if isinstance(self._tracker, trackers.FSDPTracker)
             else _EventTracker(self.device, host, layers))
         self._tracker = self.tracker
         self._gradients = gradients
 
-    def __enter__(self) -> _TracingMeter:
+    def __enter__(self) -> TracingMeter:
         for tensor in self._gradients:
             self.tracker.track_tensor(tensor, MemRefType.GRAD)
         super().__enter__()

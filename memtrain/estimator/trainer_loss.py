@@ -17,7 +17,7 @@ vocabulary entries, whatever the model); TRL's DPOTrainer runs the policy on ``2
    patches) and its ``ref_model``, with every weight and buffer swapped for a fake one for the
    trace (no weight is copied; the real ones are put back);
 3. the Trainer's own optimizer (``create_optimizer`` on the fake weights), with its state;
-4. under the estimator's meter (:class:`memtrain.estimator.trace_events._TracingMeter`, the same
+4. under the estimator's meter (:class:`memtrain.estimator.trace_events.TracingMeter`, the same
    counting as the plugin's measurement): the Trainer class's ``training_step`` on that batch
    (forward, ``compute_loss``, backward; with accumulation, on the gradients the earlier
    micro-batches leave; for ``bf16``/``fp16`` mixed precision, under the autocast ``train()``
@@ -56,8 +56,8 @@ from memtrain._compat.trl import generated
 from memtrain.data.rows import Rows
 from memtrain.estimator.fake import fake_tensor_mode
 from memtrain.estimator.grpo import is_grpo, step_batch
-from memtrain.estimator.trace import HOST, ROUNDED, _create_optimizer_state, quiet_libraries
-from memtrain.estimator.trace_events import CATEGORY_NAMES, _TracingMeter
+from memtrain.estimator.trace import HOST, ROUNDED, create_optimizer_state, quiet_libraries
+from memtrain.estimator.trace_events import CATEGORY_NAMES, TracingMeter
 from memtrain.reliability.replay import restore_effects, snapshot_effects
 from memtrain.trainer.step import hold_gradients
 
@@ -258,12 +258,12 @@ def trace_training_step(trainer: Any, mode: FakeTensorMode, batch: dict[str, Any
         trainer.model_wrapped = model
         trainer.optimizer = None
         optimizer = trainer.create_optimizer()
-        _create_optimizer_state(model, optimizer)
+        create_optimizer_state(model, optimizer)
         inputs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         if accumulation > 1:
             hold_gradients(model)  # the earlier micro-batches' gradients, as memtrain's own trace holds them
         trainer.current_gradient_accumulation_steps = accumulation
-        meter = _TracingMeter(model, optimizer, inputs, list(layers or []), [])
+        meter = TracingMeter(model, optimizer, inputs, list(layers or []), [])
         with meter, _mixed_precision(trainer):
             type(trainer).training_step(trainer, model, inputs, None)  # TRL's GRPO: no default for it
             del inputs

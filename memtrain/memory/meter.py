@@ -37,10 +37,10 @@ from memtrain._compat.torch_trackers import TOTAL_KEY, FSDPRefType, MemRefType
 from memtrain.device import kept_on_host, model_device
 from memtrain.memory.quantized import quantization_state_tensors
 from memtrain.memory.trackers import (
-    _HOST_ON_CPU,
+    HOST_ON_CPU,
     PHASES,
-    _FSDPTracker,
-    _Tracker,
+    FSDPTracker,
+    Tracker,
 )
 
 _ACTIVE: contextvars.ContextVar[MemoryMeter | None] = contextvars.ContextVar("memtrain_meter", default=None)
@@ -97,10 +97,10 @@ class MemoryMeter:
         if device is None:
             device = _compute_device(model)
         self.device = _canonical(torch.device(device))
-        host = torch.device("cpu") if self.device.type != "cpu" else _HOST_ON_CPU
-        self._tracker: _Tracker | _FSDPTracker = (
-            _FSDPTracker(model, optimizer, self.device, host, timeline) if isinstance(model, FSDPModule)
-            else _Tracker(self.device, host, timeline))
+        host = torch.device("cpu") if self.device.type != "cpu" else HOST_ON_CPU
+        self._tracker: Tracker | FSDPTracker = (
+            FSDPTracker(model, optimizer, self.device, host, timeline) if isinstance(model, FSDPModule)
+            else Tracker(self.device, host, timeline))
         self._external = [x for x in (model, optimizer) if x is not None]
         if inputs is not None:
             self._external.extend(t for t in _tensors(inputs))
@@ -110,7 +110,7 @@ class MemoryMeter:
     def __enter__(self) -> MemoryMeter:
         if self._external:
             self._tracker.track_external(*self._external)
-        fsdp = isinstance(self._tracker, _FSDPTracker)
+        fsdp = isinstance(self._tracker, FSDPTracker)
         param_ref = FSDPRefType.SHARDED_PARAM if fsdp else MemRefType.PARAM
         for obj in self._external:  # bitsandbytes keeps quantization constants outside parameters
             if isinstance(obj, nn.Module):

@@ -1,6 +1,8 @@
 """The trackers behind :class:`memtrain.memory.meter.MemoryMeter`: torch's ``MemTracker`` (one
 process) and ``FSDPMemTracker`` (FSDP2), with what memtrain adds to both (``_MeterMixin``): phase
-peaks, category maxima, a host bucket, a timeline. See :mod:`memtrain.memory.meter`.
+peaks, category maxima, a host bucket, a timeline. See :mod:`memtrain.memory.meter`. The
+estimator's tracing meter (:mod:`memtrain.estimator.trace_events`) and the budget guard
+(:mod:`memtrain.reliability.budget`) subclass :class:`Tracker` and :class:`FSDPTracker`.
 
 Both track modules with :class:`memtrain._compat.torch_trackers.ReleasableModTracker`, torch's
 ``ModTracker`` plus a way to let go of a forward or backward that failed (its ``release``): torch's
@@ -65,12 +67,12 @@ CATEGORY_NAMES: tuple[str, ...] = (*CATEGORIES.values(), "unsharded")
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 # The key host bytes are filed under while the meter runs. On a CPU-only machine "cpu" is the
 # compute device, so host copies get a distinct (otherwise unused) CPU index.
-_HOST_ON_CPU = torch.device("cpu", 1)
+HOST_ON_CPU = torch.device("cpu", 1)
 
 
 class _MeterMixin:
     """What memtrain adds to torch's trackers: phase peaks, category maxima, a host bucket, a
-    timeline, and device peaks without MemTracker's per-module snapshots (see ``_Tracker``)."""
+    timeline, and device peaks without MemTracker's per-module snapshots (see ``Tracker``)."""
 
     categories: dict[RefType, str] = CATEGORIES  # type: ignore[assignment]
 
@@ -153,7 +155,7 @@ class _MeterMixin:
         self._update_host_peak()
 
 
-class _Tracker(_MeterMixin, MemTrackerBase):
+class Tracker(_MeterMixin, MemTrackerBase):
     """MemTracker's tensor accounting, with lean module hooks, phase peaks, a host bucket.
 
     MemTracker also keeps per-module snapshots: it walks every tracked module and deep-copies
@@ -203,7 +205,7 @@ class _Tracker(_MeterMixin, MemTrackerBase):
         self.track_tensor(grad, MemRefType.GRAD)
 
 
-class _FSDPTracker(_MeterMixin, FSDPMemTrackerBase):
+class FSDPTracker(_MeterMixin, FSDPMemTrackerBase):
     """FSDPMemTracker (sharded vs. unsharded state of an FSDP2 model) plus memtrain's additions.
 
     Why not the plain tracker: it files the full weights FSDP all-gathers for each layer's forward

@@ -29,8 +29,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from memtrain._compat.torch_trackers import TOTAL_KEY
 from memtrain.config import MemoryConfig
 from memtrain.device import AllocatorBudget, compute_device, host_budget_bytes, host_free_bytes
-from memtrain.memory.meter import _Tracker
-from memtrain.memory.trackers import _HOST_ON_CPU
+from memtrain.memory.trackers import HOST_ON_CPU, Tracker
 from memtrain.units import format_bytes, parse_size
 
 
@@ -97,9 +96,9 @@ class HostBudget:
                 "or `data.max_length`.")
 
 
-class _BudgetTracker(_Tracker):
+class _BudgetTracker(Tracker):
     def __init__(self, device: torch.device, limit: int, defer: bool = False) -> None:
-        host = torch.device("cpu") if device.type != "cpu" else _HOST_ON_CPU
+        host = torch.device("cpu") if device.type != "cpu" else HOST_ON_CPU
         super().__init__(device, host, timeline=False)
         self.limit = limit
         self.defer = defer

@@ -114,7 +114,7 @@ def test_tensors_of_a_nested_fake_mode_are_not_memory() -> None:
     from memtrain.memory import trackers
 
     cpu = torch.device("cpu")
-    tracker = trackers._Tracker(cpu, torch.device("cpu", 1), False)
+    tracker = trackers.Tracker(cpu, torch.device("cpu", 1), False)
     with tracker:
         total = lambda: tracker.get_tracker_snapshot("current").get(cpu, {}).get(_TOTAL_KEY, 0)  # noqa: E731
         before = total()
