@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain.distributed.together import largest
 from memtrain.errors import MemtrainError
-from memtrain.reliability.checkpoints import _largest_over_processes, newest_finite
+from memtrain.reliability.checkpoints import newest_finite
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class StopOnSignal(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        signum = _largest_over_processes(self.stop.signum or 0, args.device)
+        signum = largest([self.stop.signum or 0], args.device)[0]
         if signum:
             self.signum = signum
             control.should_save = True
