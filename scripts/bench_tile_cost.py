@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from memtrain.config import load_recipe
 from memtrain.model import build_config
-from memtrain.plan.search import _Search
+from memtrain.plan.search import Search
 from memtrain.plan.space import Candidate, with_values
 from memtrain.trainer.build import build_model, build_optimizer, example_batch, step_settings
 from memtrain.trainer.step import training_step
@@ -57,7 +57,7 @@ def main() -> None:
     memory = {"loss": "chunked", "checkpointing": "full", "tiled_mlp": True, "tiled_mlp_tile_tokens": "auto"}
     auto = load_recipe(llama_recipe(shape, {"quantization": "nf4"}, memory))
     sizes = [None, shape["hidden"] // 4, shape["hidden"] // 16]
-    search = _Search(auto, "cpu", 2**40, fields=[TILE])
+    search = Search(auto, "cpu", 2**40, fields=[TILE])
     runs: dict[Any, dict[str, Any]] = {}
     for size in sizes:
         cfg = with_values(auto, {TILE: size})

@@ -32,7 +32,7 @@ from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
 from memtrain.estimator.setup import position_limit, resolve_config
-from memtrain.plan.search import _Search
+from memtrain.plan.search import Search
 from memtrain.plan.space import Candidate, rank, with_values
 from memtrain.units import format_bytes
 
@@ -197,7 +197,7 @@ def _down(tokens: float, step: int) -> int:
 def _leanest(cfg: RunConfig, device: str, usable: int, step: int) -> Candidate:
     """The valid, applicable candidate that keeps least: the most fields at the end of their
     memory order (:func:`memtrain.plan.space.rank`)."""
-    search = _Search(with_values(cfg, {MAX_KEY: step}), device, usable)
+    search = Search(with_values(cfg, {MAX_KEY: step}), device, usable)
     cands = sorted(search.candidates(), key=lambda c: -sum(
         sum(rank(f, v, search.depth, search.vocab)) for f, v in c.values.items()))
     for cand in cands:

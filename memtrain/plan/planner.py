@@ -47,7 +47,7 @@ from memtrain.config import RunConfig
 from memtrain.data.rows import Rows
 from memtrain.errors import MemtrainError
 from memtrain.plan.length import LengthSearch, longest_length
-from memtrain.plan.search import _Search
+from memtrain.plan.search import Search
 from memtrain.plan.space import Candidate, auto_fields, with_values
 from memtrain.reliability.budget import HostBudget, resolve_budget, usable_bytes
 from memtrain.units import format_bytes, parse_size
@@ -139,7 +139,7 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             raise ValueError("data.max_length: auto is planned for the worst case; pass no rows")
         length = longest_length(cfg, target, usable, host=host.usable)
         cfg = with_values(cfg, {"data.max_length": length.chosen})
-    search = _Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives or tune > 0)
+    search = Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives or tune > 0)
     chosen = search.run()
     fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
                   key=lambda c: c.seconds)
@@ -168,7 +168,7 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
                 time.perf_counter() - start, host, length)
 
 
-def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: int, steps: int = 3
+def tune_choice(cfg: RunConfig, search: Search, fits: list[Candidate], count: int, steps: int = 3
                 ) -> tuple[Candidate, list[Candidate]]:
     """Time the ``count`` fastest-predicted settings at the micro-batches that fit; keep the fastest.
 
@@ -177,7 +177,7 @@ def tune_choice(cfg: RunConfig, search: _Search, fits: list[Candidate], count: i
     measurement: each (settings, micro-batch) pair's model is built, runs one warm-up optimizer
     step and ``steps`` timed ones on a worst-case batch (``data.max_length`` tokens per example),
     and the fastest (best of its steps) wins. Each setting is timed at up to ``TUNE_MICROS``
-    micro-batches (:meth:`_Search.micro_options`).
+    micro-batches (:meth:`Search.micro_options`).
     Returns the choice and every other fitting pair.
     """
     from memtrain.estimator.real_step import time_recipe_step
@@ -212,7 +212,7 @@ def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None,
     """
     target = device or ("cuda" if _cuda() else "cpu")
     host = HostBudget.of(cfg.memory)
-    search = _Search(with_values(cfg, {"training.micro_batch_size": "auto"}), target, usable, fields=[],
+    search = Search(with_values(cfg, {"training.micro_batch_size": "auto"}), target, usable, fields=[],
                      rows=rows, host=host)
     cand = Candidate({})
     search.evaluate(cand)

@@ -52,14 +52,15 @@ class _Traced:
 _TRACES: dict[str, _Traced] = {}
 
 # The fields whose techniques patch the model, so whose applicability a fake model shows before
-# any trace (see _Search.inapplicable): the registered knobs that say so (Knob.patches_model).
+# any trace (see Search.inapplicable): the registered knobs that say so (Knob.patches_model).
 PATCHED_FIELDS = space.patched_fields()
 # the fields that describe the model being trained: a plain trace keeps them
 BASE_FIELDS = space.base_fields()
 
 
-class _Search:
-    """Enumerate, bound and evaluate candidates (see the module docstring)."""
+class Search:
+    """Enumerate, bound and evaluate candidates (see the module docstring): the search behind
+    :func:`memtrain.plan.planner.plan` and the leanest candidate of :mod:`memtrain.plan.length`."""
 
     def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None,
                  rows: Rows | None = None, host: HostBudget | None = None, alternatives: bool = True

@@ -79,16 +79,16 @@ def test_predicted_ties_go_to_fewer_techniques_then_the_smaller_peak(tmp_path: P
     predicted = {("none", "adamw"): 1.04, ("selective", "adamw"): 1.00, ("none", "adamw_8bit"): 1.01}
     peaks = {("selective", "adamw"): 300}
 
-    def evaluate(self: planner._Search, cand: planner.Candidate) -> None:  # the cost model's verdicts
+    def evaluate(self: planner.Search, cand: planner.Candidate) -> None:  # the cost model's verdicts
         key = (cand.values["memory.checkpointing"], cand.values["training.optimizer"])
         cand.micro, cand.accumulation, cand.seconds = 4, 4, predicted.get(key, 2.0)
         cand.peak = peaks.get(key, 200)
         self.done.append(cand)
 
-    monkeypatch.setattr(planner._Search, "evaluate", evaluate)
-    monkeypatch.setattr(planner._Search, "lower_bound", lambda self, cand: 0.0)
+    monkeypatch.setattr(planner.Search, "evaluate", evaluate)
+    monkeypatch.setattr(planner.Search, "lower_bound", lambda self, cand: 0.0)
     monkeypatch.setattr(costmodel, "rates", lambda device: None)
-    choose = lambda: planner._Search(cfg, "cpu", 2**40).run()  # noqa: E731
+    choose = lambda: planner.Search(cfg, "cpu", 2**40).run()  # noqa: E731
     # 4% slower predicted is within the cost model's error: no recompute, no 8-bit state
     assert choose().values == {"training.optimizer": "adamw", "memory.checkpointing": "none"}
     predicted[("none", "adamw")] = 1.06  # beyond it: one technique each, the smaller peak wins
@@ -192,7 +192,7 @@ def test_the_probe_pass_prunes_without_changing_the_choice(tmp_path: Path, corpu
     cfg = load_recipe(recipe)
     evaluated: list[dict] = []
 
-    def evaluate(self: planner._Search, cand: planner.Candidate) -> None:  # memory falls, time grows
+    def evaluate(self: planner.Search, cand: planner.Candidate) -> None:  # memory falls, time grows
         lean = sum(sum(rank(f, v, self.depth, self.vocab)) for f, v in cand.values.items())
         evaluated.append(dict(cand.values))
         cand.micro, cand.accumulation, cand.peak = 1, 1, 10_000 - 1_000 * lean
@@ -201,17 +201,17 @@ def test_the_probe_pass_prunes_without_changing_the_choice(tmp_path: Path, corpu
             cand.seconds = float("inf")
         self.done.append(cand)
 
-    monkeypatch.setattr(planner._Search, "evaluate", evaluate)
-    monkeypatch.setattr(planner._Search, "lower_bound", lambda self, cand: 0.1 * sum(
+    monkeypatch.setattr(planner.Search, "evaluate", evaluate)
+    monkeypatch.setattr(planner.Search, "lower_bound", lambda self, cand: 0.1 * sum(
         sum(rank(f, v, self.depth, self.vocab)) for f, v in cand.values.items()))
-    shape = planner._Search(cfg, "cpu", 2**40)
+    shape = planner.Search(cfg, "cpu", 2**40)
     leanest = sum(max(sum(rank(f, v, shape.depth, shape.vocab)) for v in options(cfg, f, shape.shape))
                   for f in shape.fields)
     budget = int((10_000 - 1_000 * leanest + 500) / 0.9)  # the leanest fits: a planned longest context
     probed = planner.plan(cfg, budget)
     count = len(evaluated)
     evaluated.clear()
-    monkeypatch.setattr(search_mod._Search, "_probe_leanest", lambda self, *args: set())
+    monkeypatch.setattr(search_mod.Search, "_probe_leanest", lambda self, *args: set())
     plain = planner.plan(cfg, budget)
     assert probed.chosen.values == plain.chosen.values
     assert probed.chosen.peak <= probed.usable
@@ -243,7 +243,7 @@ def test_a_search_allowing_only_micro_batch_1_traces_only_micro_batch_1(
 
 
 def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
-    """What host-budget pruning assumes (``_Search._dominated(host=True)``), on real estimates: a
+    """What host-budget pruning assumes (``Search._dominated(host=True)``), on real estimates: a
     candidate that keeps at least as much in every field but an offload, and offloads at least as
     much, keeps at least as many host bytes. Checkpointing, activation offload, the tiled MLP,
     the lean norm and the chunked loss, every combination. (Planted: the offload's order not
@@ -259,7 +259,7 @@ def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
                                    "loss_chunk_tokens": 64, "tiled_mlp_tile_tokens": 64})
     recipe["model"]["from_config"]["num_hidden_layers"] = 4  # none, selective, 2 of 4 and full
     cfg = load_recipe(recipe)
-    search = planner._Search(cfg, "cuda", 2**40)
+    search = planner.Search(cfg, "cuda", 2**40)
     cands = [planner.Candidate(c.values) for c in search.candidates()]
     host = {id(c): estimate(planner.with_values(cfg, c.values), device="cuda").host_peak_bytes
             for c in cands}
@@ -294,18 +294,18 @@ def test_host_budget_pruning_keeps_the_choice(tmp_path: Path, corpus: Path,
     for pruned in (True, False):
         search_mod._TRACES.clear()
         if not pruned:
-            monkeypatch.setattr(search_mod._Search, "_host_short", lambda self, cand: False)
+            monkeypatch.setattr(search_mod.Search, "_host_short", lambda self, cand: False)
         evaluated: list[dict] = []
-        evaluate = search_mod._Search.evaluate
+        evaluate = search_mod.Search.evaluate
 
         def counted(self, cand, ev=evaluate, seen=evaluated) -> None:
             seen.append(cand.values)
             ev(self, cand)
 
-        monkeypatch.setattr(search_mod._Search, "evaluate", counted)
+        monkeypatch.setattr(search_mod.Search, "evaluate", counted)
         decided = planner.plan(cfg, budget, device="cuda")
         runs[pruned] = (decided, len(evaluated))
-        monkeypatch.setattr(search_mod._Search, "evaluate", evaluate)
+        monkeypatch.setattr(search_mod.Search, "evaluate", evaluate)
     assert runs[True][0].chosen.values == runs[False][0].chosen.values
     assert runs[True][0].chosen.values["memory.offload.activations"] is True
     assert runs[True][1] < runs[False][1], (runs[True][1], runs[False][1])
