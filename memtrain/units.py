@@ -40,6 +40,12 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit or "b"])
 
 
+def unitless_tiny(text: str | int) -> bool:
+    """``text`` is a bare number (bytes, no unit) under 1 MiB: as a memory budget, surely a size
+    whose unit was left out ("300" meant 300GiB or 300MiB, not 300 bytes)."""
+    return isinstance(text, str) and text.strip().isdigit() and int(text) < 2**20
+
+
 def format_bytes(n: float) -> str:
     """Format a byte count with a binary unit: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
     sign = "-" if n < 0 else ""

@@ -33,13 +33,15 @@ def _check_device(device: str | None) -> None:
 
 def _check_budget(budget: str | None) -> None:
     """``--budget`` must be a size or ``auto``, checked before any work."""
-    from memtrain.units import parse_size
+    from memtrain.units import parse_size, unitless_tiny
 
     if budget is None or budget == "auto":
         return
     try:
         if parse_size(budget) <= 0:
             raise ValueError("a budget must be more than 0 bytes")
+        if unitless_tiny(budget):
+            raise ValueError(f"{budget} bytes: a number without a unit is bytes")
     except ValueError as err:
         raise MemtrainError(f"`--budget` must look like '24GiB', '512MiB' or 'auto', got {budget!r} "
                             f"({err}). Fix: a positive size with a unit, e.g. --budget 24GiB.") from None

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from memtrain.config.base import Auto, FractionOr, Problem, Section, report_problem
-from memtrain.units import parse_size
+from memtrain.units import parse_size, unitless_tiny
 
 # -------------------------------------------------------------------------------------- memory
 
@@ -167,6 +167,9 @@ class MemoryConfig(Section):
             raise ValueError("must look like '24GiB', '512MiB' or 'auto'") from None
         if size <= 0:
             raise ValueError("must be more than 0 bytes, like '24GiB', or 'auto'")
+        if unitless_tiny(v):
+            raise ValueError(f"is {size} bytes (a number without a unit is bytes); write the unit, "
+                             f"like '{v}GiB' or '{v}MiB'")
         return v
 
     @property

@@ -134,6 +134,18 @@ def test_sizes() -> None:
     assert format_bytes(3 * 2**30) == "3.00 GiB"
 
 
+@pytest.mark.parametrize("field", ["memory.budget", "memory.host_budget", "memory.simulate_budget"])
+def test_a_budget_without_its_unit_is_refused_naming_the_fix(field: str, tmp_path: Path,
+                                                               tiny_text_file: Path) -> None:
+    """`budget: 300` is 300 bytes, surely 300GiB or 300MiB meant: refused, naming the field, the value
+    and the fix; a number of bytes from 1 MiB on is taken as written."""
+    recipe = causal_recipe(tmp_path, tiny_text_file)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe, [f"{field}='300'"])  # quoted: a string, as `budget: "300"` is
+    assert f"`{field}`" in str(err.value) and "300GiB" in str(err.value), str(err.value)
+    assert load_recipe(recipe, [f"{field}='{2**20}'"])
+
+
 def test_recipe_reference_is_generated_from_the_schema() -> None:
     from scripts.gen_docs import recipes_md  # the schema's tables and the registry's techniques
 
