@@ -288,7 +288,8 @@ def test_host_budget_pruning_keeps_the_choice(tmp_path: Path, corpus: Path,
     lean = estimate(full, device="cuda")
     plain = estimate(planner.with_values(full, {"memory.offload.activations": False}), device="cuda")
     margin = cfg.memory.margin_fraction  # the leanest offload fits the host, little more does
-    cfg = planner.with_values(cfg, {"memory.host_budget": str(int(lean.host_peak_bytes / (1 - margin)) + 64)})
+    host = int(lean.host_peak_bytes / (1 - margin)) + 64
+    cfg = planner.with_values(cfg, {"memory.host_budget": f"{host}B"})
     budget = int((lean.total_bytes + plain.total_bytes) / 2 / 0.9)  # only offloading fits the device
     runs = {}
     for pruned in (True, False):
