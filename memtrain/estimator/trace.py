@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -321,22 +321,33 @@ def extrapolate_depth(a: Trace, b: Trace, depth: int) -> Candidates | None:
 
     Returns None when the two traces do not align layer by layer (then trace the full depth).
     """
-    if a.phases != b.phases:
-        return None
     steps = depth - 2  # extrapolation distance from depth 2, in layers
+
+    def phase(pre: tuple, blocks: tuple, post: tuple) -> np.ndarray | None:
+        (pre_a, pre_b), (blocks_a, blocks_b), (post_a, post_b) = pre, blocks, post
+        if not blocks_a and not blocks_b:
+            return _outside_layers(pre_a, pre_b, steps)
+        if sorted(blocks_a) == [0, 1] and sorted(blocks_b) == [0, 1, 2]:
+            return _with_layers(pre_a, pre_b, post_a, post_b, blocks_a, blocks_b, steps, depth)
+        return None
+
+    return _per_phase((a, b), phase)
+
+
+def _per_phase(traces: tuple[Trace, ...], build: Callable[[tuple, tuple, tuple], np.ndarray | None]
+               ) -> Candidates | None:
+    """Candidates from short traces, phase occurrence by phase occurrence: ``build`` gets each
+    trace's (ops before the layers, ops per layer, ops after) (:func:`_split`) and returns the
+    extrapolated rows, or None when the traces do not align (as when their phases differ)."""
+    if any(t.phases != traces[0].phases for t in traces):
+        return None
     phases: list[str] = []
     rows: list[np.ndarray] = []
-    for occ, phase in enumerate(a.phases):
-        sa, sb = _split(a, occ), _split(b, occ)
-        if sa is None or sb is None:
+    for occ, phase in enumerate(traces[0].phases):
+        split = [_split(t, occ) for t in traces]
+        if any(s is None for s in split):
             return None
-        (pre_a, blocks_a, post_a), (pre_b, blocks_b, post_b) = sa, sb
-        if not blocks_a and not blocks_b:
-            new = _outside_layers(pre_a, pre_b, steps)
-        elif sorted(blocks_a) == [0, 1] and sorted(blocks_b) == [0, 1, 2]:
-            new = _with_layers(pre_a, pre_b, post_a, post_b, blocks_a, blocks_b, steps, depth)
-        else:
-            return None
+        new = build(*zip(*split, strict=True))  # type: ignore[arg-type]
         if new is None:
             return None
         phases += [phase] * len(new)
@@ -392,28 +403,16 @@ def extrapolate_checkpointed(base: Trace, more_checkpointed: Trace, more_plain: 
     trace, 4 - 3 of the (2, 3) one). Returns None when the traces do not align (then trace the full
     depth).
     """
-    traces = (base, more_checkpointed, more_plain)
-    if not base.phases == more_checkpointed.phases == more_plain.phases:
-        return None
     steps = (checkpointed - 2, plain - 2)
-    phases: list[str] = []
-    rows: list[np.ndarray] = []
-    for occ, phase in enumerate(base.phases):
-        split = [_split(t, occ) for t in traces]
-        if any(s is None for s in split):
-            return None
-        pre, blocks, post = zip(*split, strict=True)  # type: ignore[misc]
+
+    def phase(pre: tuple, blocks: tuple, post: tuple) -> np.ndarray | None:
         if not any(blocks):
-            new = _outside_plane(pre, steps)
-        elif [sorted(b) for b in blocks] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]:
-            new = _with_two_kinds(pre, post, blocks, steps)
-        else:
-            return None
-        if new is None:
-            return None
-        phases += [phase] * len(new)
-        rows.append(new)
-    return Candidates(phases, np.concatenate(rows).astype(np.float64))
+            return _outside_plane(pre, steps)
+        if [sorted(b) for b in blocks] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]:
+            return _with_two_kinds(pre, post, blocks, steps)
+        return None
+
+    return _per_phase((base, more_checkpointed, more_plain), phase)
 
 
 # Representative layers of the (2, 2), (3, 2) and (2, 3) traces: the first and second layer of each kind.
