@@ -11,7 +11,7 @@ op ran in: the rows that :mod:`memtrain.estimator.trace` extrapolates. It also c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,15 +29,18 @@ CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512
 
 
 @dataclass
-class _Pending:
-    """An elided loop's stand-in iteration, ended, while the iteration after it runs."""
+class _StandIn:
+    """An elided loop's stand-in iteration (:func:`memtrain.memory.loops.weight` > 1): while it
+    runs, and once ended, while the iteration after it runs."""
 
-    serial: int  # the loop instance
-    mark: tuple[int, int]  # the iteration after it
-    survivors: dict[int, Any]  # id(winfo) -> winfo: what the stand-in allocated, still alive
-    added: dict[Any, list[int]]  # device -> bytes per category the stand-in added, net
-    times: int  # iterations the stand-in stands for
-    first_row: int  # the first row recorded after the stand-in
+    mark: tuple[int, int]  # (loop instance, iteration)
+    times: int  # iterations it stands for
+    start: dict[Any, list[int]]  # device -> bytes per category when it began
+    freed: dict[Any, list[int]]  # device -> bytes per category of multiplied storages it freed, all copies
+    survivors: dict[int, Any] = field(default_factory=dict)  # id(winfo) -> winfo allocated in it, alive
+    after: tuple[int, int] | None = None  # once ended: the iteration after it
+    added: dict[Any, list[int]] = field(default_factory=dict)  # once ended: what it added, net
+    first_row: int = 0  # once ended: the first row recorded after it
 
 
 class _EventRecorder:
@@ -60,12 +63,8 @@ class _EventRecorder:
         self._entry_fake_mode: Any = None
         # An elided loop's stand-in iteration (memtrain.memory.loops.weight() > 1): the storages it
         # allocates that outlive the iteration after it count once per iteration it stands for.
-        self._stand_in: dict[int, Any] | None = None  # id(winfo) -> winfo allocated in it, alive
-        self._stand_in_mark = (-1, -1)
-        self._stand_in_times = 1
-        self._stand_in_start: dict[Any, list[int]] = {}
-        self._stand_in_freed: dict[Any, list[int]] = {}  # multiplied storages it freed, all copies
-        self._pending: _Pending | None = None  # the stand-in has ended, the iteration after it runs
+        self._stand_in: _StandIn | None = None  # running
+        self._pending: _StandIn | None = None  # ended, the iteration after it running
         self.scaled: set[int] = set()  # loop instances whose stand-in's storages were multiplied
         self.irregular: set[int] = set()  # loop instances whose stand-in also freed or moved others
 
@@ -110,15 +109,15 @@ class _EventRecorder:
             if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
                 self.written += raw * loops.weight()
             if self._stand_in is not None:
-                self._stand_in[id(winfo)] = winfo
+                self._stand_in.survivors[id(winfo)] = winfo
         elif u_type == UpdateType.DEL:
             counts[slot] -= old * times
             if self._stand_in is not None and times > 1:
-                self._stand_in_freed[winfo.device][slot] += old * times
+                self._stand_in.freed[winfo.device][slot] += old * times
             delta_rounded = -_round(old) * times
-            for held in (self._stand_in, self._pending.survivors if self._pending else None):
-                if held is not None:
-                    held.pop(id(winfo), None)
+            for stand_in in (self._stand_in, self._pending):
+                if stand_in is not None:
+                    stand_in.survivors.pop(id(winfo), None)
         elif u_type == UpdateType.REF and old_reftype is not None:
             counts[self._index[old_reftype]] -= old * times
             counts[slot] += old * times
@@ -133,22 +132,21 @@ class _EventRecorder:
         """Start or end an elided loop's stand-in iteration (:func:`memtrain.memory.loops.weight`)
         and the iteration after it."""
         mark = loops.current()
-        if self._pending is not None and mark != self._pending.mark:
+        if self._pending is not None and mark != self._pending.after:
             self._multiply(self._pending)
             self._pending = None
-        if self._stand_in is not None and mark != self._stand_in_mark:
-            added = {d: [now - before + freed for now, before, freed in
-                         zip(self._raw[d], self._stand_in_start[d], self._stand_in_freed[d], strict=True)]
-                     for d in self._raw}  # net, but for multiplied storages (of a loop before) it freed
-            self._pending = _Pending(self._stand_in_mark[0], mark, self._stand_in, added,
-                                     self._stand_in_times, len(self.rows))
-            self._stand_in = None
+        if self._stand_in is not None and mark != self._stand_in.mark:
+            ended = self._stand_in
+            ended.after, ended.first_row = mark, len(self.rows)
+            ended.added = {d: [now - before + freed for now, before, freed in
+                               zip(self._raw[d], ended.start[d], ended.freed[d], strict=True)]
+                           for d in self._raw}  # net, but for multiplied storages (of a loop before) it freed
+            self._pending, self._stand_in = ended, None
         if self._stand_in is None and loops.weight() > 1:
-            self._stand_in, self._stand_in_mark, self._stand_in_times = {}, mark, loops.weight()
-            self._stand_in_start = {d: list(c) for d, c in self._raw.items()}
-            self._stand_in_freed = {d: [0] * len(c) for d, c in self._raw.items()}
+            self._stand_in = _StandIn(mark, loops.weight(), {d: list(c) for d, c in self._raw.items()},
+                                      {d: [0] * len(c) for d, c in self._raw.items()})
 
-    def _multiply(self, pending: _Pending) -> None:
+    def _multiply(self, pending: _StandIn) -> None:
         """The iteration after an elided loop's stand-in has ended. What the stand-in allocated and
         still holds (outputs kept for backward, a selective checkpoint's saved matmuls; not a loop
         variable the next iteration replaced) each skipped iteration would hold too: each such
@@ -164,7 +162,7 @@ class _EventRecorder:
                 held[winfo.device][self._index[winfo.reftype]] += winfo._memtrain_raw
         if held != pending.added:
             if any(any(v) for v in pending.added.values()) or any(any(v) for v in held.values()):
-                self.irregular.add(pending.serial)
+                self.irregular.add(pending.mark[0])
             return
         if not any(any(v) for v in held.values()):
             return
@@ -181,7 +179,7 @@ class _EventRecorder:
         shift = np.array([0, 0, *device, host, rounded], dtype=np.int64) * extra
         self.rows[pending.first_row:] = [tuple(int(v) for v in np.add(row, shift))
                                          for row in self.rows[pending.first_row:]]
-        self.scaled.add(pending.serial)
+        self.scaled.add(pending.mark[0])
 
     def on_peak_update(self, peak_state: object) -> None:
         self._follow_loops()
