@@ -124,7 +124,8 @@ def trace_grpo_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, s
             tracker = trace_training_step(trainer, mode, batch, accumulation, layers)
             marked = loops.loops()
         done = [r.detail or r.name for r in patches.records(model)]
-    work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written, tracker.ops["optimizer"])
+    work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written, tracker.ops["optimizer"],
+                float(tracker.layer_forward_flops))
     rows = np.array(tracker.rows, dtype=np.int64)
     marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,

@@ -132,15 +132,20 @@ class Work:
     ops: int  # ops dispatched in forward + backward (each costs a launch on a GPU)
     written: int  # bytes of the tensors forward + backward allocate (memory traffic)
     optimizer_ops: int
+    # of ``flops``, those of the forward inside the decoder layers: what checkpointing every layer
+    # runs again (the planner's lower bound for a candidate it has not traced)
+    layer_forward_flops: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(self.micro_batches, self.flops + other.flops, self.ops + other.ops,
-                    self.written + other.written, self.optimizer_ops + other.optimizer_ops)
+                    self.written + other.written, self.optimizer_ops + other.optimizer_ops,
+                    self.layer_forward_flops + other.layer_forward_flops)
 
     def scaled(self, factor: float) -> Work:
         """Every figure times ``factor`` (a linear extrapolation step)."""
         return Work(self.micro_batches, self.flops * factor, round(self.ops * factor),
-                    round(self.written * factor), round(self.optimizer_ops * factor))
+                    round(self.written * factor), round(self.optimizer_ops * factor),
+                    self.layer_forward_flops * factor)
 
 
 @dataclass
@@ -229,7 +234,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         done = [r.detail or r.name for r in patches.records(model)]
     tracker = meter.tracker
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
-                tracker.ops["optimizer"])
+                tracker.ops["optimizer"], float(tracker.layer_forward_flops))
     rows = np.array(tracker.rows, dtype=np.int64)
     marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,

@@ -60,6 +60,8 @@ class _EventRecorder:
         self.ops = {"step": 0, "optimizer": 0}
         self.written = 0
         self.flops = 0
+        self.layer_forward_flops = 0  # of them, the forward's inside a decoder layer
+        self._extra_flops = extra_flop_formulas()
         self._entry_fake_mode: Any = None
         # An elided loop's stand-in iteration (memtrain.memory.loops.weight() > 1): the storages it
         # allocates that outlive the iteration after it count once per iteration it stands for.
@@ -80,9 +82,13 @@ class _EventRecorder:
             return out  # DTensor's layout propagation (memtrain.estimator.fake): not part of the step
         times = loops.weight()  # an elided loop's kept iteration counts for the skipped ones
         self.ops["optimizer" if phase == "optimizer" else "step"] += times
-        count = flop_registry.get(overload_packet(func))
+        packet = overload_packet(func)
+        count = flop_registry.get(packet) or self._extra_flops.get(packet)
         if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
-            self.flops += times * flop_count(count, args, kwargs or {}, out)
+            flops = times * flop_count(count, args, kwargs or {}, out)
+            self.flops += flops
+            if phase == "forward" and self._current_layer() >= 0:
+                self.layer_forward_flops += flops
         return out
 
     def on_snapshot_update(self, u_type: UpdateType, winfo: object, old_mem_consumed: int | None = None,
@@ -218,6 +224,34 @@ class _FSDPEventTracker(_EventRecorder, trackers.FSDPTracker):
                  host: torch.device, layers: list[nn.Module]) -> None:
         super().__init__(model, optimizer, device, host, timeline=False)
         self._init_events(layers)
+
+
+def extra_flop_formulas() -> dict[Any, Any]:
+    """FLOP formulas for ops a trace dispatches that torch's ``flop_registry`` lacks (checked on
+    torch 2.10-2.15): CPU's flash attention, which a fake-tensor trace on a machine without CUDA
+    runs where CUDA runs the flash or efficient kernel (counted the same way), and bitsandbytes'
+    4-bit matmul (its forward; backward dequantizes, then ``mm``). Without them a trace planned here
+    saw no attention FLOPs and no 4-bit forward matmuls. Built per trace: bitsandbytes registers its
+    ops when imported."""
+    aten = torch.ops.aten
+    formulas: dict[Any, Any] = {}
+    for cpu, same in ((getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+                       aten._scaled_dot_product_flash_attention),
+                      (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+                       aten._scaled_dot_product_flash_attention_backward)):
+        if cpu is not None and same in flop_registry:
+            formulas[cpu] = flop_registry[same]
+    if hasattr(torch.ops, "bitsandbytes") and hasattr(torch.ops.bitsandbytes, "gemm_4bit"):
+        formulas[torch.ops.bitsandbytes.gemm_4bit] = _gemm_4bit_flops
+    return formulas
+
+
+def _gemm_4bit_flops(a: torch.Tensor, b: Any, shape_b: Any, *args: Any, out_val: Any = None,
+                     **kwargs: Any) -> int:
+    """``bitsandbytes::gemm_4bit(A, B, shapeB, ...)``: ``A [..., K] @ W.T`` with ``W`` of ``shapeB``
+    ``[N, K]`` stored packed in ``B``: 2 FLOPs per multiply-add, as ``mm``."""
+    rows = a.numel() // max(1, a.shape[-1])
+    return 2 * rows * int(shape_b[0]) * int(shape_b[1])
 
 
 def flop_count(count: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
