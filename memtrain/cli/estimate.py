@@ -142,6 +142,9 @@ def plan(
         min=0, help="Time this many of the fastest-predicted settings, at up to four micro-batches that fit, "
         "with real steps here and keep the fastest measured (builds the model).")] = 0,
     data: ReadData = False,
+    alternatives: Annotated[bool, typer.Option(
+        "--alternatives", help="Also trace the settings that cannot change the choice (predicted no "
+        "faster, with more memory techniques) and list them: slower; the same choice.")] = False,
 ) -> None:
     """Choose the `auto` settings: the fastest combination whose predicted peak fits the budget."""
     from memtrain.config import load_recipe
@@ -151,7 +154,8 @@ def plan(
     _check_device(device)
     _check_budget(budget)
     cfg = load_recipe(recipe, overrides or [])
-    result = planner.plan(cfg, budget, device=device, tune=tune, rows=_data_rows(cfg) if data else None)
+    result = planner.plan(cfg, budget, device=device, tune=tune, rows=_data_rows(cfg) if data else None,
+                          alternatives=alternatives)
     if as_json:
         console.print_json(json.dumps(planner.describe(result), default=str))
     else:

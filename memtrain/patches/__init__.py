@@ -107,6 +107,13 @@ class Knob:
             is reversed on the host (an offload). Every other knob's leaner values keep no more on
             the host either (fewer saved activations offload fewer bytes), which lets the planner
             prune by the host budget too (``memtrain.plan.search``).
+        lowers_cost: a value other than ``off`` can make some term of the step cheaper (the lean
+            norm writes fewer bytes than the norm it replaces), so the planner's lower bound for a
+            candidate traces it as the candidate has it rather than off
+            (``memtrain.plan.search.Search.lower_bound``; tests/plan/test_lower_bound.py).
+        sizes: the technique field this knob sizes (a tile or chunk size), or "": where the planner
+            turns that technique off, a size the recipe fixed is dropped with it
+            (``memtrain.plan.space.with_values``), as the recipe's checks require.
     """
 
     path: str
@@ -123,6 +130,8 @@ class Knob:
     technique: bool = True
     cost: str = ""
     to_host: bool = False
+    lowers_cost: bool = False
+    sizes: str = ""
 
     def rank_of(self, value: Any, shape: ModelShape) -> tuple[int, ...]:
         """``value``'s position in this knob's memory order."""

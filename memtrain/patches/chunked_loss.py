@@ -244,7 +244,7 @@ KNOBS = (
     # (same FLOPs); measured, a quarter of the rule's chunk took 1.07x the rule's step and one chunk
     # of everything 0.95x, at 1.8x its peak (docs/bench/loss_chunk.md, a 2-core CPU)
     Knob("memory.loss_chunk_tokens", lambda cfg, shape: chunk_ladder(shape.vocab), None, order=110,
-         rank=chunk_rank, plugin=True),
+         rank=chunk_rank, plugin=True, sizes="memory.loss"),
 )
 DOC = Doc("chunked loss",
           "`memory.loss: chunked`, `memory.loss_chunk_tokens: auto` (chunk sized from the budget)",

@@ -67,10 +67,16 @@ def model_shape(cfg: RunConfig, depth: int | None = None) -> ModelShape:
 def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     """A re-validated copy of ``cfg`` with dotted fields set.
 
+    A technique ``values`` turns off drops the size the recipe fixed for it (``Knob.sizes``: a
+    tile size means "if tiled"), unless ``values`` sets that size too.
+
     Raises:
         ValueError: the combination is invalid (e.g. a quantized base trained in full).
     """
     data = cfg.model_dump(mode="json")
+    for k in patches.knobs():
+        if k.sizes in values and k.path not in values and values[k.sizes] == patches.knob(k.sizes).off:
+            values = {**values, k.path: k.off}
     for path, value in values.items():
         node = data
         *parents, leaf = path.split(".")
@@ -129,6 +135,12 @@ def plain(fields: list[str]) -> dict[str, Any]:
 def base_fields() -> tuple[str, ...]:
     """The fields that describe the model being trained (kept in a plain trace)."""
     return tuple(k.path for k in patches.knobs() if k.base)
+
+
+def bound_fields() -> tuple[str, ...]:
+    """The fields a lower bound traces as the candidate has them: the model's own, and techniques
+    that can make a step cheaper (``Knob.lowers_cost``)."""
+    return tuple(k.path for k in patches.knobs() if k.base or k.lowers_cost)
 
 
 def patched_fields() -> tuple[str, ...]:
