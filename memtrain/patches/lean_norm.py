@@ -295,7 +295,8 @@ def undo(model: nn.Module) -> nn.Module:
 
 
 # keeps each norm's input and rstd; element-wise recompute
-KNOBS = (Knob("memory.lean_norm", fixed(False, True), False, order=150, plugin=True, patches_model=True),)
+KNOBS = (Knob("memory.lean_norm", fixed(False, True), False, order=150, plugin=True, patches_model=True,
+              lowers_cost=True),)
 DOC = Doc("lean RMSNorm", "`memory.lean_norm: true`",
           "each norm keeps its input and rstd, not its fp32 intermediates; element-wise recompute",
           "[lean_norm.md](docs/bench/lean_norm.md)")

@@ -269,6 +269,27 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module, Kind]]:
     return found
 
 
+def mlp_weights(model: nn.Module) -> list[int]:
+    """Weight elements (``in x out``) of each MLP's projections, per MLP in model order: what one
+    more MLP forward multiplies (2 FLOPs each per token) and what a 4-bit MLP dequantizes per pass.
+    Reads each projection's ``in_features`` and ``out_features`` (``nn.Linear``, bitsandbytes' and
+    peft's layers) or its 2-D weight's shape (GPT-2's ``Conv1D``); adapters are left out.
+
+    Raises:
+        NoMatchError: the model has no MLP this patch can tile (:func:`find_mlps`).
+    """
+    def elements(layer: nn.Module) -> int:
+        inner, outer = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
+        if isinstance(inner, int) and isinstance(outer, int):
+            return inner * outer
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            return int(weight.shape[0] * weight.shape[1])
+        return 0
+
+    return [sum(elements(getattr(m, p)) for p in kind.projections) for _, m, kind in find_mlps(model)]
+
+
 # ----------------------------------------------------------------------------- patching
 
 
@@ -355,7 +376,7 @@ KNOBS = (
     Knob("memory.tiled_mlp", fixed(False, True), False, order=130, plugin=True, patches_model=True,
          cost="tiled_dequantized"),
     Knob("memory.tiled_mlp_tile_tokens", lambda cfg, shape: [None, *tile_ladder(shape.hidden)], None,
-         order=140, rank=tile_rank, plugin=True),
+         order=140, rank=tile_rank, plugin=True, sizes="memory.tiled_mlp"),
 )
 DOC = Doc("tiled MLP",
           "`memory.tiled_mlp: true`, `memory.tiled_mlp_tile_tokens: auto` (tile sized from the budget)",

@@ -148,17 +148,23 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
     return StepCost(sum(parts.values()), parts)
 
 
-def tiled_dequantized(config: Any, tokens: int, tiles: int | None, tile_tokens: int | None,
+def tiled_dequantized(weights: int, hidden: int, tokens: int, tiles: int | None, tile_tokens: int | None,
                       recompute_passes: float) -> int:
     """4-bit MLP weight elements the tiled MLP dequantizes beyond the untiled passes, for one
     micro-batch of ``tokens`` tokens: each tile runs the MLP in forward, in the layer's recompute
     and twice in backward (its recompute with grad, then the backward), where the untiled MLP
-    dequantizes once per pass (:func:`step_seconds`' ``extra_dequantized``)."""
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    width = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    elements = int(config.num_hidden_layers) * 3 * hidden * width  # gate, up, down (Llama-style MLPs)
+    dequantizes once per pass (:func:`step_seconds`' ``extra_dequantized``). ``weights``: the
+    elements of every MLP's projections (:func:`memtrain.patches.tiled_mlp.mlp_weights`)."""
     count = tiles or math.ceil(tokens / max(1, int(tile_tokens or hidden or tokens)))
-    return int(elements * max(0.0, count * (3 + recompute_passes) - (2 + recompute_passes)))
+    return int(weights * max(0.0, count * (3 + recompute_passes) - (2 + recompute_passes)))
+
+
+def tiled_recompute_flops(weights: int, tokens: int) -> float:
+    """Matmul FLOPs the tiled MLP adds to a micro-batch of ``tokens`` tokens, at least: each tile's
+    forward runs once more in backward (its Function keeps only the input), checkpointed or not,
+    so one more forward of every MLP projection (``weights`` elements, 2 FLOPs each per token).
+    A trace without the tiling does not see them; the planner's lower bound adds them."""
+    return 2.0 * weights * tokens
 
 
 def work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:
@@ -168,5 +174,7 @@ def work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:
         raise MemtrainError("the estimate did not record the step's work (FLOPs); cannot plan")
     f2, f3 = w2.flops / w2.micro_batches, w3.flops / w3.micro_batches
     b2, b3 = w2.written / w2.micro_batches, w3.written / w3.micro_batches
+    r2, r3 = w2.layer_forward_flops / w2.micro_batches, w3.layer_forward_flops / w3.micro_batches
     return Work(1, max(0.0, f2 + (micro - 2) * (f3 - f2)), round(w2.ops / w2.micro_batches),
-                max(0, round(b2 + (micro - 2) * (b3 - b2))), w2.optimizer_ops)
+                max(0, round(b2 + (micro - 2) * (b3 - b2))), w2.optimizer_ops,
+                max(0.0, r2 + (micro - 2) * (r3 - r2)))

@@ -23,7 +23,7 @@ from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
-from memtrain.patches import ModelShape, NoMatchError
+from memtrain.patches import ModelShape, NoMatchError, tiled_mlp
 from memtrain.plan import costmodel, space
 from memtrain.plan.space import IN_BACKWARD, Candidate, auto_fields, batches, options, rank, with_values
 from memtrain.reliability.budget import HostBudget
@@ -56,6 +56,8 @@ _TRACES: dict[str, _Traced] = {}
 PATCHED_FIELDS = space.patched_fields()
 # the fields that describe the model being trained: a plain trace keeps them
 BASE_FIELDS = space.base_fields()
+# and the techniques a lower bound keeps as well (they can make a step cheaper than plain)
+BOUND_FIELDS = space.bound_fields()
 
 
 class Search:
@@ -130,6 +132,8 @@ class Search:
                 # Candidates come in the order of their bounds: none from here on is faster than
                 # `fastest`, so the tie window is final, and one with more techniques than a
                 # candidate inside it cannot be chosen (the tie rule counts techniques first).
+                # (Before the window is final, a faster candidate with more techniques, skipped,
+                # could have pushed the pick out of it: tests/plan/test_planner.py.)
                 fewest = min((c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)),
                              key=self.techniques)
                 if self.techniques(cand) > self.techniques(fewest):
@@ -289,19 +293,46 @@ class Search:
         return cand.min_peak <= self.usable and self.host is not None and not self.host.fits(cand.host)
 
     def lower_bound(self, cand: Candidate) -> float:
-        """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base."""
-        base = {f: v for f, v in cand.values.items() if f in BASE_FIELDS}
-        cfg = with_values(self.cfg, {**base, **self._plain(cand)})
+        """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base
+        (and of the techniques that can make a step cheaper, as ``cand`` has them), plus what its
+        other techniques add at least: a checkpoint's recompute, the tiled MLP's."""
+        base = {f: v for f, v in cand.values.items() if f in BOUND_FIELDS}
+        cfg = with_values(self.cfg, {**self._plain(cand), **base})
         batches = self.batches_for(cand) or self.batches
         micro, accumulation = batches[-1]
         held = 2 if any(a > 1 for _, a in self.batches) else 1
-        traced = self._traced(cfg, held)
+        try:
+            traced = self._traced(cfg, held)
+        except NoMatchError:  # e.g. a lean norm on a model without RMSNorm: `inapplicable` prunes it
+            return 0.0
         work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
-        ckpt = cand.values.get("memory.checkpointing", self.cfg.memory.checkpointing)
-        if ckpt == "full" or isinstance(ckpt, int):  # recompute: one more forward, >= 1/3 of the FLOPs
-            share = 1.0 if ckpt == "full" else min(1.0, ckpt / self.depth)
-            work = Work(1, work.flops * (1 + share / 3), work.ops, work.written, work.optimizer_ops)
+        get = lambda path: cand.values.get(path, recipe_value(self.cfg, path))  # noqa: E731
+        ckpt = get("memory.checkpointing")
+        flops = work.flops
+        if ckpt == "full" or isinstance(ckpt, int):  # recompute: the layers' forward once more
+            flops += work.layer_forward_flops * (1.0 if ckpt == "full" else min(1.0, ckpt / self.depth))
+        if get("memory.tiled_mlp") is True:  # each tile's forward once more in backward
+            flops += costmodel.tiled_recompute_flops(self.mlp_weights, micro * int(cfg.data.max_length))
+        work = Work(1, flops, work.ops, work.written, work.optimizer_ops)
         return self._cost(cfg, cand.values, work, traced.counts2, accumulation, None, micro).seconds
+
+    @functools.cached_property
+    def mlp_weights(self) -> int:
+        """Elements of every MLP projection's weight in the model, at least (the lightest of two
+        traced layers' MLPs times the depth): from a fake model of the recipe as written with its
+        techniques off; 0 where no MLP can be tiled."""
+        first = next(self.candidates(), None)  # the projections' shapes are the same in any
+        if first is None:  # quantization and adapter: the first candidate's, its techniques off
+            return 0
+        cfg = with_values(self.cfg, {**first.values, **self._plain(first)})
+        config, _ = resolve_config(cfg.model)
+        try:
+            with fake_tensor_mode(packed=cfg.data.packing), quiet_libraries():
+                model = build_fake_model(cfg, with_depth(config, min(2, self.depth)))
+                per_layer = tiled_mlp.mlp_weights(model)
+        except NoMatchError:
+            return 0
+        return min(per_layer) * self.depth if per_layer else 0
 
     def inapplicable(self, cand: Candidate) -> str | None:
         """Why one of ``cand``'s techniques cannot be applied to this model, or None.
@@ -438,7 +469,7 @@ class Search:
         opt_off = bool(get("memory.offload.optimizer"))
         # the tiled MLP dequantizes its 4-bit weights once per tile and pass: the candidate's tiles,
         # also in a lower bound (from a trace without them), where they can cost more than the rest
-        tiled = (costmodel.tiled_dequantized(self.config, micro * int(cfg.data.max_length),
+        tiled = (costmodel.tiled_dequantized(self.mlp_weights, self.hidden, micro * int(cfg.data.max_length),
                                              get("memory.tiled_mlp_tiles"),
                                              get("memory.tiled_mlp_tile_tokens"), passes)
                  if quantized and get("memory.tiled_mlp") is True else 0)

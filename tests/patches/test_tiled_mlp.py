@@ -468,13 +468,10 @@ def test_smaller_4bit_tiles_are_predicted_slower() -> None:
 
 
 def test_the_extra_dequantization_counts_every_tile_of_every_pass() -> None:
-    from types import SimpleNamespace
-
     from memtrain.plan.costmodel import tiled_dequantized
 
-    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32)
     weights = 32 * 3 * 4096 * 14336
     # one tile: forward, recompute, backward's recompute and backward, against the untiled 3 passes
-    assert tiled_dequantized(config, 4096, None, None, 1.0) == weights * 1
-    assert tiled_dequantized(config, 4096, None, 1024, 1.0) == weights * (4 * 4 - 3)
-    assert tiled_dequantized(config, 4096, 2, 1024, 0.0) == weights * (2 * 3 - 2)  # a count wins
+    assert tiled_dequantized(weights, 4096, 4096, None, None, 1.0) == weights * 1
+    assert tiled_dequantized(weights, 4096, 4096, None, 1024, 1.0) == weights * (4 * 4 - 3)
+    assert tiled_dequantized(weights, 4096, 4096, 2, 1024, 0.0) == weights * (2 * 3 - 2)  # a count wins
