@@ -101,66 +101,56 @@ class Search:
     def run(self) -> Candidate | None:
         cands = list(self.candidates())
         bounds = [(self.lower_bound(c), i) for i, c in enumerate(cands)]
+        bound_of = {i: b for b, i in bounds}
         fastest: Candidate | None = None
         too_big: list[Candidate] = []
         host_big: list[Candidate] = []  # fit the device, not the host
         fits: list[Candidate] = []
         probed: set[int] | None = None  # candidates judged by the probe pass (_probe_leanest)
-        for bound, i in sorted(bounds):
-            cand = cands[i]
-            if probed is not None and i in probed:
-                continue  # judged already: in `fits`, or in `too_big` / `done` with its reason
-            if (why := self.inapplicable(cand)) is not None:  # before any ranking: true on any machine
-                cand.reason = "not applicable to this model: " + why
-                self.pruned.append(cand)
-                continue
-            if fastest is not None and bound > fastest.seconds * (1 + TIE):
-                cand.reason = (f"slower: at least {bound:.3g} s per step, the fastest that fits needs "
-                               f"{fastest.seconds:.3g} s")
-                self.pruned.append(cand)
-                continue
-            if (big := next((t for t in too_big if self._dominated(cand, t)), None)) is not None:
-                cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
-                self.pruned.append(cand)
-                continue
-            if (big := next((t for t in host_big if self._dominated(cand, t, host=True)), None)) is not None:
-                cand.reason = (f"keeps at least as much on the host as {big.label()}, which does not fit "
-                               "the host")
-                self.pruned.append(cand)
-                continue
-            if not self.alternatives and fastest is not None and bound >= fastest.seconds:
-                # Candidates come in the order of their bounds: none from here on is faster than
-                # `fastest`, so the tie window is final, and one with more techniques than a
-                # candidate inside it cannot be chosen (the tie rule counts techniques first).
-                # (Before the window is final, a faster candidate with more techniques, skipped,
-                # could have pushed the pick out of it: tests/plan/test_planner.py.)
-                fewest = min((c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)),
-                             key=self.techniques)
-                if self.techniques(cand) > self.techniques(fewest):
-                    cand.reason = (f"not traced: at least {bound:.3g} s per step, no faster than "
-                                   f"{fastest.seconds:.3g} s, with more memory techniques than "
-                                   f"{fewest.label() or 'the recipe as written'}, which fits within the "
-                                   f"cost model's {TIE:.0%} error")
-                    self.pruned.append(cand)
-                    continue
-            try:
-                self.evaluate(cand)
-            except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)
-                cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
-                self.pruned.append(cand)
-                continue
+        seen: set[int] = set()  # judged: in the loop below, or traced ahead of their turn by it
+
+        def judge(cand: Candidate) -> None:
+            """Trace ``cand`` and file it: fits, too big for the device, or for the host."""
+            nonlocal fastest, probed
+            self.evaluate(cand)
             if cand.seconds == math.inf:
                 if cand.min_peak > self.usable:  # the device is too small
                     too_big.append(cand)
                     if probed is None and len(self.fields) > 1:
-                        probed = self._probe_leanest(cands, too_big, fits, host_big)
+                        probed = self._probe_leanest(cands, too_big, fits, host_big, seen)
                         fastest = min(fits, key=lambda c: c.seconds, default=None)
                 elif self._host_short(cand):
                     host_big.append(cand)
-                continue
+                return
             fits.append(cand)
             if fastest is None or cand.seconds < fastest.seconds:
                 fastest = cand
+
+        for bound, i in sorted(bounds):
+            cand = cands[i]
+            if i in seen or (probed is not None and i in probed):
+                continue  # judged already: in `fits`, or in `too_big` / `done` with its reason
+            seen.add(i)
+            if self._pruned(cand, bound, fastest, fits, too_big, host_big):
+                continue
+            # Before tracing it, the leanest candidate it keeps at least as much as, if that one
+            # could win too (its bound within reach): where that does not fit, neither does this
+            # one nor any other above it, all pruned by dominance for one trace.
+            k = self._leaner(cands, i, bound_of, seen | (probed or set()), fastest, too_big)
+            if k is not None:
+                seen.add(k)
+                try:
+                    judge(cands[k])
+                except NoMatchError as err:
+                    cands[k].reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
+                    self.pruned.append(cands[k])
+                if self._pruned(cand, bound, fastest, fits, too_big, host_big):
+                    continue
+            try:
+                judge(cand)
+            except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)
+                cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
+                self.pruned.append(cand)
         if fastest is None:
             return None
         ties = [c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)]
@@ -183,8 +173,58 @@ class Search:
                 cand.reason = f"slower: {cand.seconds:.3g} s per step vs {best.seconds:.3g} s"
         return best
 
+    def _pruned(self, cand: Candidate, bound: float, fastest: Candidate | None, fits: list[Candidate],
+                too_big: list[Candidate], host_big: list[Candidate]) -> bool:
+        """Whether ``cand`` is judged without a trace (its reason set, added to ``pruned``):
+        inapplicable, slower than the fastest by its bound, dominated by one that does not fit,
+        or (without alternatives) unable to change the choice."""
+        if (why := self.inapplicable(cand)) is not None:  # before any ranking: true on any machine
+            cand.reason = "not applicable to this model: " + why
+        elif fastest is not None and bound > fastest.seconds * (1 + TIE):
+            cand.reason = (f"slower: at least {bound:.3g} s per step, the fastest that fits needs "
+                           f"{fastest.seconds:.3g} s")
+        elif (big := next((t for t in too_big if self._dominated(cand, t)), None)) is not None:
+            cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
+        elif (big := next((t for t in host_big if self._dominated(cand, t, host=True)), None)) is not None:
+            cand.reason = (f"keeps at least as much on the host as {big.label()}, which does not fit "
+                           "the host")
+        elif not self.alternatives and fastest is not None and bound >= fastest.seconds:
+            # Candidates come in the order of their bounds: none from here on is faster than
+            # `fastest`, so the tie window is final, and one with more techniques than a
+            # candidate inside it cannot be chosen (the tie rule counts techniques first).
+            # (Before the window is final, a faster candidate with more techniques, skipped,
+            # could have pushed the pick out of it: tests/plan/test_planner.py.)
+            fewest = min((c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)),
+                         key=self.techniques)
+            if self.techniques(cand) <= self.techniques(fewest):
+                return False
+            cand.reason = (f"not traced: at least {bound:.3g} s per step, no faster than "
+                           f"{fastest.seconds:.3g} s, with more memory techniques than "
+                           f"{fewest.label() or 'the recipe as written'}, which fits within the "
+                           f"cost model's {TIE:.0%} error")
+        else:
+            return False
+        self.pruned.append(cand)
+        return True
+
+    def _leaner(self, cands: list[Candidate], i: int, bound_of: dict[int, float], seen: set[int],
+                fastest: Candidate | None, too_big: list[Candidate]) -> int | None:
+        """The leanest candidate not judged yet that ``cands[i]`` keeps at least as much as, in
+        every field, and whose bound could still win; None where there is none but ``cands[i]``."""
+        reach = fastest.seconds * (1 + TIE) if fastest is not None else math.inf
+        best, lean = None, -1
+        for k, other in enumerate(cands):
+            if k == i or k in seen or bound_of[k] > reach or not self._dominated(cands[i], other):
+                continue
+            if any(self._dominated(other, t) for t in too_big) or self.inapplicable(other) is not None:
+                continue
+            score = sum(sum(rank(f, v, self.depth, self.vocab)) for f, v in other.values.items())
+            if score > lean:
+                best, lean = k, score
+        return best
+
     def _probe_leanest(self, cands: list[Candidate], too_big: list[Candidate],
-                       fits: list[Candidate], host_big: list[Candidate]) -> set[int]:
+                       fits: list[Candidate], host_big: list[Candidate], seen: set[int]) -> set[int]:
         """Judge, for every value of every searched field, the candidate that keeps least with it:
         that value and every other field at the end of its memory order. Where that one does not
         fit, no candidate with the value fits (each keeps at least as much in every field), and the
@@ -204,7 +244,7 @@ class Search:
         for field_, values in domains.items():
             for value in values:
                 k = index.get(json.dumps({**lean, field_: value}, sort_keys=True, default=str))
-                if k is None or k in judged:
+                if k is None or k in judged or k in seen:  # ``seen``: judged by the main loop
                     continue
                 cand = cands[k]
                 if (self.inapplicable(cand) is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -180,8 +181,9 @@ def test_the_probe_pass_prunes_without_changing_the_choice(tmp_path: Path, corpu
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Near the limit (the fastest candidates too big), the search first judges each field value with
     every other field at its leanest; where that does not fit, every candidate with the value is
-    pruned by dominance. Same choice as the search without that pass, in fewer evaluations (9 of 64
-    here). (Planted: the pass filing a fitting probe as too big -> NothingFits.)"""
+    pruned by dominance. Tracing, before each candidate, the leanest one below it does the same work
+    candidate by candidate. Same choice as the search without either, in fewer evaluations (9 and 8
+    of 64 here). (Planted: the pass filing a fitting probe as too big -> NothingFits.)"""
     from memtrain.plan import search as search_mod
     from memtrain.plan.space import options, rank
 
@@ -212,10 +214,15 @@ def test_the_probe_pass_prunes_without_changing_the_choice(tmp_path: Path, corpu
     count = len(evaluated)
     evaluated.clear()
     monkeypatch.setattr(search_mod.Search, "_probe_leanest", lambda self, *args: set())
+    leaner = planner.plan(cfg, budget)  # the leanest below each candidate traced first, no probes
+    leaner_count = len(evaluated)
+    evaluated.clear()
+    monkeypatch.setattr(search_mod.Search, "_leaner", lambda self, *args: None)
     plain = planner.plan(cfg, budget)
-    assert probed.chosen.values == plain.chosen.values
+    assert probed.chosen.values == leaner.chosen.values == plain.chosen.values
     assert probed.chosen.peak <= probed.usable
     assert count < len(evaluated) / 2, (count, len(evaluated))  # 9 of 64 when written
+    assert leaner_count < len(evaluated) / 2, (leaner_count, len(evaluated))  # 8 of 64
 
 
 def test_a_search_allowing_only_micro_batch_1_traces_only_micro_batch_1(
@@ -317,11 +324,18 @@ def test_tracing_only_what_can_change_the_choice_keeps_the_choice(tmp_path: Path
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """`memtrain plan` without `--alternatives` skips a candidate once the smallest bound left is no
     faster than the fastest found (the tie window is final) and the candidate has more techniques
-    than one inside the window. Over random predictions (each bound at most its prediction), the
-    same choice as tracing everything, in fewer traces. (Planted: skipping once the smallest bound is
-    within the window of the pick, before the window is final -> another choice at some seeds: a
-    skipped faster candidate would have pushed the pick out of the window.)"""
+    than one inside the window; and before tracing a candidate the search traces the leanest one
+    below it. Over random predictions (each bound at most its prediction; peaks that fall along
+    every field's memory order; budgets that fit all, some or none), the same choice as tracing
+    every candidate in bound order, each in fewer traces. (Planted: skipping a candidate with more techniques
+    than one in the window before the window is final -> another choice: a skipped faster candidate
+    would have pushed the pick out of the window. A milder plant, skipping once the smallest bound
+    is within the window of the pick, was caught at one of 60 seeds before the search traced the
+    leanest candidate first and at none of 120 after: a rare case.)"""
     import random
+
+    from memtrain.plan import search as search_mod
+    from memtrain.plan.space import rank
 
     recipe = _recipe(tmp_path, corpus)
     recipe["training"].update(micro_batch_size=1, gradient_accumulation=1, effective_batch_size=1)
@@ -339,27 +353,36 @@ def test_tracing_only_what_can_change_the_choice_keeps_the_choice(tmp_path: Path
         cand.micro, cand.accumulation = 1, 1
         cand.seconds, _, cand.peak = truth[key(cand)]
         cand.min_peak = cand.peak
+        if cand.peak > self.usable:
+            cand.seconds = math.inf
         self.done.append(cand)
 
     monkeypatch.setattr(planner.Search, "evaluate", evaluate)
     monkeypatch.setattr(planner.Search, "lower_bound", lambda self, cand: truth[key(cand)][1])
     monkeypatch.setattr(planner.Search, "inapplicable", lambda self, cand: None)
-    cands = list(planner.Search(cfg, "cpu", 2**40).candidates())
-    fewer = 0
-    for _ in range(60):
+    probe = planner.Search(cfg, "cpu", 2**40)
+    cands = list(probe.candidates())
+    leaner = search_mod.Search._leaner
+    fewer = leaner_fewer = 0
+    for seed in range(120):
         truth.clear()
+        weight = {f: rng.uniform(20, 60) for f in probe.fields}
         for cand in cands:
             seconds = 1.0 + rng.random() * 0.2
-            truth[key(cand)] = (seconds, seconds * rng.uniform(0.85, 1.0), rng.randrange(100, 200))
-        evaluated.clear()
-        everything = planner.Search(cfg, "cpu", 2**40, alternatives=True).run()
-        every = len(evaluated)
-        evaluated.clear()
-        needed = planner.Search(cfg, "cpu", 2**40, alternatives=False).run()
-        assert needed is not None and everything is not None
-        assert needed.values == everything.values
-        fewer += len(evaluated) < every
-    assert fewer >= 30
+            lean = sum(weight[f] * sum(rank(f, v, probe.depth, probe.vocab)) for f, v in cand.values.items())
+            truth[key(cand)] = (seconds, seconds * rng.uniform(0.85, 1.0), int(400 - lean))
+        usable = 2**40 if seed < 60 else rng.randrange(150, 400)  # all fit, then some or none
+        choices, counts = [], []
+        for alternatives, lean_first in ((True, None), (False, None), (True, leaner)):
+            monkeypatch.setattr(search_mod.Search, "_leaner", lean_first or (lambda self, *args: None))
+            evaluated.clear()
+            chosen = planner.Search(cfg, "cpu", usable, alternatives=alternatives).run()
+            choices.append(chosen.values if chosen is not None else None)
+            counts.append(len(evaluated))
+        assert choices[0] == choices[1] == choices[2], (usable, choices)
+        fewer += counts[1] < counts[0]
+        leaner_fewer += counts[2] < counts[0]
+    assert fewer >= 40 and leaner_fewer >= 10, (fewer, leaner_fewer)  # 88 and 15 of 120 when written
 
 
 def test_a_size_fixed_for_an_auto_technique_goes_with_it_when_it_is_off(tmp_path: Path, corpus: Path) -> None:
