@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_leaves
 from memtrain._compat.versions import private
 
 __all__ = ["FakeTensor", "FakeTensorMode", "active_fake_mode", "backward_hooks", "clear_cublas_workspaces",
-           "foreach_mul_", "is_fake", "keep_on_device", "module_tensor_tables", "overload_packet",
+           "extra_flop_formulas", "foreach_mul_", "is_fake", "keep_on_device", "module_tensor_tables",
+           "overload_packet",
            "post_accumulate_grad_hooks", "set_allocator_settings", "tensor_base", "tensor_version",
            "tree_leaves", "unset_fake_temporarily"]
 
@@ -105,3 +106,32 @@ def private_op(name: str) -> Any:
     packet = private(torch.ops.aten, name, f"{_SHIM}.private_op", "torch")
     return packet.default
 
+
+def extra_flop_formulas() -> dict[Any, Any]:
+    """FLOP formulas for ops a trace dispatches that torch's ``flop_registry`` lacks (checked on
+    torch 2.13; looked up by name, an op this torch lacks is skipped): CPU's flash attention, which
+    a fake-tensor trace on a machine without CUDA runs where CUDA runs the flash or efficient kernel
+    (counted the same way), and bitsandbytes' 4-bit matmul (its forward; backward dequantizes, then
+    ``mm``). Without them a trace planned here saw no attention FLOPs and no 4-bit forward matmuls.
+    Built per trace: bitsandbytes registers its ops when imported."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    formulas: dict[Any, Any] = {}
+    for cpu, same in ((getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+                       getattr(aten, "_scaled_dot_product_flash_attention", None)),
+                      (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
+                       getattr(aten, "_scaled_dot_product_flash_attention_backward", None))):
+        if cpu is not None and same in flop_registry:
+            formulas[cpu] = flop_registry[same]
+    if hasattr(torch.ops, "bitsandbytes") and hasattr(torch.ops.bitsandbytes, "gemm_4bit"):
+        formulas[torch.ops.bitsandbytes.gemm_4bit] = _gemm_4bit_flops
+    return formulas
+
+
+def _gemm_4bit_flops(a: torch.Tensor, b: Any, shape_b: Any, *args: Any, out_val: Any = None,
+                     **kwargs: Any) -> int:
+    """``bitsandbytes::gemm_4bit(A, B, shapeB, ...)``: ``A [..., K] @ W.T`` with ``W`` of ``shapeB``
+    ``[N, K]`` stored packed in ``B``: 2 FLOPs per multiply-add, as ``mm``."""
+    rows = a.numel() // max(1, a.shape[-1])
+    return 2 * rows * int(shape_b[0]) * int(shape_b[1])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from memtrain._compat.torch_tools import active_fake_mode, overload_packet
+from memtrain._compat.torch_tools import active_fake_mode, extra_flop_formulas, overload_packet
 from memtrain._compat.torch_trackers import MemRefType, UpdateType
 from memtrain.memory import loops, trackers
 from memtrain.memory import meter as meter_mod
@@ -224,34 +224,6 @@ class _FSDPEventTracker(_EventRecorder, trackers.FSDPTracker):
                  host: torch.device, layers: list[nn.Module]) -> None:
         super().__init__(model, optimizer, device, host, timeline=False)
         self._init_events(layers)
-
-
-def extra_flop_formulas() -> dict[Any, Any]:
-    """FLOP formulas for ops a trace dispatches that torch's ``flop_registry`` lacks (checked on
-    torch 2.10-2.15): CPU's flash attention, which a fake-tensor trace on a machine without CUDA
-    runs where CUDA runs the flash or efficient kernel (counted the same way), and bitsandbytes'
-    4-bit matmul (its forward; backward dequantizes, then ``mm``). Without them a trace planned here
-    saw no attention FLOPs and no 4-bit forward matmuls. Built per trace: bitsandbytes registers its
-    ops when imported."""
-    aten = torch.ops.aten
-    formulas: dict[Any, Any] = {}
-    for cpu, same in ((getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
-                       aten._scaled_dot_product_flash_attention),
-                      (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None),
-                       aten._scaled_dot_product_flash_attention_backward)):
-        if cpu is not None and same in flop_registry:
-            formulas[cpu] = flop_registry[same]
-    if hasattr(torch.ops, "bitsandbytes") and hasattr(torch.ops.bitsandbytes, "gemm_4bit"):
-        formulas[torch.ops.bitsandbytes.gemm_4bit] = _gemm_4bit_flops
-    return formulas
-
-
-def _gemm_4bit_flops(a: torch.Tensor, b: Any, shape_b: Any, *args: Any, out_val: Any = None,
-                     **kwargs: Any) -> int:
-    """``bitsandbytes::gemm_4bit(A, B, shapeB, ...)``: ``A [..., K] @ W.T`` with ``W`` of ``shapeB``
-    ``[N, K]`` stored packed in ``B``: 2 FLOPs per multiply-add, as ``mm``."""
-    rows = a.numel() // max(1, a.shape[-1])
-    return 2 * rows * int(shape_b[0]) * int(shape_b[1])
 
 
 def flop_count(count: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:

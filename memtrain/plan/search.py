@@ -349,9 +349,11 @@ class Search:
         get = lambda path: cand.values.get(path, recipe_value(self.cfg, path))  # noqa: E731
         ckpt = get("memory.checkpointing")
         flops = work.flops
-        if ckpt == "full" or isinstance(ckpt, int):  # recompute: the layers' forward once more
+        # what the candidate adds to the bound's trace (where the recipe fixes a technique, that
+        # trace has it already)
+        if (ckpt == "full" or isinstance(ckpt, int)) and cfg.memory.checkpointing == "none":
             flops += work.layer_forward_flops * (1.0 if ckpt == "full" else min(1.0, ckpt / self.depth))
-        if get("memory.tiled_mlp") is True:  # each tile's forward once more in backward
+        if get("memory.tiled_mlp") is True and cfg.memory.tiled_mlp is not True:  # each tile's forward
             flops += costmodel.tiled_recompute_flops(self.mlp_weights, micro * int(cfg.data.max_length))
         work = Work(1, flops, work.ops, work.written, work.optimizer_ops)
         return self._cost(cfg, cand.values, work, traced.counts2, accumulation, None, micro).seconds
