@@ -333,30 +333,35 @@ class Search:
         return cand.min_peak <= self.usable and self.host is not None and not self.host.fits(cand.host)
 
     def lower_bound(self, cand: Candidate) -> float:
-        """Seconds per step at the largest micro-batch, from the plain trace of its adapter and base
-        (and of the techniques that can make a step cheaper, as ``cand`` has them), plus what its
-        other techniques add at least: a checkpoint's recompute, the tiled MLP's."""
+        """Seconds per step from the plain trace of its adapter and base (and of the techniques
+        that can make a step cheaper, as ``cand`` has them), plus what its other techniques add at
+        least: a checkpoint's recompute, the tiled MLP's; at the micro-batch where a step costs
+        least (the largest where the effective batch is fixed, the smallest where it grows with the
+        micro-batch), since the one ``cand`` fits is not known before its trace."""
         base = {f: v for f, v in cand.values.items() if f in BOUND_FIELDS}
         cfg = with_values(self.cfg, {**self._plain(cand), **base})
         batches = self.batches_for(cand) or self.batches
-        micro, accumulation = batches[-1]
         held = 2 if any(a > 1 for _, a in self.batches) else 1
         try:
             traced = self._traced(cfg, held)
         except NoMatchError:  # e.g. a lean norm on a model without RMSNorm: `inapplicable` prunes it
             return 0.0
-        work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
         get = lambda path: cand.values.get(path, recipe_value(self.cfg, path))  # noqa: E731
         ckpt = get("memory.checkpointing")
-        flops = work.flops
-        # what the candidate adds to the bound's trace (where the recipe fixes a technique, that
-        # trace has it already)
-        if (ckpt == "full" or isinstance(ckpt, int)) and cfg.memory.checkpointing == "none":
-            flops += work.layer_forward_flops * (1.0 if ckpt == "full" else min(1.0, ckpt / self.depth))
-        if get("memory.tiled_mlp") is True and cfg.memory.tiled_mlp is not True:  # each tile's forward
-            flops += costmodel.tiled_recompute_flops(self.mlp_weights, micro * int(cfg.data.max_length))
-        work = Work(1, flops, work.ops, work.written, work.optimizer_ops)
-        return self._cost(cfg, cand.values, work, traced.counts2, accumulation, None, micro).seconds
+        least = math.inf
+        for micro, accumulation in {batches[0], batches[-1]}:  # a step's cost is monotone between
+            work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
+            flops = work.flops
+            # what the candidate adds to the bound's trace (where the recipe fixes a technique,
+            # that trace has it already)
+            if (ckpt == "full" or isinstance(ckpt, int)) and cfg.memory.checkpointing == "none":
+                flops += work.layer_forward_flops * (1.0 if ckpt == "full" else min(1.0, ckpt / self.depth))
+            if get("memory.tiled_mlp") is True and cfg.memory.tiled_mlp is not True:  # tiles' forward
+                flops += costmodel.tiled_recompute_flops(self.mlp_weights, micro * int(cfg.data.max_length))
+            work = Work(1, flops, work.ops, work.written, work.optimizer_ops)
+            least = min(least, self._cost(cfg, cand.values, work, traced.counts2, accumulation, None,
+                                          micro).seconds)
+        return least
 
     @functools.cached_property
     def mlp_weights(self) -> int:

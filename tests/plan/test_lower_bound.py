@@ -67,3 +67,22 @@ def test_the_bound_is_at_most_the_prediction(tmp_path: Path, tiny_text_file: Pat
 def test_the_tiled_bound_counts_the_mlp_forward_it_repeats() -> None:
     weights = 32 * 3 * 4096 * 14336  # Llama-3.1-8B's MLPs
     assert costmodel.tiled_recompute_flops(weights, 131_072) == 2 * weights * 131_072
+
+
+def test_the_bound_holds_at_the_micro_batch_that_fits() -> None:
+    """The bound is computed before the trace says which micro-batch fits: it is taken where a step
+    costs least, which is the largest micro-batch only when the effective batch is fixed. The
+    quickstart with `micro_batch_size: auto` and no effective batch (a step grows with the
+    micro-batch): the bound at micro-batch 1,024 pruned every candidate but full checkpointing,
+    which a leanest-first trace had found fitting at micro-batch 25 (`checkpointing: none` fits 6
+    and is faster)."""
+    cfg = load_recipe("recipes/quickstart.yaml", ["training.micro_batch_size=auto",
+                                                  "memory.checkpointing=auto"])
+    search = Search(cfg, "cpu", 180 * 2**20)
+    micros = set()
+    for cand in search.candidates():
+        search.evaluate(cand)
+        assert cand.seconds < math.inf
+        assert search.lower_bound(cand) <= cand.seconds * (1 + 1e-9), (cand.label(), cand.parts)
+        micros.add(cand.micro)
+    assert len(micros) >= 2  # candidates fit different micro-batches
