@@ -79,6 +79,10 @@ class Search:
         skip = ("training.micro", "training.gradient", "data.")  # batches: below; the length: plan.length
         self.fields = [f for f in auto_fields(cfg) if not f.startswith(skip)] if fields is None else fields
         self.batches = batches(cfg)
+        # Without a fixed effective batch a larger micro-batch is a larger step: candidates, which fit
+        # different micro-batches, are compared per example then (per step otherwise: the same order)
+        self.per_example = len({m * a for m, a in self.batches}) > 1
+        self.unit = "s per example" if self.per_example else "s per step"
         self.shape = ModelShape(self.depth, self.hidden, self.vocab)
         self.rates = costmodel.rates(device)
         self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates
@@ -118,12 +122,12 @@ class Search:
                     too_big.append(cand)
                     if probed is None and len(self.fields) > 1:
                         probed = self._probe_leanest(cands, too_big, fits, host_big, seen)
-                        fastest = min(fits, key=lambda c: c.seconds, default=None)
+                        fastest = min(fits, key=self.time, default=None)
                 elif self._host_short(cand):
                     host_big.append(cand)
                 return
             fits.append(cand)
-            if fastest is None or cand.seconds < fastest.seconds:
+            if fastest is None or self.time(cand) < self.time(fastest):
                 fastest = cand
 
         for bound, i in sorted(bounds):
@@ -153,24 +157,24 @@ class Search:
                 self.pruned.append(cand)
         if fastest is None:
             return None
-        ties = [c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)]
-        best = min(ties, key=lambda c: (self.techniques(c), _gathers(c), c.peak, c.seconds))
+        ties = [c for c in fits if self.time(c) <= self.time(fastest) * (1 + TIE)]
+        best = min(ties, key=lambda c: (self.techniques(c), _gathers(c), c.peak, self.time(c)))
         self._settle(best)
         for cand in fits:
             if cand is best:
                 continue
             if cand in ties and self.techniques(cand) > self.techniques(best):
-                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
-                               f"model's {TIE:.0%} error, and it uses more memory techniques")
+                cand.reason = (f"{self.time(cand):.3g} {self.unit} vs {self.time(best):.3g} s: within the "
+                               f"cost model's {TIE:.0%} error, and it uses more memory techniques")
             elif cand in ties and _gathers(cand) > _gathers(best):
-                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
-                               f"model's {TIE:.0%} error, and it gathers every layer's weights twice per "
-                               "step (`sharding: full`) where `grad_op` gathers them once")
+                cand.reason = (f"{self.time(cand):.3g} {self.unit} vs {self.time(best):.3g} s: within the "
+                               f"cost model's {TIE:.0%} error, and it gathers every layer's weights twice "
+                               "per step (`sharding: full`) where `grad_op` gathers them once")
             elif cand in ties and cand.peak > best.peak:
-                cand.reason = (f"{cand.seconds:.3g} s per step vs {best.seconds:.3g} s: within the cost "
-                               f"model's {TIE:.0%} error, and it leaves less memory free")
+                cand.reason = (f"{self.time(cand):.3g} {self.unit} vs {self.time(best):.3g} s: within the "
+                               f"cost model's {TIE:.0%} error, and it leaves less memory free")
             else:
-                cand.reason = f"slower: {cand.seconds:.3g} s per step vs {best.seconds:.3g} s"
+                cand.reason = f"slower: {self.time(cand):.3g} {self.unit} vs {self.time(best):.3g} s"
         return best
 
     def _pruned(self, cand: Candidate, bound: float, fastest: Candidate | None, fits: list[Candidate],
@@ -180,26 +184,26 @@ class Search:
         or (without alternatives) unable to change the choice."""
         if (why := self.inapplicable(cand)) is not None:  # before any ranking: true on any machine
             cand.reason = "not applicable to this model: " + why
-        elif fastest is not None and bound > fastest.seconds * (1 + TIE):
-            cand.reason = (f"slower: at least {bound:.3g} s per step, the fastest that fits needs "
-                           f"{fastest.seconds:.3g} s")
+        elif fastest is not None and bound > self.time(fastest) * (1 + TIE):
+            cand.reason = (f"slower: at least {bound:.3g} {self.unit}, the fastest that fits needs "
+                           f"{self.time(fastest):.3g} s")
         elif (big := next((t for t in too_big if self._dominated(cand, t)), None)) is not None:
             cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
         elif (big := next((t for t in host_big if self._dominated(cand, t, host=True)), None)) is not None:
             cand.reason = (f"keeps at least as much on the host as {big.label()}, which does not fit "
                            "the host")
-        elif not self.alternatives and fastest is not None and bound >= fastest.seconds:
+        elif not self.alternatives and fastest is not None and bound >= self.time(fastest):
             # Candidates come in the order of their bounds: none from here on is faster than
             # `fastest`, so the tie window is final, and one with more techniques than a
             # candidate inside it cannot be chosen (the tie rule counts techniques first).
             # (Before the window is final, a faster candidate with more techniques, skipped,
             # could have pushed the pick out of it: tests/plan/test_planner.py.)
-            fewest = min((c for c in fits if c.seconds <= fastest.seconds * (1 + TIE)),
+            fewest = min((c for c in fits if self.time(c) <= self.time(fastest) * (1 + TIE)),
                          key=self.techniques)
             if self.techniques(cand) <= self.techniques(fewest):
                 return False
-            cand.reason = (f"not traced: at least {bound:.3g} s per step, no faster than "
-                           f"{fastest.seconds:.3g} s, with more memory techniques than "
+            cand.reason = (f"not traced: at least {bound:.3g} {self.unit}, no faster than "
+                           f"{self.time(fastest):.3g} s, with more memory techniques than "
                            f"{fewest.label() or 'the recipe as written'}, which fits within the "
                            f"cost model's {TIE:.0%} error")
         else:
@@ -211,7 +215,7 @@ class Search:
                 fastest: Candidate | None, too_big: list[Candidate]) -> int | None:
         """The leanest candidate not judged yet that ``cands[i]`` keeps at least as much as, in
         every field, and whose bound could still win; None where there is none but ``cands[i]``."""
-        reach = fastest.seconds * (1 + TIE) if fastest is not None else math.inf
+        reach = self.time(fastest) * (1 + TIE) if fastest is not None else math.inf
         best, lean = None, -1
         for k, other in enumerate(cands):
             if k == i or k in seen or bound_of[k] > reach or not self._dominated(cands[i], other):
@@ -280,6 +284,11 @@ class Search:
         summary = self._summary(self._traced(cfg, 1), cand.micro)
         cand.peak, cand.host = summary.total_bytes, summary.host_peak_bytes
 
+    def time(self, cand: Candidate) -> float:
+        """What the search ranks ``cand`` (evaluated) by: seconds per step, or per example where the
+        effective batch is not fixed (``per_example``)."""
+        return cand.seconds / (cand.micro * cand.accumulation) if self.per_example else cand.seconds
+
     def techniques(self, cand: Candidate) -> int:
         """How many memory techniques ``cand`` turns on (LoRA vs full fine-tuning is not one)."""
         return sum(1 for f, v in cand.values.items() if space.turns_on(f, v, self.depth))
@@ -333,11 +342,11 @@ class Search:
         return cand.min_peak <= self.usable and self.host is not None and not self.host.fits(cand.host)
 
     def lower_bound(self, cand: Candidate) -> float:
-        """Seconds per step from the plain trace of its adapter and base (and of the techniques
-        that can make a step cheaper, as ``cand`` has them), plus what its other techniques add at
-        least: a checkpoint's recompute, the tiled MLP's; at the micro-batch where a step costs
-        least (the largest where the effective batch is fixed, the smallest where it grows with the
-        micro-batch), since the one ``cand`` fits is not known before its trace."""
+        """What :meth:`time` ranks ``cand`` by, at least: from the plain trace of its adapter and
+        base (and of the techniques that can make a step cheaper, as ``cand`` has them), plus what
+        its other techniques add at least (a checkpoint's recompute, the tiled MLP's), at the
+        largest micro-batch: where a step with a fixed effective batch, or an example, costs least
+        (the micro-batch ``cand`` fits is not known before its trace)."""
         base = {f: v for f, v in cand.values.items() if f in BOUND_FIELDS}
         cfg = with_values(self.cfg, {**self._plain(cand), **base})
         batches = self.batches_for(cand) or self.batches
@@ -348,20 +357,18 @@ class Search:
             return 0.0
         get = lambda path: cand.values.get(path, recipe_value(self.cfg, path))  # noqa: E731
         ckpt = get("memory.checkpointing")
-        least = math.inf
-        for micro, accumulation in {batches[0], batches[-1]}:  # a step's cost is monotone between
-            work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
-            flops = work.flops
-            # what the candidate adds to the bound's trace (where the recipe fixes a technique,
-            # that trace has it already)
-            if (ckpt == "full" or isinstance(ckpt, int)) and cfg.memory.checkpointing == "none":
-                flops += work.layer_forward_flops * (1.0 if ckpt == "full" else min(1.0, ckpt / self.depth))
-            if get("memory.tiled_mlp") is True and cfg.memory.tiled_mlp is not True:  # tiles' forward
-                flops += costmodel.tiled_recompute_flops(self.mlp_weights, micro * int(cfg.data.max_length))
-            work = Work(1, flops, work.ops, work.written, work.optimizer_ops)
-            least = min(least, self._cost(cfg, cand.values, work, traced.counts2, accumulation, None,
-                                          micro).seconds)
-        return least
+        micro, accumulation = batches[-1]  # a step, or an example, costs least there
+        work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
+        flops = work.flops
+        # what the candidate adds to the bound's trace (where the recipe fixes a technique, that
+        # trace has it already)
+        if (ckpt == "full" or isinstance(ckpt, int)) and cfg.memory.checkpointing == "none":
+            flops += work.layer_forward_flops * (1.0 if ckpt == "full" else min(1.0, ckpt / self.depth))
+        if get("memory.tiled_mlp") is True and cfg.memory.tiled_mlp is not True:  # each tile's forward
+            flops += costmodel.tiled_recompute_flops(self.mlp_weights, micro * int(cfg.data.max_length))
+        work = Work(1, flops, work.ops, work.written, work.optimizer_ops)
+        seconds = self._cost(cfg, cand.values, work, traced.counts2, accumulation, None, micro).seconds
+        return seconds / (micro * accumulation) if self.per_example else seconds
 
     @functools.cached_property
     def mlp_weights(self) -> int:

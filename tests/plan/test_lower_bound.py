@@ -70,12 +70,12 @@ def test_the_tiled_bound_counts_the_mlp_forward_it_repeats() -> None:
 
 
 def test_the_bound_holds_at_the_micro_batch_that_fits() -> None:
-    """The bound is computed before the trace says which micro-batch fits: it is taken where a step
-    costs least, which is the largest micro-batch only when the effective batch is fixed. The
-    quickstart with `micro_batch_size: auto` and no effective batch (a step grows with the
-    micro-batch): the bound at micro-batch 1,024 pruned every candidate but full checkpointing,
-    which a leanest-first trace had found fitting at micro-batch 25 (`checkpointing: none` fits 6
-    and is faster)."""
+    """The bound is computed before the trace says which micro-batch fits. The quickstart with
+    `micro_batch_size: auto` and no effective batch, where a step grows with the micro-batch:
+    candidates are ranked, and bounded, per example there (at the largest micro-batch an example
+    costs least). Bounded per step at micro-batch 1,024, every candidate but full checkpointing was
+    pruned once a leanest-first trace had found that one fitting at micro-batch 25 (`checkpointing:
+    none` fits 6 and is faster per step and per example). (Planted: the per-step bound -> fails.)"""
     cfg = load_recipe("recipes/quickstart.yaml", ["training.micro_batch_size=auto",
                                                   "memory.checkpointing=auto"])
     search = Search(cfg, "cpu", 180 * 2**20)
@@ -83,6 +83,7 @@ def test_the_bound_holds_at_the_micro_batch_that_fits() -> None:
     for cand in search.candidates():
         search.evaluate(cand)
         assert cand.seconds < math.inf
-        assert search.lower_bound(cand) <= cand.seconds * (1 + 1e-9), (cand.label(), cand.parts)
+        assert search.per_example
+        assert search.lower_bound(cand) <= search.time(cand) * (1 + 1e-9), (cand.label(), cand.parts)
         micros.add(cand.micro)
     assert len(micros) >= 2  # candidates fit different micro-batches
