@@ -137,10 +137,12 @@ class Search:
             seen.add(i)
             if self._pruned(cand, bound, fastest, fits, too_big, host_big):
                 continue
-            # Before tracing it, the leanest candidate it keeps at least as much as, if that one
-            # could win too (its bound within reach): where that does not fit, neither does this
-            # one nor any other above it, all pruned by dominance for one trace.
-            k = self._leaner(cands, i, bound_of, seen | (probed or set()), fastest, too_big)
+            # Near the limit (a candidate was too big), before tracing it, the leanest candidate it
+            # keeps at least as much as, if that one could win too (its bound within reach): where
+            # that does not fit, neither does this one nor any other above it, all pruned by
+            # dominance for one trace. (With room to spare it would only trace slower candidates.)
+            k = (self._leaner(cands, i, bound_of, seen | (probed or set()), fastest, too_big)
+                 if too_big else None)
             if k is not None:
                 seen.add(k)
                 try:
