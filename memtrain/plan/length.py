@@ -33,7 +33,7 @@ from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
 from memtrain.estimator.setup import position_limit, resolve_config
 from memtrain.plan.search import Search
-from memtrain.plan.space import Candidate, rank, with_values
+from memtrain.plan.space import Candidate, with_values
 from memtrain.units import format_bytes
 
 LENGTH_STEP = 256  # planned lengths are multiples of this many tokens
@@ -198,8 +198,7 @@ def _leanest(cfg: RunConfig, device: str, usable: int, step: int) -> Candidate:
     """The valid, applicable candidate that keeps least: the most fields at the end of their
     memory order (:func:`memtrain.plan.space.rank`)."""
     search = Search(with_values(cfg, {MAX_KEY: step}), device, usable)
-    cands = sorted(search.candidates(), key=lambda c: -sum(
-        sum(rank(f, v, search.depth, search.vocab)) for f, v in c.values.items()))
+    cands = sorted(search.candidates(), key=lambda c: -search.leanness(c))
     for cand in cands:
         if search.batches_for(cand) and search.inapplicable(cand) is None:
             cand.micro, cand.accumulation = search.batches_for(cand)[0]

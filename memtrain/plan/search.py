@@ -224,7 +224,7 @@ class Search:
                 continue
             if any(self._dominated(other, t) for t in too_big) or self.inapplicable(other) is not None:
                 continue
-            score = sum(sum(rank(f, v, self.depth, self.vocab)) for f, v in other.values.items())
+            score = self.leanness(other)
             if score > lean:
                 best, lean = k, score
         return best
@@ -285,6 +285,11 @@ class Search:
         cfg = with_values(self.cfg, cand.values)
         summary = self._summary(self._traced(cfg, 1), cand.micro)
         cand.peak, cand.host = summary.total_bytes, summary.host_peak_bytes
+
+    def leanness(self, cand: Candidate) -> int:
+        """How far down the fields' memory orders ``cand`` sits (the sum of its ranks): the
+        candidate with the most is the leanest."""
+        return sum(sum(rank(f, v, self.depth, self.vocab)) for f, v in cand.values.items())
 
     def time(self, cand: Candidate) -> float:
         """What the search ranks ``cand`` (evaluated) by: seconds per step, or per example where the
