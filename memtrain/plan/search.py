@@ -114,9 +114,16 @@ class Search:
         seen: set[int] = set()  # judged: in the loop below, or traced ahead of their turn by it
 
         def judge(cand: Candidate) -> None:
-            """Trace ``cand`` and file it: fits, too big for the device, or for the host."""
+            """Trace ``cand`` and file it: fits, too big for the device, or for the host; or, where
+            a patch finds nothing to act on (checkpointing a model without a list of layers,
+            ALBERT), not applicable."""
             nonlocal fastest, probed
-            self.evaluate(cand)
+            try:
+                self.evaluate(cand)
+            except NoMatchError as err:
+                cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
+                self.pruned.append(cand)
+                return
             if cand.seconds == math.inf:
                 if cand.min_peak > self.usable:  # the device is too small
                     too_big.append(cand)
@@ -145,18 +152,10 @@ class Search:
                  if too_big else None)
             if k is not None:
                 seen.add(k)
-                try:
-                    judge(cands[k])
-                except NoMatchError as err:
-                    cands[k].reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
-                    self.pruned.append(cands[k])
+                judge(cands[k])
                 if self._pruned(cand, bound, fastest, fits, too_big, host_big):
                     continue
-            try:
-                judge(cand)
-            except NoMatchError as err:  # e.g. checkpointing a model without a list of layers (ALBERT)
-                cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
-                self.pruned.append(cand)
+            judge(cand)
         if fastest is None:
             return None
         ties = [c for c in fits if self.time(c) <= self.time(fastest) * (1 + TIE)]
