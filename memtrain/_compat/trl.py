@@ -14,7 +14,10 @@ precomputation, ...) and runs the stock ``DPOTrainer``. What is here has no publ
   ``compute_loss`` (the auto-fit probe's steps are not training steps);
 - :func:`generated`: ``GRPOTrainer``'s training step without its generation: its ``_prepare_inputs``
   (which generates completions every ``steps_per_generation`` steps) answers the given, already
-  generated inputs, and its step counter ``_step`` is put back (the estimator traces the loss step).
+  generated inputs, and its step counter ``_step`` is put back (the estimator traces the loss step);
+- :class:`GenerationSteps`: a ``GRPOTrainer``'s training step in two halves, generation (or the
+  buffered slice of the last generation) and the loss step on it, so that out-of-memory recovery
+  can redo the loss step on the same completions.
 
 Checked on trl 1.16.0 (installed; the tested range is :data:`memtrain._compat.versions.TESTED`, 1.16).
 """
@@ -132,6 +135,49 @@ def generated(trainer: Any) -> Iterator[None]:
     finally:
         trainer.__dict__.pop("_prepare_inputs", None)
         trainer._step = step
+
+
+class GenerationSteps:
+    """TRL's ``GRPOTrainer.training_step`` in two halves, for out-of-memory recovery.
+
+    TRL's step prepares its inputs first: every ``steps_per_generation`` micro-steps it generates
+    completions for a whole generation batch and scores them, and each micro-step takes its slice
+    of that buffer by its counter ``_step``, which the step advances at its end. Redoing a step
+    through ``training_step`` would generate again (new completions) or take another slice.
+    Here :meth:`prepare` runs TRL's ``_prepare_inputs`` once per micro-batch; :meth:`step` runs the
+    training step on those prepared inputs (:func:`generated`), as often as recovery needs, and
+    :meth:`advance` moves ``_step`` on once the micro-batch is done, as TRL's step would have.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        from trl import GRPOTrainer
+
+        private(GRPOTrainer, "_prepare_inputs", f"{_SHIM}.GenerationSteps", "trl")
+        private(trainer, "_step", f"{_SHIM}.GenerationSteps", "trl")
+        self.trainer = trainer
+
+    def prepare(self, inputs: Any) -> dict[str, Any]:
+        """The micro-batch TRL trains on: generated (or taken from the buffer) as its step would."""
+        return self.trainer._prepare_inputs(inputs)
+
+    def step(self, step_fn: Callable[..., torch.Tensor], model: nn.Module, prepared: dict[str, Any],
+             num_items_in_batch: Any) -> torch.Tensor:
+        """``step_fn`` (the trainer's training step) on inputs :meth:`prepare` made."""
+        with generated(self.trainer):
+            return step_fn(model, prepared, num_items_in_batch)
+
+    def advance(self) -> None:
+        """The micro-batch is done: on to the next slice, as TRL's ``training_step`` ends."""
+        self.trainer._step += 1
+
+
+def generation_steps(trainer: Any) -> GenerationSteps | None:
+    """:class:`GenerationSteps` of a ``GRPOTrainer``; None for any other trainer (or without TRL)."""
+    try:
+        from trl import GRPOTrainer
+    except ImportError:
+        return None
+    return GenerationSteps(trainer) if isinstance(trainer, GRPOTrainer) else None
 
 
 def forget_metrics(trainer: Any) -> None:

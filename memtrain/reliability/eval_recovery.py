@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain._compat.trl import generation_steps
 from memtrain.reliability.layouts import Layout, count_items, layout_of
 from memtrain.reliability.recovery import (
     MicroBatchTooLarge,
@@ -55,6 +56,9 @@ class EvalBatchRecovery:
         self.predict_fn: PredictFn = predict_fn or trainer.prediction_step
         self.parts = 1  # pieces each evaluation batch is split into
         self.events: list[dict[str, int]] = []  # one per split: rows before and after
+        # TRL's GRPOTrainer generates completions for every evaluation batch inside its prediction
+        # step: such a batch is prompts, and splitting it would generate again; it is not split
+        self.generates = generation_steps(trainer) is not None
 
     def install(self) -> EvalBatchRecovery:
         """Make the trainer predict through :meth:`prediction_step` (an instance attribute)."""
@@ -64,6 +68,8 @@ class EvalBatchRecovery:
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
         """The Trainer's ``prediction_step``, recovering from out-of-memory errors (same signature)."""
+        if self.generates:
+            return self.predict_fn(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         effects = snapshot_effects(self.trainer)
         while True:
             try:

@@ -16,7 +16,10 @@ first match wins) names the layout of each batch:
 3. :func:`packed_row`: one row holding several sequences (padding-free packing: ``position_ids``
    restarting at 0, TRL's ``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k``,
    ``seq_idx``): :class:`Packed` cuts at sequence boundaries and rebuilds those keys per piece.
-4. :func:`rows`: everything else: :class:`Rows`, one example per row.
+4. :func:`generated_completions`: TRL's GRPO micro-batch as its trainer prepared it (prompts and
+   their completions, one per row, with the advantages and log-probabilities generation computed):
+   :class:`Completions`, whose pieces carry their share of the loss as the loss type averages it.
+5. :func:`rows`: everything else: :class:`Rows`, one example per row.
 
 A tensor that does not follow the layout (a first dimension that is neither the rows nor, for
 pairs, the pairs) makes the batch :class:`Unsplittable` naming it, rather than being copied into
@@ -66,6 +69,11 @@ class Layout:
     def join(self, outputs: list[torch.Tensor], parts: int) -> torch.Tensor:
         """Put the pieces' outputs (logits, labels) back in the batch's order."""
         return torch.cat(outputs)
+
+    def share(self, piece: Batch) -> float | None:
+        """The weight of ``piece``'s loss in the batch's, where the layout knows how its trainer's loss
+        averages (None: recovery finds out, :meth:`MicroBatchRecovery._detect_mean_loss`)."""
+        return None
 
 
 class Rows(Layout):
@@ -136,6 +144,39 @@ class Packed(Layout):
         if all(out.dim() >= 2 and out.shape[0] == 1 for out in outputs):
             return torch.cat(outputs, dim=1)
         return torch.cat(outputs)
+
+
+class Completions(Rows):
+    """TRL's GRPO micro-batch after generation: one completion (and its prompt) per row.
+
+    GRPO normalises rewards within each prompt's group of completions when it generates them (TRL's
+    ``_generate_and_score_completions``), before the generation batch is shuffled and cut into
+    micro-batches: each row carries its advantage, and its loss depends on no other row. What differs
+    between loss types is how a micro-batch's per-token losses are averaged (TRL 1.16's
+    ``_compute_loss``): a mean of per-completion means (``grpo``, ``sapo``, ``luspo``) or a sum over
+    rows times a fixed length (``dr_grpo``) weighs a piece by its rows; a mean over the micro-batch's
+    completion tokens (``bnpo``) by its tokens; a sum divided by the whole generation batch's tokens
+    (``dapo``, ``cispo``, ``vespo``) needs no weight.
+    """
+
+    unit = "completion"
+
+    def __init__(self, inputs: Batch, count: int, average: str) -> None:
+        super().__init__(inputs, count)
+        self.average = average  # "rows", "tokens" or "sum"
+
+    def share(self, piece: Batch) -> float:
+        if self.average == "sum":
+            return 1.0
+        if self.average == "rows":
+            return _rows(piece) / self.count
+        whole = int(_tokens(self.inputs))
+        return _tokens(piece) / whole if whole else 1.0 / self.count
+
+
+# How each TRL GRPO loss type averages a micro-batch (see Completions)
+GRPO_AVERAGES = {"grpo": "rows", "sapo": "rows", "luspo": "rows", "dr_grpo": "rows", "bnpo": "tokens",
+                 "dapo": "sum", "cispo": "sum", "vespo": "sum"}
 
 
 class Unsplittable(Layout):
@@ -221,6 +262,33 @@ def packed_row(trainer: Any, inputs: Batch) -> Layout | None:
     return Packed(inputs, starts, tokens)
 
 
+def generated_completions(trainer: Any, inputs: Batch) -> Layout | None:
+    """TRL's GRPOTrainer, on the micro-batch its ``_prepare_inputs`` made (``completion_ids``)."""
+    if not (_is_trl(trainer, "GRPOTrainer") and isinstance(inputs.get("completion_ids"), torch.Tensor)):
+        return None
+    count = int(inputs["completion_ids"].shape[0])
+    args = getattr(trainer, "args", None)
+    loss_type = str(getattr(args, "loss_type", ""))
+    reason = None
+    if loss_type not in GRPO_AVERAGES:
+        reason = f"its loss type {loss_type!r} is not one whose micro-batch average is known here"
+    elif float(getattr(args, "top_entropy_quantile", 1.0)) < 1.0:
+        reason = ("`top_entropy_quantile` < 1 keeps the highest-entropy tokens of the whole micro-batch, "
+                  "so a piece would keep others")
+    elif float(getattr(args, "entropy_coef", 0.0) or 0.0) or getattr(args, "use_adaptive_entropy", False):
+        reason = "its entropy bonus is a mean over every completion token of the micro-batch"
+    listed = next((key for key, value in inputs.items() if isinstance(value, (list, tuple))), None)
+    stray = _stray(inputs, (count,))
+    if reason is None and listed:  # e.g. images per completion: which piece each belongs to is not known here
+        reason = f"`{listed}` is a list, not a tensor with one row per completion"
+    elif reason is None and stray:
+        reason = (f"`{stray}` has {inputs[stray].shape[0]} rows where the micro-batch has {count} "
+                  "completions")
+    if reason is not None:
+        return Unsplittable(inputs, count, reason, Completions.unit)
+    return Completions(inputs, count, GRPO_AVERAGES[loss_type])
+
+
 def rows(trainer: Any, inputs: Batch) -> Layout:
     """One example per row (the Trainer's default collators, padded or not)."""
     count = _rows(inputs)
@@ -231,7 +299,7 @@ def rows(trainer: Any, inputs: Batch) -> Layout:
     return Rows(inputs, count)
 
 
-DETECTORS: tuple[Detector, ...] = (coupled_loss, stacked_pairs, packed_row, rows)
+DETECTORS: tuple[Detector, ...] = (coupled_loss, stacked_pairs, packed_row, generated_completions, rows)
 
 
 def layout_of(trainer: Any, inputs: Batch) -> Layout:
@@ -276,6 +344,15 @@ def _rows(inputs: Batch) -> int:
             return int(value.shape[0])
     raise MemtrainError("Out-of-memory recovery: the batch holds no tensor to split. Fix: a data collator "
                         "that returns tensors.")
+
+
+def _tokens(inputs: Batch) -> int:
+    """Completion tokens a GRPO loss averages over (``completion_mask``, times ``tool_mask`` where
+    there is one, as TRL masks them)."""
+    mask = inputs["completion_mask"]
+    if isinstance(inputs.get("tool_mask"), torch.Tensor):
+        mask = mask * inputs["tool_mask"]
+    return int(mask.sum())
 
 
 def _along(value: Any, rows: int) -> bool:

@@ -29,7 +29,9 @@ With dropout, a replayed micro-batch draws new masks: the same distribution, not
 Where a batch may be cut is its layout's business (:mod:`memtrain.reliability.layouts`, an ordered
 list of detectors): rows for a plain batch; whole preference pairs for TRL's stacked
 ``[chosen; rejected]`` batches (with per-pair extras such as ``ref_chosen_logps`` split with their
-pairs); sequence boundaries for a padding-free packed row. A batch whose loss or tensors couple its
+pairs); sequence boundaries for a padding-free packed row; completions for TRL's GRPO, whose micro-batch is
+generated once, before the first attempt, so that every attempt and replay trains on the same
+completions (:class:`memtrain._compat.trl.GenerationSteps`). A batch whose loss or tensors couple its
 examples is refused with :class:`UnsplittableBatch`, naming the trainer and what to change
 (:class:`Fixes`: in recipe terms for ``memtrain train``, in ``TrainingArguments`` terms for the
 plugin). Micro-batch sizes in the log and the events are in the layout's units (examples,
@@ -76,6 +78,7 @@ import torch
 from torch import nn
 
 from memtrain._compat.transformers_trainer import prepare_inputs
+from memtrain._compat.trl import generation_steps
 from memtrain.device import cuda_available
 from memtrain.distributed.together import drop_gradients, flagged_ranks, world
 from memtrain.errors import MemtrainError
@@ -135,6 +138,8 @@ class MicroBatchRecovery:
         self._state: Any = None
         self._done: list[dict[str, Any]] = []  # inputs of this optimizer step's finished micro-batches
         self._effects: dict[str, Any] = {}  # SIDE_EFFECTS as they were when this optimizer step began
+        # TRL's GRPOTrainer: generation first, once per micro-batch; every attempt trains on its output
+        self.generation = generation_steps(trainer)
 
     def install(self) -> MicroBatchRecovery:
         """Make the trainer run its steps through :meth:`training_step` (an instance attribute)."""
@@ -148,6 +153,8 @@ class MicroBatchRecovery:
         """The Trainer's ``training_step``, recovering from out-of-memory errors (same signature)."""
         state = self.trainer.state  # a new object when a training loop (re)starts
         step = state.global_step
+        if self.generation is not None:  # before the snapshot: a generation's metrics are the step's own
+            inputs = self.generation.prepare(inputs)
         if step != self._step or state is not self._state:  # a new optimizer step: forget the last one's
             self._state, self._step, self._done = state, step, []
             self._effects = snapshot_effects(self.trainer)
@@ -173,6 +180,8 @@ class MicroBatchRecovery:
             self._shrink(model, inputs, message)
             replay = True
         self._done.append(inputs)
+        if self.generation is not None:
+            self.generation.advance()
         return loss
 
     def _overrun_anywhere(self, inputs: dict[str, Any]) -> str | None:
@@ -204,16 +213,22 @@ class MicroBatchRecovery:
     def _run_pieces(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         layout = layout_of(self.trainer, inputs) if self.parts > 1 else None
         if layout is None or layout.refusal or layout.count <= 1:  # whole: refused only if it fails
-            return self.step_fn(model, inputs, num_items_in_batch)
+            return self._step_fn(model, inputs, num_items_in_batch)
         pieces = layout.split(self.parts)
-        if self._loss_is_mean is None:
+        shares = [layout.share(piece) for piece in pieces]
+        known = all(share is not None for share in shares)  # the layout knows how the loss averages
+        if self._loss_is_mean is None and not known:
             self._loss_is_mean = self._detect_mean_loss(model, pieces[0], num_items_in_batch)
         # A mean over no items is NaN split or not: then run the pieces unweighted.
         total_items = (count_items(self.trainer, inputs, layout) or None) if self._loss_is_mean else None
         loss: torch.Tensor | None = None
-        for piece in pieces:
+        for piece, share in zip(pieces, shares, strict=True):
             weight = 1.0
-            if total_items is not None:
+            if known:
+                if share == 0:
+                    continue  # nothing of the loss in it (no completion tokens of a token mean)
+                weight = float(share)  # type: ignore[arg-type]
+            elif total_items is not None:
                 items = count_items(self.trainer, piece)
                 if items == 0:
                     continue  # an empty piece adds nothing to a mean (and its own mean is NaN)
@@ -224,10 +239,16 @@ class MicroBatchRecovery:
             raise RuntimeError("no piece of the micro-batch ran")
         return loss
 
+    def _step_fn(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        """The trainer's step on ``inputs`` (for GRPO: on the completions already generated)."""
+        if self.generation is not None:
+            return self.generation.step(self.step_fn, model, inputs, num_items_in_batch)
+        return self.step_fn(model, inputs, num_items_in_batch)
+
     def _weighted_step(self, model: nn.Module, piece: dict[str, Any], num_items_in_batch: Any,
                        weight: float) -> torch.Tensor:
         if weight == 1.0:
-            return self.step_fn(model, piece, num_items_in_batch)
+            return self._step_fn(model, piece, num_items_in_batch)
         trainer = self.trainer
         own = trainer.__dict__.get("compute_loss")
         inner = trainer.compute_loss
@@ -240,7 +261,7 @@ class MicroBatchRecovery:
 
         trainer.compute_loss = weighted  # the stock training_step calls self.compute_loss
         try:
-            return self.step_fn(model, piece, num_items_in_batch)
+            return self._step_fn(model, piece, num_items_in_batch)
         finally:
             if own is None:
                 del trainer.compute_loss

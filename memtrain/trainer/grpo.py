@@ -15,9 +15,10 @@ Two things differ from a stock ``GRPOTrainer`` call:
   adapter, ``ref``, a copy of the (fresh, zero-effect) trained one; memtrain removes it, so the
   reference is the base model with the adapter disabled (TRL's ``use_adapter(model, None)``), as
   for DPO (:mod:`memtrain.trainer.preference`): no second copy of anything;
-- out-of-memory recovery by splitting a micro-batch is off: a GRPO micro-batch is a slice of a
-  generation batch whose rewards are normalised per group of ``num_generations`` completions, and
-  splitting it is not yet group-aware (issue 38, item 4). An out-of-memory error stops the run.
+- out-of-memory recovery splits the micro-batch of completions TRL generated, never generating
+  again: generation normalises rewards within each prompt's group before the generation batch is
+  cut into micro-batches, so each completion carries its advantage and a split keeps the step's
+  loss (:class:`memtrain.reliability.layouts.Completions`, :class:`memtrain._compat.trl.GenerationSteps`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,6 @@ def build_grpo_trainer(cfg: RunConfig, model: nn.Module, tokenizer: Any, data: P
         # generation stops at the end-of-sequence token; memtrain's other formats close examples with
         # the separator where a tokenizer has no end-of-sequence token (memtrain.data.chat)
         tokenizer.eos_token = tokenizer.sep_token
-    return MemtrainGRPOTrainer(**trainer_options(cfg), recover_oom=False, model=model,
+    return MemtrainGRPOTrainer(**trainer_options(cfg), model=model,
                                reward_funcs=rewards.resolve(cfg), args=args, train_dataset=data.train,
                                eval_dataset=data.eval, processing_class=tokenizer, callbacks=callbacks or [])

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from plain_trainer import tiny_model
 
 import memtrain
@@ -119,3 +120,48 @@ def test_a_grpo_config_without_an_adapter_at_beta_0_plans_no_reference(tmp_path:
     assert (trainer.args.generation_batch_size, trainer.args.steps_per_generation) == (
         trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps,
         trainer.args.gradient_accumulation_steps)
+
+
+def test_an_out_of_memory_grpo_step_is_redone_on_the_same_completions(tmp_path: Path, tok: Any) -> None:
+    """``attach`` puts recovery in front of TRL's own GRPO step: an out-of-memory error in the backward
+    of the second micro-batch of 4 completions (LoRA, beta 0.04: reference log-probs, TRL's default
+    loss) is redone in halves on the completions already generated, and the run's gradients and losses
+    are those of the same script without the error (tests/reliability/test_grpo_recovery.py does
+    the same through ``memtrain train``)."""
+    from plain_trainer import GradCapture, max_grad_difference
+
+    def run(folder: str, fail: bool) -> tuple[Any, GradCapture, list[int]]:
+        args = config(tmp_path / folder)
+        args.max_grad_norm = 0.0  # no clipping: it would hide a wrongly scaled gradient
+        trainer = trl.GRPOTrainer(model=tiny_model(), args=args, reward_funcs=short, train_dataset=prompts(),
+                                  processing_class=tok, peft_config=lora())
+        capture = GradCapture()
+        trainer.add_callback(capture)
+        memtrain.attach(trainer, budget="2GiB", every=0)
+        raised: list[int] = []
+        backwards = [0]
+        mlp = next(m for name, m in trainer.model.named_modules() if name.endswith("layers.0.mlp"))
+
+        def hook(module: Any, grad_in: Any, grad_out: Any) -> None:
+            backwards[0] += 1
+            if fail and backwards[0] == 2 and not raised:
+                raised.append(int(grad_out[0].shape[0]))
+                raise torch.OutOfMemoryError("injected: 4 completions do not fit")
+
+        mlp.register_full_backward_hook(hook)
+        trainer.train()
+        return trainer, capture, raised
+
+    ref, ref_grads, _ = run("ref", fail=False)
+    rec, rec_grads, raised = run("rec", fail=True)
+    assert raised == [4]
+    logged = [e for e in rec.state.log_history if "memory/recovered_micro_batch" in e]
+    assert [(e["step"], e["memory/recovered_micro_batch"]) for e in logged] == [(1, 2)], rec.state.log_history
+    assert len(rec_grads.grads) == len(ref_grads.grads) == 2
+    for a, b in zip(ref_grads.grads, rec_grads.grads, strict=True):
+        assert max(float(g.abs().max()) for g in a.values()) > 1e-4  # the rewards differ: a real gradient
+        assert max_grad_difference(a, b) < 1e-4
+    for key in ("loss", "reward"):
+        ref_values = [e[key] for e in ref.state.log_history if key in e]
+        rec_values = [e[key] for e in rec.state.log_history if key in e]
+        assert len(rec_values) == 2 and rec_values == pytest.approx(ref_values, rel=1e-4, abs=1e-7), key
