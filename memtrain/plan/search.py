@@ -456,18 +456,25 @@ class Search:
             self.pruned.append(cand)
             return
         held = 2 if any(a > 1 for _, a in batches) else 1
-        fitted = None
         traced = self._traced(cfg, held)
-        for micro, accumulation in reversed(batches):
-            summary = self._summary(traced, micro)
+
+        def fit_at(micro: int, accumulation: int) -> tuple[int, int, est.Estimate, _Traced] | None:
+            at, summary = traced, self._summary(traced, micro)
             if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \
                     and summary.total_bytes - self._grad_bytes(cfg, traced) <= self.usable:
                 summary = self._summary(self._traced(cfg, 1), micro)
                 if summary.total_bytes <= self.usable:
-                    traced = self._traced(cfg, 1)
-            if self.fits(summary):
-                fitted = (micro, accumulation, summary, traced)
-                break
+                    at = self._traced(cfg, 1)
+            return (micro, accumulation, summary, at) if self.fits(summary) else None
+
+        linear = traced.c2 is not None and in_batch(traced.c2, traced.c3, 2, 3, 4) is not None
+        if not linear and len(batches) > 2 and len({a for _, a in batches}) == 1:
+            # Each micro-batch would be traced on its own (the traces at 2 and 3 do not line up, or
+            # only 1 was traced); with one accumulation for all, a larger micro-batch keeps more:
+            # bisect for the largest that fits (about 10 traces of up to 1,024 micro-batches)
+            fitted = _largest(batches, fit_at)
+        else:
+            fitted = next((f for m, a in reversed(batches) if (f := fit_at(m, a)) is not None), None)
         if fitted is None:
             cand.micro, cand.accumulation = batches[0]
             smallest = self._summary(traced, cand.micro)
@@ -575,6 +582,24 @@ def _patch_error(cfg: RunConfig, config: Any) -> str | None:
     except Exception:  # any other failure is the trace's to report, naming its field
         return None
     return None
+
+
+def _largest(batches: list[tuple[int, int]], fit_at: Any) -> Any:
+    """``fit_at`` of the largest of ``batches`` (smallest first) where it is not None, by bisection:
+    where a pair does not fit, no larger one does."""
+    if (top := fit_at(*batches[-1])) is not None:
+        return top
+    low, high = 0, len(batches) - 1  # fits at low (once checked), not at high
+    found = fit_at(*batches[low])
+    if found is None:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        if (at := fit_at(*batches[middle])) is not None:
+            low, found = middle, at
+        else:
+            high = middle
+    return found
 
 
 def _gathers(cand: Candidate) -> int:
