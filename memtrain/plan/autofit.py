@@ -55,7 +55,8 @@ from memtrain.device import model_device
 from memtrain.distributed.together import drop_gradients, flagged_ranks, largest, smallest, world
 from memtrain.errors import MemtrainError, first_line
 from memtrain.reliability.budget import budget_guard, resolve_budget, usable_bytes
-from memtrain.reliability.recovery import free_memory, reset_module_tracking
+from memtrain.reliability.oom import free_memory
+from memtrain.reliability.recovery import reset_module_tracking
 from memtrain.trainer.step import hold_gradients, training_step
 from memtrain.units import format_bytes, parse_size
 

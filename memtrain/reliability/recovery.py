@@ -67,7 +67,6 @@ handled here.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 from collections.abc import Callable
@@ -79,10 +78,11 @@ from torch import nn
 
 from memtrain._compat.transformers_trainer import prepare_inputs
 from memtrain._compat.trl import generation_steps
-from memtrain.device import cuda_available
 from memtrain.distributed.together import drop_gradients, flagged_ranks, world
 from memtrain.errors import MemtrainError
+from memtrain.reliability.generation import GenerationRecovery
 from memtrain.reliability.layouts import Layout, count_items, layout_of
+from memtrain.reliability.oom import free_memory, is_out_of_memory
 from memtrain.reliability.replay import log_entry, restore_effects, snapshot_effects
 from memtrain.units import format_bytes
 
@@ -140,6 +140,9 @@ class MicroBatchRecovery:
         self._effects: dict[str, Any] = {}  # SIDE_EFFECTS as they were when this optimizer step began
         # TRL's GRPOTrainer: generation first, once per micro-batch; every attempt trains on its output
         self.generation = generation_steps(trainer)
+        # and while it generates: fewer prompts per `generate` call (memtrain.reliability.generation)
+        self.generation_recovery = (GenerationRecovery(trainer, trainer.args.num_generations).install()
+                                    if self.generation is not None else None)
 
     def install(self) -> MicroBatchRecovery:
         """Make the trainer run its steps through :meth:`training_step` (an instance attribute)."""
@@ -343,19 +346,6 @@ class MicroBatchRecovery:
 
 # --------------------------------------------------------------------------------- helpers
 
-# What allocators say when they run out: CUDA's caching allocator (torch.OutOfMemoryError), torch's
-# CPU allocator (a plain RuntimeError: "DefaultCPUAllocator: can't allocate memory: you tried to
-# allocate ..." or "... not enough memory ..."), and CUDA errors outside the caching allocator.
-OOM_TEXTS = ("can't allocate memory", "not enough memory", "out of memory")
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is an allocation failure (on any device) rather than a bug in the step."""
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    return isinstance(err, RuntimeError) and any(text in str(err) for text in OOM_TEXTS)
-
-
 def release_failed_attempt(model: nn.Module) -> None:
     """Let go of all a failed forward or backward held: the gradients it may have added into, the
     backward hooks memtrain's trackers put on its graph (they kept the graph, and every activation
@@ -363,13 +353,6 @@ def release_failed_attempt(model: nn.Module) -> None:
     drop_gradients(model)
     reset_module_tracking()
     free_memory()
-
-
-def free_memory() -> None:
-    """Collect garbage and return cached device blocks (after the failed attempt's tensors are gone)."""
-    gc.collect()
-    if cuda_available():
-        torch.cuda.empty_cache()
 
 
 def reset_module_tracking() -> None:

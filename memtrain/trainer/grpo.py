@@ -18,7 +18,9 @@ Two things differ from a stock ``GRPOTrainer`` call:
 - out-of-memory recovery splits the micro-batch of completions TRL generated, never generating
   again: generation normalises rewards within each prompt's group before the generation batch is
   cut into micro-batches, so each completion carries its advantage and a split keeps the step's
-  loss (:class:`memtrain.reliability.layouts.Completions`, :class:`memtrain._compat.trl.GenerationSteps`).
+  loss (:class:`memtrain.reliability.layouts.Completions`, :class:`memtrain._compat.trl.GenerationSteps`);
+  a generation that runs out of memory is redone with fewer prompts per ``generate`` call, whole
+  groups each (:mod:`memtrain.reliability.generation`).
 """
 
 from __future__ import annotations

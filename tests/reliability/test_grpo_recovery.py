@@ -52,11 +52,13 @@ class FailOnce(TrainerCallback):
         layer.register_full_backward_hook(fail)
 
 
-def run(tmp_path: Path, loss: str, fail: FailOnce | None) -> tuple[Any, GradCapture]:
+def run(tmp_path: Path, loss: str, fail: TrainerCallback | None, micro: int = 16, accumulation: int = 2
+        ) -> tuple[Any, GradCapture]:
     from memtrain.run.train import train
 
     cfg = load_recipe(RECIPE, [f"output.dir={tmp_path}", "training.max_steps=2", "training.logging_steps=1",
-                               "training.micro_batch_size=16", "training.gradient_accumulation=2",
+                               f"training.micro_batch_size={micro}",
+                               f"training.gradient_accumulation={accumulation}",
                                f"training.grpo_loss={loss}",
                                "training.optimizer=sgd", "training.learning_rate=1e-3",
                                "training.max_grad_norm=null",  # clipping would hide a scaled gradient
@@ -140,3 +142,85 @@ def test_coupled_grpo_batches_are_not_split(more: dict[str, Any], batch_change: 
 def test_an_unknown_loss_type_is_not_split() -> None:
     layout = layout_of(_trainer("some_future_loss"), _batch())
     assert isinstance(layout, Unsplittable) and "'some_future_loss'" in (layout.refusal or "")
+
+
+class FailGenerating(TrainerCallback):
+    """Raise torch's out-of-memory error in a generation forward (no gradient) holding more than
+    ``rows_over`` rows: once, or (``always``) every time."""
+
+    def __init__(self, rows_over: int, always: bool = False) -> None:
+        self.rows_over, self.always = rows_over, always
+        self.raised: list[int] = []
+        self.generated: list[int] = []  # rows of every generation forward that ran
+        self.trained: list[int] = []  # rows of every training forward
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+        def fail(module: Any, inputs: Any, out: Any) -> None:
+            if torch.is_grad_enabled():
+                self.trained.append(int(out.shape[0]))
+                return
+            rows = int(out.shape[0])
+            if rows > self.rows_over and (self.always or not self.raised):
+                self.raised.append(rows)
+                raise torch.OutOfMemoryError(f"injected: generating {rows} completions does not fit")
+            self.generated.append(rows)
+
+        model.model.layers[0].mlp.register_forward_hook(fail)
+
+
+@pytest.mark.slow
+def test_generation_out_of_memory_generates_fewer_prompts_per_call(tmp_path: Path) -> None:
+    """24 completions per step (3 prompts x 8, one micro-batch) generated in one ``generate`` call run
+    out of memory once; they are generated again in two calls of whole groups, 1 and 2 prompts' (8
+    and 16 completions), and so for the rest of the run: every step still trains 24 completions, 8
+    per prompt, and logs its rewards. Planted: calls cut by rows (12 and 12, mid-group) -> fails."""
+    fail = FailGenerating(rows_over=16)
+    result, capture = run(tmp_path, "dapo", fail, micro=24, accumulation=1)
+    assert fail.raised == [24]
+    assert fail.generated and set(fail.generated) == {8, 16}, fail.generated  # whole groups per call
+    assert fail.trained == [24, 24]  # each step trains the completions of every prompt
+    logged = [e for e in result.log_history if "memory/recovered_generation_prompts" in e]
+    assert [(e["step"], e["memory/recovered_generation_prompts"]) for e in logged] == [(1, 2)]
+    assert len(capture.grads) == 2  # both optimizer steps ran
+    rewards = [e for e in result.log_history if "reward" in e]
+    assert len(rewards) == 2 and all(e["num_tokens"] > 0 for e in rewards), result.log_history
+
+
+@pytest.mark.slow
+def test_a_group_that_cannot_be_generated_stops_with_what_to_lower(tmp_path: Path) -> None:
+    from memtrain.reliability.generation import GroupTooLarge
+
+    with pytest.raises(GroupTooLarge, match="num_generations") as caught:
+        run(tmp_path, "dapo", FailGenerating(rows_over=4, always=True))
+    assert "max_completion_length" in str(caught.value) and "8 completions" in str(caught.value)
+
+
+def test_generation_calls_are_joined_in_order_padded_on_the_right() -> None:
+    """The calls' outputs keep the rows' order; a shorter call (every row of it ended early) is padded
+    with the pad token after its end, which TRL masks. A call that fails is redone in halves."""
+    from types import SimpleNamespace
+
+    from memtrain.reliability.generation import GenerationRecovery
+
+    calls: list[int] = []
+
+    class Model(torch.nn.Module):
+        generation_config = SimpleNamespace(pad_token_id=7, eos_token_id=2)
+
+        def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any) -> torch.Tensor:
+            calls.append(int(input_ids.shape[0]))
+            if input_ids.shape[0] > 4:
+                raise torch.OutOfMemoryError("injected")
+            new = 1 + int(input_ids[0, 0]) // 4  # the first group's rows end after 1 token, the second's 2
+            return torch.cat([input_ids, input_ids[:, :1].expand(-1, new) + 100], dim=1)
+
+    state = SimpleNamespace(global_step=0, log_history=[], epoch=None)
+    trainer = SimpleNamespace(model=Model(), state=state, args=None, control=None,
+                              callback_handler=SimpleNamespace(on_log=lambda *a: None))
+    recovery = GenerationRecovery(trainer, group=4).install()
+    ids = torch.arange(8).unsqueeze(1)  # 2 prompts x 4 completions, a 1-token prompt each
+    out = trainer.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert calls == [8, 4, 4] and recovery.events[0]["prompts"] == 1
+    assert out[:, 0].tolist() == list(range(8))  # rows in order
+    assert out[:4, 1:].tolist() == [[100, 7], [101, 7], [102, 7], [103, 7]]  # padded after its end
+    assert out[4:, 1:].tolist() == [[104, 104], [105, 105], [106, 106], [107, 107]]
