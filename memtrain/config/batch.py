@@ -56,12 +56,16 @@ def valid_batches(training: TrainingConfig, processes: int = 1) -> list[tuple[in
     """The (micro, accumulation) pairs ``micro_batch_size: auto`` may choose, smallest first.
 
     With an effective batch, the micro-batches that divide it per process (and a fixed
-    accumulation, if one is given); without one, any micro-batch with the given accumulation.
+    accumulation, if one is given); without one, any micro-batch with the given accumulation
+    (for GRPO, one that makes whole groups of ``num_generations`` completions per step).
     """
     eff, accum = training.effective_batch_size, training.gradient_accumulation
     if eff is None:
         fixed = accum if isinstance(accum, int) else 1
-        return [(m, fixed) for m in range(1, MICRO_CAP + 1)]
+        # GRPO: TRL generates whole groups, so the completions per optimizer step (micro ×
+        # accumulation × processes) are a multiple of num_generations (an effective batch is one)
+        group = training.grpo_num_generations if training.objective == "grpo" else 1
+        return [(m, fixed) for m in range(1, MICRO_CAP + 1) if (m * fixed * processes) % group == 0]
     per_process = eff // processes
     if isinstance(accum, int):
         return [(per_process // accum, accum)]

@@ -57,6 +57,24 @@ def test_valid_batches_keep_the_effective_batch(tmp_path: Path, tiny_text_file: 
     assert all(m * a == 16 for m, a in valid_batches(cfg.training))
 
 
+def test_grpo_micro_batches_make_whole_groups_of_completions() -> None:
+    """``micro_batch_size: auto`` on a GRPO recipe without an effective batch: only micro-batches whose
+    completions per step are whole groups of ``num_generations`` (TRL refuses the others); before,
+    `memtrain plan` chose micro-batch 2 with 8 generations and printed a command that cannot train.
+    The plan's command is a valid recipe."""
+    from memtrain.config import shipped_recipes_dir
+    from memtrain.plan import planner
+
+    recipe = shipped_recipes_dir() / "tiny-llama-grpo.yaml"
+    cfg = load_recipe(recipe, ["training.micro_batch_size=auto"])
+    assert valid_batches(cfg.training)[:3] == [(8, 1), (16, 1), (24, 1)]
+    fixed = load_recipe(recipe, ["training.micro_batch_size=auto", "training.gradient_accumulation=2"])
+    assert valid_batches(fixed.training)[:3] == [(4, 2), (8, 2), (12, 2)]
+    decided = planner.plan(cfg, "1GiB", device="cpu")
+    assert decided.chosen.micro % 8 == 0 and decided.chosen.accumulation == 1
+    load_recipe(recipe, [f"training.micro_batch_size={decided.chosen.micro}"])  # TRL's rule holds
+
+
 def test_probe_steps_down_from_an_optimistic_prediction_and_leaves_nothing(
         tmp_path: Path, tiny_text_file: Path, peaks: dict[int, int]) -> None:
     assert peaks[8] > peaks[4] + 2**20
