@@ -113,7 +113,9 @@ def estimate(
         from memtrain.estimator.grpo_step import grpo_notes
 
         check_grpo(cfg)
-        result.notes[:0] = grpo_notes(cfg, result.device, result.settings["seq_len"])
+        resident = sum(result.by_category.get(name, 0)  # what generation runs beside
+                       for name in ("parameters", "buffers", "optimizer_state"))
+        result.notes[:0] = grpo_notes(cfg, result.device, result.settings["seq_len"], resident)
     host = HostBudget.of(cfg.memory)
     curves = est.sweep(cfg, device=device) if sweep else None
     if as_json:

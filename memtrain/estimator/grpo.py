@@ -11,10 +11,12 @@ or the reward code, and what the estimate says of the generation phase.
 - the longest prompt plus ``training.grpo_max_completion_length`` must fit the model's positions
   (:func:`memtrain.estimator.setup.position_limit`).
 
-:func:`generation_phase` is the generation phase's memory, an **analytic** estimate (not traced):
-the policy's weights, the KV cache of every completion of a generation micro-batch at prompt +
-completion length, and the sampling step's logits in fp32. TRL generates the whole per-device
-batch of completions at once (``per_device_train_batch_size`` sequences, HF ``generate``).
+:func:`generation_memory` is the generation phase's memory, an **analytic** estimate (not traced):
+the weights and optimizer state, the KV cache of every completion of a generation batch at prompt +
+completion length, and the larger of the prompts' prefill and the sampling step's rows x vocabulary
+fp32 tensors. TRL generates a whole generation batch at once (micro-batch x steps_per_generation
+completions, HF ``generate``); :func:`generation_phase` applies it to a recipe,
+:func:`trainer_generation_phase` to a user's ``GRPOTrainer``.
 """
 
 from __future__ import annotations
@@ -63,47 +65,88 @@ def check_grpo(cfg: RunConfig, data: PreparedData | None = None) -> None:
     rewards.check_on_sample(funcs, t.grpo_rewards, row, "prompt", answer if isinstance(answer, str) else "")
 
 
+# Rows x vocabulary fp32 tensors alive at the sampling step's peak of HF ``generate`` (multinomial
+# sampling): the fp32 copy of the last position's logits, the softmax probabilities, and two of
+# torch.multinomial's for one sample (an exponential draw of the same size, the probabilities
+# divided by it). Measured with scripts/memprobe.py's LiveBytes (transformers 5.24, torch 2.13, CPU):
+# 4.0 beyond the KV cache; one more per logits processor that makes a new tensor (a temperature
+# other than 1). tests/end_to_end/test_grpo.py::test_the_generation_phase_is_predicted_within_10_percent.
+SAMPLING_COPIES = 4
+
+
 @dataclass
 class GenerationPhase:
-    """The generation phase's memory (analytic; see the module docstring)."""
+    """The generation phase's memory: HF ``generate`` of one generation batch at full length
+    (analytic, not traced; see :func:`generation_memory`)."""
 
-    weights: int
-    kv_cache: int
-    logits: int
+    resident: int  # weights, buffers, optimizer state (gradients were freed by the last zero_grad)
+    kv_cache: int  # every completion at prompt + completion length
+    growth: int  # the last step's new key (or value) of one layer, concatenated to the old
+    prefill: int  # the prompts' forward (per layer)
+    sampling: int  # the sampling step's rows x vocabulary fp32 tensors
     sequences: int
     length: int
 
     @property
     def peak_bytes(self) -> int:
-        return self.weights + self.kv_cache + self.logits
+        return self.resident + self.kv_cache + self.growth + max(self.prefill, self.sampling)
 
     def describe(self) -> str:
         mib = 2**20
-        return (f"generation phase (analytic estimate, not traced): {self.peak_bytes / mib:,.2f} MiB = "
-                f"weights {self.weights / mib:,.2f} + KV cache {self.kv_cache / mib:,.2f} ({self.sequences} "
-                f"completions x {self.length} tokens) + sampling logits {self.logits / mib:,.2f} MiB")
+        return (f"GRPO generation phase (HF generate; analytic, not traced): {self.peak_bytes / mib:,.2f} "
+                f"MiB = weights and optimizer state {self.resident / mib:,.2f} + KV cache "
+                f"{(self.kv_cache + self.growth) / mib:,.2f} ({self.sequences} completions x {self.length} "
+                f"tokens) + the larger of the prompts' prefill {self.prefill / mib:,.2f} and the sampling "
+                f"step's logits {self.sampling / mib:,.2f} MiB")
 
 
-def generation_phase(cfg: RunConfig, prompt_tokens: int | None = None, micro_batch: int | None = None
-                     ) -> GenerationPhase:
-    """Weights + KV cache + fp32 logits of one generation call at full length (every completion
-    ``grpo_max_completion_length`` tokens after a ``prompt_tokens`` prompt, default ``data.max_length``)."""
-    config, _ = resolve_config(cfg.model)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    dtype = _BYTES.get(cfg.model.dtype, 4)
-    micro = micro_batch or (cfg.training.micro_batch_size if isinstance(cfg.training.micro_batch_size, int)
-                            else cfg.training.grpo_num_generations)
-    prompt = prompt_tokens if prompt_tokens is not None else (
-        cfg.data.max_length if isinstance(cfg.data.max_length, int) else 512)
-    length = prompt + cfg.training.grpo_max_completion_length
-    layers = text.num_hidden_layers
+def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, completion: int, size: int,
+                      processors: int = 0) -> GenerationPhase:
+    """HF ``generate`` of ``sequences`` rows (every prompt ``prompt`` tokens, left-padded, every
+    completion ``completion`` tokens: the worst case) of a model with text config ``text`` whose
+    weights are ``size`` bytes per value, beside ``resident`` bytes: the KV cache at full length in
+    the weights' dtype (a ``DynamicCache``: each step concatenates one layer's new key and value to
+    the old ones), the prompts' prefill (per layer: the MLP's two intermediate tensors and four
+    hidden-size tensors per token), and the sampling step (:data:`SAMPLING_COPIES` plus
+    ``processors`` fp32 tensors of rows x vocabulary)."""
+    length = prompt + completion
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv = 2 * layers * kv_heads * head_dim * micro * length * dtype
-    logits = micro * text.vocab_size * 4 * 2  # the last position's logits and their fp32 softmax
-    return GenerationPhase(weights=_weight_bytes(config, dtype), kv_cache=kv, logits=logits,
-                           sequences=micro, length=length)
+    layers = text.num_hidden_layers
+    kv = 2 * layers * kv_heads * head_dim * sequences * length * size
+    growth = kv // (2 * layers) if layers else 0
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    prefill = sequences * prompt * (2 * intermediate + 4 * text.hidden_size) * size
+    sampling = (SAMPLING_COPIES + processors) * sequences * text.vocab_size * 4
+    return GenerationPhase(resident=resident, kv_cache=kv, growth=growth, prefill=prefill, sampling=sampling,
+                           sequences=sequences, length=length)
+
+
+def generation_phase(cfg: RunConfig, prompt_tokens: int | None = None, micro_batch: int | None = None,
+                     resident: int | None = None) -> GenerationPhase:
+    """:func:`generation_memory` of a recipe: one generation call of ``micro_batch`` completions
+    (default: the recipe's micro-batch x accumulation; TRL generates micro-batch x
+    steps_per_generation at once, and memtrain sets steps_per_generation to the accumulation) after
+    ``prompt_tokens``-token prompts (default ``data.max_length``), beside ``resident`` bytes
+    (default: the weights alone; the estimate passes its trace's weights, buffers and optimizer
+    state)."""
+    config, _ = resolve_config(cfg.model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dtype = _BYTES.get(cfg.model.dtype, 4)
+    t = cfg.training
+    if micro_batch is None and isinstance(t.micro_batch_size, int) and t.gradient_accumulation != "auto":
+        from memtrain.config.batch import resolve_batch
+
+        batch = resolve_batch(t)  # one process: GRPO runs in one (config/grpo_section.py)
+        micro_batch = batch.micro * batch.accumulation  # micro-batch x steps_per_generation, at once
+    micro = micro_batch or t.grpo_num_generations
+    prompt = prompt_tokens if prompt_tokens is not None else (
+        cfg.data.max_length if isinstance(cfg.data.max_length, int) else 512)
+    held = _weight_bytes(config, dtype) if resident is None else resident
+    return generation_memory(text, resident=held, sequences=micro, prompt=prompt,
+                             completion=cfg.training.grpo_max_completion_length, size=dtype,
+                             processors=int(cfg.training.grpo_temperature != 1.0))
 
 
 def _weight_bytes(config: Any, dtype: int) -> int:
@@ -192,42 +235,17 @@ def step_batch(trainer: Any, micro_batch: int, prompt: int | None = None) -> dic
     return batch
 
 
-@dataclass
-class TrainerGeneration:
-    """The generation phase of a user's GRPOTrainer, analytic (see :func:`trainer_generation_phase`)."""
-
-    resident: int
-    kv_cache: int
-    prefill: int
-    logits: int
-    sequences: int
-    length: int
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.resident + self.kv_cache + max(self.prefill, self.logits)
-
-    def describe(self) -> str:
-        mib = 2**20
-        return (f"GRPO generation phase (HF generate; analytic, not traced): {self.peak_bytes / mib:,.2f} "
-                f"MiB = weights and optimizer state {self.resident / mib:,.2f} + KV cache "
-                f"{self.kv_cache / mib:,.2f} "
-                f"({self.sequences} completions x {self.length} tokens) + the larger of the prompts' prefill "
-                f"{self.prefill / mib:,.2f} and the sampling step's logits {self.logits / mib:,.2f} MiB")
-
-
-def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> TrainerGeneration:
-    """The generation phase's peak for a user's ``GRPOTrainer``: ``resident`` bytes (weights, buffers,
-    optimizer state; gradients were freed by the last ``zero_grad``) plus HF ``generate`` on the
-    generation batch (``generation_batch_size`` completions per process, generated at once): the
-    KV cache of every completion at ``prompt`` + ``max_completion_length`` tokens in the weights'
-    dtype, the prefill of the prompts (per layer: the MLP's two intermediate tensors and four hidden-size
-    tensors per token), and the sampling step's logits (the last position: logits, scaled, softmax
-    in fp32).
+def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> GenerationPhase:
+    """The generation phase's peak for a user's ``GRPOTrainer``: :func:`generation_memory` of its
+    generation batch (``generation_batch_size`` completions per process, generated at once) at
+    ``prompt`` + ``max_completion_length`` tokens, beside ``resident`` bytes (weights, buffers,
+    optimizer state; gradients were freed by the last ``zero_grad``), with a temperature other
+    than 1 as one more sampling tensor.
 
     Not modelled: vLLM (``use_vllm``) and continuous batching (paged caches), which plan.notes name;
-    the no-grad old-policy / reference log-prob passes after generation (``per_device_train_batch_size``
-    rows at a time, no activations kept for backward: below the traced training step).
+    other logits processors (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``); the no-grad
+    old-policy / reference log-prob passes after generation (``per_device_train_batch_size`` rows at a
+    time, no activations kept for backward: below the traced training step).
     """
     import torch
 
@@ -241,13 +259,7 @@ def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> Traine
         dtype = torch.bfloat16 if args.bf16 else torch.float16
     size = torch.empty(0, dtype=dtype).element_size()
     sequences = max(1, args.generation_batch_size // max(1, args.world_size))
-    length = prompt + args.max_completion_length
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv = 2 * text.num_hidden_layers * kv_heads * head_dim * sequences * length * size
-    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    prefill = sequences * prompt * (2 * intermediate + 4 * text.hidden_size) * size
-    logits = 3 * sequences * text.vocab_size * 4
-    return TrainerGeneration(resident=resident, kv_cache=kv, prefill=prefill, logits=logits,
-                             sequences=sequences, length=length)
+    temperature = getattr(args, "temperature", 1.0)
+    return generation_memory(text, resident=resident, sequences=sequences, prompt=prompt,
+                             completion=args.max_completion_length, size=size,
+                             processors=int(temperature is not None and temperature != 1.0))

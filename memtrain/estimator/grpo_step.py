@@ -63,10 +63,11 @@ def recipe_trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int) -
                            padded=plan.rows.padded(micro_batch))
 
 
-def grpo_notes(cfg: RunConfig, device: str, prompt_tokens: int) -> list[str]:
+def grpo_notes(cfg: RunConfig, device: str, prompt_tokens: int, resident: int | None = None) -> list[str]:
     """What ``memtrain estimate`` states of a GRPO recipe: which training step was traced, and the
     generation phase, an analytic estimate beside it (never summed). ``prompt_tokens``: the traced
-    prompt length (``data.max_length``, or the data's longest prompt)."""
+    prompt length (``data.max_length``, or the data's longest prompt); ``resident``: the weights,
+    buffers and optimizer state the generation runs beside (default: the weights)."""
     t = cfg.training
     reason = trace_reason(cfg, device)
     if reason is None:
@@ -83,7 +84,7 @@ def grpo_notes(cfg: RunConfig, device: str, prompt_tokens: int) -> list[str]:
                     "traces TRL's own training step on the built Trainer before the first step and logs that")
     batch = resolve_batch(t, cfg.distributed.processes)
     # TRL generates a whole generation batch at once: micro-batch x steps_per_generation (= accumulation)
-    generation = generation_phase(cfg, prompt_tokens, batch.micro * batch.accumulation)
+    generation = generation_phase(cfg, prompt_tokens, batch.micro * batch.accumulation, resident)
     return [training, generation.describe() + "; a separate phase, not added to the training peak"]
 
 
