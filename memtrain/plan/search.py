@@ -21,6 +21,7 @@ from memtrain.distributed import sharding
 from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
+from memtrain.estimator.grpo import generation_phase
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
 from memtrain.patches import ModelShape, NoMatchError, tiled_mlp
@@ -282,7 +283,7 @@ class Search:
         if cand.accumulation != 1 or not any(a > 1 for _, a in self.batches_for(cand)):
             return
         cfg = with_values(self.cfg, cand.values)
-        summary = self._summary(self._traced(cfg, 1), cand.micro)
+        summary = self._summary(self._traced(cfg, 1), cand.micro, cand.accumulation)
         cand.peak, cand.host = summary.total_bytes, summary.host_peak_bytes
 
     def leanness(self, cand: Candidate) -> int:
@@ -314,7 +315,7 @@ class Search:
             if micro >= cand.micro or micro == 1:
                 continue
             traced = self._traced(cfg, accumulation)
-            summary = self._summary(traced, micro)
+            summary = self._summary(traced, micro, accumulation)
             if not self.fits(summary):
                 continue
             work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
@@ -459,10 +460,10 @@ class Search:
         traced = self._traced(cfg, held)
 
         def fit_at(micro: int, accumulation: int) -> tuple[int, int, est.Estimate, _Traced] | None:
-            at, summary = traced, self._summary(traced, micro)
+            at, summary = traced, self._summary(traced, micro, accumulation)
             if summary.total_bytes > self.usable and accumulation == 1 and held == 2 \
                     and summary.total_bytes - self._grad_bytes(cfg, traced) <= self.usable:
-                summary = self._summary(self._traced(cfg, 1), micro)
+                summary = self._summary(self._traced(cfg, 1), micro, accumulation)
                 if summary.total_bytes <= self.usable:
                     at = self._traced(cfg, 1)
             return (micro, accumulation, summary, at) if self.fits(summary) else None
@@ -477,7 +478,7 @@ class Search:
             fitted = next((f for m, a in reversed(batches) if (f := fit_at(m, a)) is not None), None)
         if fitted is None:
             cand.micro, cand.accumulation = batches[0]
-            smallest = self._summary(traced, cand.micro)
+            smallest = self._summary(traced, cand.micro, cand.accumulation)
             cand.min_peak, cand.host = smallest.total_bytes, smallest.host_peak_bytes
             cand.reason = (f"does not fit: {format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
                            f"{format_bytes(self.usable)} usable" if cand.min_peak > self.usable else
@@ -490,7 +491,7 @@ class Search:
         cand.host = summary.host_peak_bytes
         first = batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
         smallest = 2 if first == 1 and micro > 1 else first
-        cand.min_peak = self._summary(traced, smallest).total_bytes
+        cand.min_peak = self._summary(traced, smallest, dict(batches).get(smallest, accumulation)).total_bytes
         work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
         cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary, micro)
         cand.seconds, cand.parts = cost.seconds, cost.parts
@@ -510,15 +511,27 @@ class Search:
     def _grad_bytes(self, cfg: RunConfig, traced: _Traced) -> int:
         return traced.counts2[1] * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)
 
-    def _summary(self, traced: _Traced, micro: int) -> est.Estimate:
+    def _summary(self, traced: _Traced, micro: int, accumulation: int = 1) -> est.Estimate:
         """The estimate at ``micro``: linear from the traces at 2 and 3 (size 1 is traced itself:
-        some models take other paths for a single example)."""
+        some models take other paths for a single example). For GRPO, the larger of the training
+        step and the generation phase of ``micro`` x ``accumulation`` completions (TRL generates a
+        whole generation batch at once, before the step's micro-batches): a plan must fit both."""
         cands = in_batch(traced.c2, traced.c3, 2, 3, micro) if micro >= 2 and traced.c2 is not None else None
         if cands is None:
             if micro not in traced.points:
                 traced.points[micro] = est.trace_candidates(traced.plan, micro, traced.plan.seq_len, False)[0]
             cands = traced.points[micro]
-        return est.summarize(traced.plan, cands, traced.counts2, "", 0.0)
+        summary = est.summarize(traced.plan, cands, traced.counts2, "", 0.0)
+        if traced.plan.cfg.training.objective != "grpo":
+            return summary
+        held = sum(summary.by_category.get(name, 0) for name in ("parameters", "buffers", "optimizer_state"))
+        generation = generation_phase(traced.plan.cfg, traced.plan.seq_len, micro * accumulation, held)
+        if generation.peak_bytes <= summary.peak_bytes:
+            return summary
+        more = generation.peak_bytes - summary.peak_bytes
+        return dataclasses.replace(summary, peak_bytes=generation.peak_bytes,
+                                   total_bytes=summary.total_bytes + more,
+                                   by_phase={**summary.by_phase, "generation": generation.peak_bytes})
 
     def _cost(self, cfg: RunConfig, values: dict[str, Any], work: Work, counts: est.Counts,
               accumulation: int, summary: est.Estimate | None, micro: int) -> costmodel.StepCost:

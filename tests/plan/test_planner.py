@@ -422,3 +422,33 @@ def test_without_an_effective_batch_the_largest_micro_batch_is_found_in_seconds(
     peak = {m: estimate(planner.with_values(cfg, {"training.micro_batch_size": m})).peak_bytes
             for m in (micro, micro + 1)}
     assert 1 < micro < 1024 and peak[micro] <= decided.usable < peak[micro + 1], (micro, peak, decided.usable)
+
+
+@pytest.mark.slow
+def test_a_grpo_plan_fits_the_generation_phase_too() -> None:
+    """TRL generates a whole generation batch at once (here 256 completions: micro-batch x
+    accumulation) before the step's micro-batches train, so a GRPO plan must fit both phases. At a
+    budget where the training step of micro-batch 1 fits but generating 256 completions does not,
+    nothing fits, and the error's smallest peak is the generation's; with room for it, the choice's
+    peak is at least the generation's. Before, the plan fitted the training step alone and chose a
+    setting that runs out of memory while generating. Planted: the generation batch taken as the
+    micro-batch -> the tight budget finds a plan, fails."""
+    from memtrain.config import shipped_recipes_dir
+    from memtrain.errors import MemtrainError
+    from memtrain.estimator.grpo import generation_phase
+
+    cfg = load_recipe(shipped_recipes_dir() / "tiny-llama-grpo.yaml", [
+        "training.micro_batch_size=auto", "training.gradient_accumulation=auto",
+        "training.effective_batch_size=256", "training.grpo_max_completion_length=2", "data.max_length=40"])
+    one = planner.with_values(cfg, {"training.micro_batch_size": 1, "training.gradient_accumulation": 256})
+    step = estimate(one, device="cpu")
+    held = sum(step.by_category.get(n, 0) for n in ("parameters", "buffers", "optimizer_state"))
+    generation = generation_phase(one, step.settings["seq_len"], 256, held).peak_bytes
+    assert step.total_bytes < generation  # the training step of one completion fits where generation does not
+    tight = int((step.total_bytes + generation) / 2 / 0.9)
+    with pytest.raises(MemtrainError, match="Nothing fits") as caught:
+        planner.plan(cfg, tight, device="cpu")
+    assert f"{generation / 2**20:.2f} MiB" in str(caught.value), str(caught.value)
+    roomy = planner.plan(cfg, int(generation * 1.5 / 0.9), device="cpu")
+    assert roomy.chosen.peak >= generation
+    assert roomy.chosen.micro * roomy.chosen.accumulation == 256
