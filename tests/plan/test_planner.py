@@ -452,3 +452,34 @@ def test_a_grpo_plan_fits_the_generation_phase_too() -> None:
     roomy = planner.plan(cfg, int(generation * 1.5 / 0.9), device="cpu")
     assert roomy.chosen.peak >= generation
     assert roomy.chosen.micro * roomy.chosen.accumulation == 256
+
+
+@pytest.mark.slow
+def test_under_activation_offload_checkpointing_settings_are_not_ranked_by_memory() -> None:
+    """The search prunes a candidate that keeps at least as much as one that does not fit, field by
+    field along each field's memory order (none >= selective >= n of L >= full for checkpointing).
+    Under activation offload that order breaks: without checkpointing every saved activation leaves
+    the device, where a selective checkpoint's region boundaries stay on it. Llama-3.1-8B QLoRA at
+    131,072 tokens (estimates, no weights): selective keeps more than 10x what no checkpointing does.
+    So with offload on, checkpointing values are not compared (a too-big selective candidate must not
+    prune one without checkpointing); without it they still are. Planted: the order kept under
+    offload -> the dominance check fails."""
+    from memtrain.config import shipped_recipes_dir
+
+    common = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
+              "training.effective_batch_size=1", "training.gradient_accumulation=1",
+              "data.max_length=131072", "memory.host_budget=512GiB", "memory.offload.activations=true",
+              "memory.loss=chunked"]
+    recipe = shipped_recipes_dir() / "llama-3.1-8b-qlora.yaml"
+    peak = {ck: estimate(load_recipe(recipe, [*common, f"memory.checkpointing={ck}"]),
+                         device="cuda").total_bytes for ck in ("none", "selective")}
+    assert peak["selective"] > 10 * peak["none"], peak
+
+    cfg = load_recipe(recipe, [*common[:-2], "memory.checkpointing=auto", "memory.offload.activations=auto"])
+    search = planner.Search(cfg, "cuda", 2**40)
+    by = {(c.values["memory.checkpointing"], c.values["memory.offload.activations"]): c
+          for c in search.candidates()}
+    assert not search._dominated(by["none", True], by["selective", True])  # offload: not comparable
+    assert not search._dominated(by["none", False], by["full", True])
+    assert search._dominated(by["none", False], by["selective", False])  # no offload: the order holds
+    assert search._dominated(by["none", False], by["none", True])
