@@ -462,8 +462,9 @@ def test_under_activation_offload_checkpointing_settings_are_not_ranked_by_memor
     the device, where a selective checkpoint's region boundaries stay on it. Llama-3.1-8B QLoRA at
     131,072 tokens (estimates, no weights): selective keeps more than 10x what no checkpointing does.
     So with offload on, checkpointing values are not compared (a too-big selective candidate must not
-    prune one without checkpointing); without it they still are. Planted: the order kept under
-    offload -> the dominance check fails."""
+    prune one without checkpointing); without it they still are, except selective and none (found by
+    estimating all 256 candidates of the long-context plan). Planted: the order kept under offload,
+    or selective ranked below none -> the dominance checks fail."""
     from memtrain.config import shipped_recipes_dir
 
     common = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
@@ -480,6 +481,23 @@ def test_under_activation_offload_checkpointing_settings_are_not_ranked_by_memor
     by = {(c.values["memory.checkpointing"], c.values["memory.offload.activations"]): c
           for c in search.candidates()}
     assert not search._dominated(by["none", True], by["selective", True])  # offload: not comparable
+    assert not search._dominated(by["none", True], by["full", True])
     assert not search._dominated(by["none", False], by["full", True])
-    assert search._dominated(by["none", False], by["selective", False])  # no offload: the order holds
+    assert search._dominated(by["none", False], by["full", False])  # no offload: the order holds
+    assert search._dominated(by["selective", False], by["full", False])
     assert search._dominated(by["none", False], by["none", True])
+    # ... except between selective and none, with or without offload: with a lean norm a selective
+    # checkpoint keeps more at 14,336 tokens (117.4 GiB against 107.6 when written)
+    lean = [*common[:5], "data.max_length=14336", "memory.lean_norm=true", "memory.offload.activations=false",
+            "memory.offload.embeddings=true", "memory.loss=standard", "memory.tiled_mlp=false"]
+    kept = {ck: estimate(load_recipe(recipe, [*lean, f"memory.checkpointing={ck}"]),
+                         device="cuda").total_bytes for ck in ("none", "selective")}
+    assert kept["selective"] > kept["none"], kept
+    assert not search._dominated(by["none", False], by["selective", False])
+    # and the lean norm under offload (1 MiB more with it at 14,336 tokens, none or selective)
+    cfg = load_recipe(recipe, [*common[:-2], "memory.lean_norm=auto", "memory.offload.activations=auto"])
+    search = planner.Search(cfg, "cuda", 2**40)
+    norm = {(c.values["memory.lean_norm"], c.values["memory.offload.activations"]): c
+            for c in search.candidates()}
+    assert not search._dominated(norm[False, True], norm[True, True])
+    assert search._dominated(norm[False, False], norm[True, False])
