@@ -33,6 +33,7 @@ from torch import nn
 
 from memtrain.distributed.together import world
 from memtrain.errors import MemtrainError
+from memtrain.reliability.layouts import Rows
 from memtrain.reliability.oom import free_memory, is_out_of_memory
 from memtrain.reliability.replay import log_entry
 
@@ -84,21 +85,23 @@ class GenerationRecovery:
             free_memory()  # outside the except block: the failed call's cache is gone
             self._shrink(kwargs, message)
 
-    def _rows(self, kwargs: dict[str, Any]) -> int:
+    def _groups(self, kwargs: dict[str, Any]) -> tuple[int, int]:
+        """(rows, whole groups) of a ``generate`` call's ``input_ids``; (rows, 0) where the rows are
+        not whole groups (then the call is not split)."""
         ids = kwargs.get("input_ids")
-        return int(ids.shape[0]) if isinstance(ids, torch.Tensor) else 0
+        rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else 0
+        return rows, (rows // self.group if rows and rows % self.group == 0 else 0)
 
     def _in_parts(self, stock: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        rows = self._rows(kwargs)
-        groups = rows // self.group if rows and rows % self.group == 0 else 0
+        rows, groups = self._groups(kwargs)
         parts = min(self.parts, groups)
         if parts <= 1 or args:
             return stock(*args, **kwargs)
         edges = [self.group * (i * groups // parts) for i in range(parts + 1)]
+        batch = Rows(kwargs, rows)  # tensors with a row per completion are cut, the rest shared
         outputs = []
         for start, end in itertools.pairwise(edges):
-            piece = {key: value[start:end] if _along(value, rows) else value for key, value in kwargs.items()}
-            out = stock(**piece)
+            out = stock(**batch.piece(start, end))
             if not isinstance(out, torch.Tensor):  # a dict of scores etc.: not joined here
                 raise MemtrainError("generation in parts returned more than token ids "
                                     "(`return_dict_in_generate`); it cannot be joined")
@@ -118,8 +121,7 @@ class GenerationRecovery:
         return 0
 
     def _shrink(self, kwargs: dict[str, Any], message: str) -> None:
-        rows = self._rows(kwargs)
-        groups = rows // self.group if rows and rows % self.group == 0 else 0
+        rows, groups = self._groups(kwargs)
         before = -(-groups // min(self.parts, groups)) if groups else 0
         if before <= 1:
             raise GroupTooLarge(
@@ -137,6 +139,3 @@ class GenerationRecovery:
         self.events.append({"step": step, "prompts_before": before, "prompts": after, "group": self.group})
         log_entry(self.trainer, {"memory/recovered_generation_prompts": float(after)})
 
-
-def _along(value: Any, rows: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
