@@ -114,6 +114,9 @@ class Knob:
         sizes: the technique field this knob sizes (a tile or chunk size), or "": where the planner
             turns that technique off, a size the recipe fixed is dropped with it
             (``memtrain.plan.space.with_values``), as the recipe's checks require.
+        unordered_offloaded: under activation offload its values have no memory order (the
+            planner does not prune one by another there; ``memtrain.plan.search.Search._dominated``):
+            what the technique keeps on the device is partly what offload would have moved.
     """
 
     path: str
@@ -132,6 +135,7 @@ class Knob:
     to_host: bool = False
     lowers_cost: bool = False
     sizes: str = ""
+    unordered_offloaded: bool = False
 
     def rank_of(self, value: Any, shape: ModelShape) -> tuple[int, ...]:
         """``value``'s position in this knob's memory order."""

@@ -53,7 +53,8 @@ class _Traced:
 _TRACES: dict[str, _Traced] = {}
 
 OFFLOADED = "memory.offload.activations"
-UNORDERED_OFFLOADED = ("memory.checkpointing", "memory.lean_norm")  # no memory order under OFFLOADED
+# the fields with no memory order under activation offload (Knob.unordered_offloaded)
+UNORDERED_OFFLOADED = space.unordered_offloaded_fields()
 
 # The fields whose techniques patch the model, so whose applicability a fake model shows before
 # any trace (see Search.inapplicable): the registered knobs that say so (Knob.patches_model).
@@ -337,11 +338,8 @@ class Search:
         """
         if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
             return False
-        # Under activation offload the checkpointing and lean-norm orders do not hold: without
-        # checkpointing every saved activation leaves the device, where a selective checkpoint's
-        # region boundaries stay on it (Llama-3.1-8B at 131,072 tokens: 15.1 GiB without
-        # checkpointing, 226.9 GiB selective); at 14,336 tokens the lean norm kept 1 MiB more (an
-        # audit estimating all 256 candidates of the long-context plan)
+        # Under activation offload some fields' memory orders do not hold (Knob.unordered_offloaded:
+        # checkpointing, the lean norm; found by scripts/audit_dominance.py)
         offloaded = any(c.values.get(OFFLOADED, recipe_value(self.cfg, OFFLOADED)) is True
                         for c in (cand, small))
         at = functools.partial(rank, depth=self.depth, vocab=self.vocab)

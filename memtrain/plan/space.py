@@ -143,6 +143,11 @@ def bound_fields() -> tuple[str, ...]:
     return tuple(k.path for k in patches.knobs() if k.base or k.lowers_cost)
 
 
+def unordered_offloaded_fields() -> tuple[str, ...]:
+    """The fields with no memory order under activation offload (``Knob.unordered_offloaded``)."""
+    return tuple(k.path for k in patches.knobs() if k.unordered_offloaded)
+
+
 def patched_fields() -> tuple[str, ...]:
     """The fields whose techniques patch the model, so whose applicability a fake model shows
     before any trace."""
