@@ -809,9 +809,11 @@ def reuse_lines(meta: dict[str, Any], records: list[dict[str, Any]]) -> list[str
     """The note on rows kept from an earlier run (``--reuse-measured``), if any."""
     kept = sum(bool(r.get("reused")) for r in records)
     earlier = meta.get("reused_from")
+    merged = [f"Merged afterwards: {meta['merged']}.", ""] if meta.get("merged") else []
     if not kept or not earlier:
-        return []
-    return [f"Rows marked † ({kept}) were measured by an earlier run of this script, `{earlier['command']}` "
+        return merged
+    return [*merged,
+            f"Rows marked † ({kept}) were measured by an earlier run of this script, `{earlier['command']}` "
             f"on {earlier['device']} ({earlier['date']}), kept from its `gpu.json`; their predictions "
             "are this run's, with this run's calibration profile. The measured side does not depend on "
             "the estimator, so a row measured once needs no second run.", ""]
