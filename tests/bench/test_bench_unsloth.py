@@ -211,3 +211,123 @@ def test_plans_missing_from_the_file_are_made_beside_the_baseline_and_stopped_at
     assert got["8"]["length"] == 512 and "settings" in got["8"]
     assert "not planned in time" in got["16"]["error"]
     assert all(proc.poll() is not None for proc in background.running.values())
+
+
+class FakeTime:
+    """``time.time`` and ``time.monotonic`` as one clock the fake worker below moves on."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_each_task_gets_a_share_of_the_time_left_when_it_starts_not_a_slice_fixed_before_the_load(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """On the H200 the baseline's first task (the 8 GiB search) was skipped, "no time left": its slice
+    was fixed by the parent before Unsloth's import and load had eaten it."""
+    clock = FakeTime()
+    seen: list[tuple[str, float]] = []
+
+    class SlowLoad:
+        def __init__(self, job: dict) -> None:
+            self.info = {}
+
+        def load(self) -> None:
+            clock.now += 60.0  # the import and the model's load
+
+        def run(self, task: dict) -> dict:
+            seen.append((task["name"], task["deadline"]))
+            clock.now += 5.0
+            return {"task": task["name"]}
+
+    monkeypatch.setattr(bench, "time", clock)
+    monkeypatch.setattr(bench, "Worker", SlowLoad)
+    tasks = bench.baseline_tasks(clock.now + 100.0)
+    bench.worker_child({"framework": "unsloth", "tasks": tasks})
+    assert "no time left" not in capsys.readouterr().out
+    assert [name for name, _ in seen] == [t["name"] for t in tasks]
+    assert seen[0][1] == pytest.approx(1060.0 + 40.0 / 4)  # an equal share of the 40 s left after the load
+    assert seen[1][1] == pytest.approx(1065.0 + 35.0 / 3)  # what the first left unused passes on
+
+
+class Scripted(bench.Worker):
+    """A worker whose steps are scripted: fits or not by length, predicted at 1 s per 1,000 tokens."""
+
+    def __init__(self, fits_below: int | None, uncapped_fits: bool = True) -> None:
+        super().__init__({"backend": "fake", "framework": "memtrain", "config": bench.FAKE_MODEL})
+        self.fits_below, self.uncapped_fits, self.capped, self.calls = fits_below, uncapped_fits, True, []
+
+    def load(self, recipe: dict | None = None) -> None:
+        pass
+
+    def set_cap(self, cap_gib: int | None) -> None:
+        self.capped = cap_gib is not None
+
+    def predict(self, length: int) -> float:
+        return length / 1000
+
+    def step(self, length: int, steps: int) -> dict:
+        self.calls.append((length, self.capped))
+        fits = self.fits_below is None or length < self.fits_below or (not self.capped and self.uncapped_fits)
+        out = {"length": length, "fits": fits, "allocated": length * (1 if self.capped else 2)}
+        if fits:
+            out["steps_s"] = [length / 1000] * steps
+        else:
+            out["error"] = "out of memory: CUDA out of memory. Tried to allocate 2.03 GiB"
+        return out
+
+
+def test_a_planned_step_too_long_for_the_call_trains_the_target_length_instead() -> None:
+    """At 16 and 24 GiB memtrain's plans (262,144 tokens) were predicted at 693 s a step and skipped:
+    the row then had no trained length at all. Now it trains 1.25x the baseline's longest."""
+    worker = Scripted(fits_below=None)
+    task = {"name": "longest 16 GiB", "kind": "step", "length": 262144, "cap_gib": 16, "timed": 0,
+            "fallback_length": 20480, "deadline": time.monotonic() + 60}
+    result = worker.run(task)
+    assert worker.calls == [(20480, True)]
+    assert result["fits"] and result["length"] == 20480 and result["planned_length"] == 262144
+    assert "262 s predicted" in result["fallback"]
+    raw = {"meta": {}, "plans": {"16": {"length": 262144}},
+           "baseline": {"framework": "unsloth", "results": [{"task": "longest 16 GiB", "longest": 16384}]},
+           "memtrain": {"results": [result]}}
+    page = bench.page(raw)
+    assert "trained at 20,480 (not the planned length" in page and "| 1.25x |" in page
+
+
+def test_a_step_out_of_memory_says_where_and_is_measured_without_the_cap() -> None:
+    """The 8 GiB plan ran out of memory on the H200 and the page said only "Tried to allocate 2.03
+    GiB": now the row keeps where it ran out and the uncapped step's peak (the plan's real need)."""
+    worker = Scripted(fits_below=100_000)
+    task = {"name": "longest 8 GiB", "kind": "step", "length": 131840, "cap_gib": 8, "timed": 0,
+            "uncapped": True, "deadline": time.monotonic() + 600}
+    result = worker.run(task)
+    assert worker.calls == [(131840, True), (131840, False)]
+    assert not result["fits"] and result["uncapped"]["allocated"] == 2 * 131840
+    page = bench.page({"meta": {}, "plans": {"8": {"length": 131840}}, "baseline": {"results": []},
+                       "memtrain": {"results": [{**result, "where": ["models/llama.py:12 forward"]}]}})
+    assert "uncapped it peaked at" in page and "at models/llama.py:12 forward" in page
+
+
+def test_where_names_the_innermost_frames_outside_torch() -> None:
+    def deep() -> None:
+        raise RuntimeError("out of memory")
+
+    try:
+        deep()
+    except RuntimeError as err:
+        frames = bench.where(err)
+    assert frames[0].endswith(" deep") and "test_bench_unsloth.py" in frames[0]
+
+
+def test_the_frames_kept_are_the_libraries_not_torch() -> None:
+    frames = [{"filename": "/site/torch/nn/modules/module.py", "line": 1775, "name": "_call_impl"},
+              {"filename": "/site/torch/utils/checkpoint.py", "line": 490, "name": "checkpoint"},
+              {"filename": "/site/transformers/models/llama/modeling_llama.py", "line": 301,
+               "name": "forward"},
+              {"filename": "??", "line": 0, "name": "at::native::empty"}]
+    assert bench.own_frames(frames) == ["llama/modeling_llama.py:301 forward"]
