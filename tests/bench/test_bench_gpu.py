@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -279,10 +280,13 @@ def test_the_row_runner_trains_a_step_with_cuda_stubbed(monkeypatch: pytest.Monk
     assert got["tokens"] == [2, 16] and got["padded"] is True  # two rows: the shorter one padded
 
 
-def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("planning_s", [0.0, 2.0])
+def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      planning_s: float) -> None:
     """The orchestration with its children faked: every grid row predicted and measured once, in
-    order, the planner's candidates measured after them, the page and the raw JSON written."""
+    order, the page and the raw JSON written. The long-context rows and the planner's candidates
+    run first when their plans are at hand (on the H200 grid rows outran their cost and starved the
+    long-context row twice); a long plan still being made lets the grid run first."""
     calls: list[str] = []
     long_plan = {"settings": {"data.max_length": 5376, "training.micro_batch_size": 1,
                               "training.gradient_accumulation": 1}, "length": 5376, "budget": 3 * GiB,
@@ -301,6 +305,7 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path,
             return [{"values": {"memory.checkpointing": "full"}, "micro": 4, "accumulation": 4,
                      "predicted_total": 3 * GiB, "predicted_s": 1.0, "chosen": True, "label": "ckpt=full"}]
         if mode == "long":
+            time.sleep(planning_s)
             assert payload["data"]["max_length"] == "auto"
             assert env["CUDA_VISIBLE_DEVICES"] == ""  # planned beside measured rows: never on the GPU
             return long_plan
@@ -323,7 +328,8 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path,
     long = [json.dumps(r.recipe(long_plan), sort_keys=True) for r in bench.LONG_CONTEXT]
     plan = [json.dumps(r.recipe(), sort_keys=True) for r in bench.plan_rows(
         [{"values": {"memory.checkpointing": "full"}, "micro": 4, "accumulation": 4}])]
-    assert calls == grid + long + plan  # the long-context rows at the planned length, after the grid
+    # the long-context rows at the planned length
+    assert calls == (long + plan + grid if not planning_s else plan + grid + long)
     assert all(json.loads(c)["data"]["max_length"] == 5376 for c in long)
     text = out.read_text()
     assert "| 5,376 | 1.00 | 1.00 | +0.0% pass |" in text and "5,376 tokens: found" in text
