@@ -992,7 +992,7 @@ def run(args: argparse.Namespace) -> int:
     # at hand: on the H200 (2026-11-27) grid rows outran their a-priori cost and starved the
     # long-context row twice, and a grid row measured once is kept by --reuse-measured anyway.
     # Plans still being made here: the grid runs meanwhile, their cost reserved.
-    first = long_plans.done()
+    first = args.long_plans is not None or long_plans.done()
     long = measure_long(LONG_CONTEXT, long_plans.result(), env, deadline) if first else None
     planned: list[dict[str, Any]] | dict[str, Any] = candidates
     if isinstance(candidates, list):

@@ -323,7 +323,12 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path, monkeypatc
     monkeypatch.setattr(bench, "calibrate", calibrate)
     monkeypatch.setattr(bench, "nvml_memory", lambda field: 80 * GiB)
     out = tmp_path / "gpu.md"
-    assert bench.run(bench.parse_args(["--out", str(out), "--budget-s", "100000"])) == 0
+    given = []  # plans made beforehand: the long-context rows go first
+    if not planning_s:
+        plans = tmp_path / "long.json"
+        plans.write_text(json.dumps({"plans": [long_plan] * len(bench.LONG_CONTEXT), "where": "beforehand"}))
+        given = ["--long-plans", str(plans)]
+    assert bench.run(bench.parse_args(["--out", str(out), "--budget-s", "100000", *given])) == 0
     grid = [json.dumps(r.recipe(), sort_keys=True) for r in bench.GRID]
     long = [json.dumps(r.recipe(long_plan), sort_keys=True) for r in bench.LONG_CONTEXT]
     plan = [json.dumps(r.recipe(), sort_keys=True) for r in bench.plan_rows(
