@@ -129,6 +129,17 @@ def extra_flop_formulas() -> dict[Any, Any]:
     return formulas
 
 
+def flash_attention_backward_ops() -> dict[Any, str]:
+    """The overload packets of SDPA's flash-attention backward that a trace dispatches, each with
+    its device: CUDA's (a trace on fake CUDA tensors) and CPU's (on a machine without CUDA);
+    looked up by name (private aten ops, checked on torch 2.11 and 2.13), one this torch lacks is
+    left out. CPU's takes ``attn_mask`` as its ninth argument, CUDA's never has a mask."""
+    aten = torch.ops.aten
+    names = {"_scaled_dot_product_flash_attention_backward": "cuda",
+             "_scaled_dot_product_flash_attention_for_cpu_backward": "cpu"}
+    return {getattr(aten, name): device for name, device in names.items() if hasattr(aten, name)}
+
+
 def _gemm_4bit_flops(a: torch.Tensor, b: Any, shape_b: Any, *args: Any, out_val: Any = None,
                      **kwargs: Any) -> int:
     """``bitsandbytes::gemm_4bit(A, B, shapeB, ...)``: ``A [..., K] @ W.T`` with ``W`` of ``shapeB``

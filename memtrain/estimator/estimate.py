@@ -271,7 +271,8 @@ def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int, elide: 
     foreach = plan.device == "cuda"
     rows = micro_batch * (2 if plan.cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]
     return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
-                      device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows), elide=elide)
+                      device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows), elide=elide,
+                      cuda_kernels=plan.device == "cuda")
 
 
 # --------------------------------------------------------------------------------- reporting

@@ -60,7 +60,7 @@ def recipe_trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int) -
     from memtrain.estimator.trace import with_depth
 
     return trace_grpo_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
-                           padded=plan.rows.padded(micro_batch))
+                           padded=plan.rows.padded(micro_batch), cuda_kernels=plan.device == "cuda")
 
 
 def grpo_notes(cfg: RunConfig, device: str, prompt_tokens: int, resident: int | None = None) -> list[str]:
@@ -107,9 +107,10 @@ def trace_reason(cfg: RunConfig, device: str) -> str | None:
 
 
 def trace_grpo_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
-                    padded: bool = True) -> Trace:
+                    padded: bool = True, cuda_kernels: bool = False) -> Trace:
     """One optimizer step of TRL's GRPOTrainer for ``cfg`` on fake tensors (see the module docstring):
-    ``batch_size`` completions after ``seq_len``-token prompts, on a CPU."""
+    ``batch_size`` completions after ``seq_len``-token prompts, on a CPU; ``cuda_kernels``: for CUDA
+    (:func:`memtrain.estimator.trace.trace_step`)."""
     settings = resolve_batch(cfg.training, cfg.distributed.processes)
     accumulation = min(settings.accumulation, 2)  # a third micro-batch looks like the second
     tokenizer = _tokenizer(cfg)
@@ -122,7 +123,7 @@ def trace_grpo_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, s
         batch = step_batch(trainer, batch_size, prompt=seq_len)
         layers = decoder_layers(model, config.num_hidden_layers)
         with recipe_stage("model", "TRL's GRPO training step on fake tensors"), loops.recording():
-            tracker = trace_training_step(trainer, mode, batch, accumulation, layers)
+            tracker = trace_training_step(trainer, mode, batch, accumulation, layers, cuda_kernels)
             marked = loops.loops()
         done = [r.detail or r.name for r in patches.records(model)]
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written, tracker.ops["optimizer"],

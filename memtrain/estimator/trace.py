@@ -179,7 +179,7 @@ def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
                device: torch.device | str = "cpu", foreach: bool = False, padded: bool = True,
-               elide: bool = False) -> Trace:
+               elide: bool = False, cuda_kernels: bool = False) -> Trace:
     """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
 
     With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
@@ -199,6 +199,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             tokens (:func:`memtrain.trainer.build.example_batch`).
         elide: long loops over the tokens run only some of their iterations
             (:mod:`memtrain.memory.loops`); the caller checks :meth:`Trace.steady`.
+        cuda_kernels: the step is for CUDA: count what its kernels allocate inside a call
+            (:func:`memtrain.estimator.trace_events.flash_backward_scratch`), which no fake tensor does.
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
@@ -227,7 +229,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         if held:
             hold_gradients(model)
         layers = decoder_layers(model, config.num_hidden_layers)
-        meter = TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model))
+        meter = TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model), cuda_kernels)
         with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(elide):
             training_step(*step, held_gradients=held, loss_fn=loss_fn)
             marked, elided = loops.loops(), loops.elided()

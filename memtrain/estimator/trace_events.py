@@ -19,13 +19,58 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import flop_registry
 
-from memtrain._compat.torch_tools import active_fake_mode, extra_flop_formulas, overload_packet
+from memtrain._compat.torch_tools import (
+    active_fake_mode,
+    extra_flop_formulas,
+    flash_attention_backward_ops,
+    overload_packet,
+)
 from memtrain._compat.torch_trackers import MemRefType, UpdateType
 from memtrain.memory import loops, trackers
 from memtrain.memory import meter as meter_mod
 
 CATEGORY_NAMES = trackers.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
+
+
+def cuda_runs_flash(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether CUDA runs its flash kernel where a trace on a machine without CUDA ran CPU's
+    flash-attention backward (``args`` and ``kwargs`` of that op): where CUDA's flash kernel takes
+    the call (fp16 or bf16, no explicit mask, head_dim a multiple of 8 up to 256); elsewhere CUDA
+    runs the memory-efficient kernel, whose backward is not modelled here."""
+    query = args[1]
+    mask = kwargs.get("attn_mask", args[8] if len(args) > 8 else None)
+    head_dim = query.shape[-1]
+    return (query.dtype in (torch.float16, torch.bfloat16) and mask is None
+            and head_dim % 8 == 0 and head_dim <= 256)
+
+
+def flash_backward_scratch(query: torch.Tensor, key: torch.Tensor) -> list[int]:
+    """Bytes CUDA's flash-attention backward (FlashAttention-2 as vendored in PyTorch,
+    ``mha_bwd`` in ``aten/.../flash_attn/flash_api.cpp``) allocates for the length of the call,
+    besides the gradients it returns; ``query`` ``[batch, heads, q_len, head_dim]`` and ``key``
+    ``[batch, kv_heads, k_len, head_dim]`` as SDPA passes them. A fake tensor's kernel allocates
+    only the outputs, so a trace never sees these:
+
+    - ``softmax_d``: fp32, ``batch x heads x q_len`` rounded up to 128;
+    - ``dq_accum``: fp32, ``batch x q_len (rounded to 128) x heads x head_dim`` (rounded to 32, or
+      64 above 128);
+    - with grouped-query attention (fewer key/value heads), ``dk_expanded`` and ``dv_expanded``: key
+      and value gradients per query head, ``batch x k_len x heads x head_dim`` in the inputs' dtype,
+      summed into the returned ``dk``/``dv`` before the call ends.
+
+    At 131,840 tokens of a Llama-3.2-1B shape (32 heads, 8 key/value heads, head_dim 64) that is
+    2.0 GiB, which a long-context plan without it does not have (the H200 run of 2026-11-27).
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    q_rounded = -(-q_len // 128) * 128
+    step = 32 if head_dim <= 128 else 64
+    dim_rounded = -(-head_dim // step) * step
+    parts = [batch * heads * q_rounded * 4, batch * q_rounded * heads * dim_rounded * 4]
+    if kv_heads != heads:
+        parts += [batch * k_len * heads * head_dim * query.element_size()] * 2
+    return parts
 
 
 @dataclass
@@ -62,6 +107,9 @@ class _EventRecorder:
         self.flops = 0
         self.layer_forward_flops = 0  # of them, the forward's inside a decoder layer
         self._extra_flops = extra_flop_formulas()
+        # the estimate is for CUDA: kernels' own scratch memory counts (flash_backward_scratch)
+        self.cuda_kernels = False
+        self._flash_backward = flash_attention_backward_ops()
         self._entry_fake_mode: Any = None
         # An elided loop's stand-in iteration (memtrain.memory.loops.weight() > 1): the storages it
         # allocates that outlive the iteration after it count once per iteration it stands for.
@@ -89,7 +137,22 @@ class _EventRecorder:
             self.flops += flops
             if phase == "forward" and self._current_layer() >= 0:
                 self.layer_forward_flops += flops
+        kernel = self._flash_backward.get(packet) if self.cuda_kernels else None
+        if kernel == "cuda" or (kernel == "cpu" and cuda_runs_flash(args, kwargs or {})):
+            self._scratch(flash_backward_scratch(args[1], args[2]))
         return out
+
+    def _scratch(self, parts: list[int]) -> None:
+        """A kernel's own allocations, alive for its call: one row with them held as temporaries
+        beside the op's outputs (already counted), then gone."""
+        counts = self._raw[self.compute_device]  # type: ignore[attr-defined]
+        slot, total, rounded = CATEGORY_NAMES.index("temporaries"), sum(parts), sum(map(_round, parts))
+        counts[slot] += total
+        self._rounded += rounded
+        self.on_peak_update(None)
+        counts[slot] -= total
+        self._rounded -= rounded
+        self.on_peak_update(None)
 
     def on_snapshot_update(self, u_type: UpdateType, winfo: object, old_mem_consumed: int | None = None,
                            old_reftype: Any = None) -> None:
@@ -256,13 +319,14 @@ class TracingMeter(meter_mod.MemoryMeter):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
-                 layers: list[nn.Module], gradients: list[torch.Tensor]) -> None:
+                 layers: list[nn.Module], gradients: list[torch.Tensor], cuda_kernels: bool = False) -> None:
         super().__init__(model, optimizer, inputs=batch)
         host = self._tracker.host_device
         self.tracker: _EventTracker | _FSDPEventTracker = (
             _FSDPEventTracker(model, optimizer, self.device, host, layers)
             if isinstance(self._tracker, trackers.FSDPTracker)
             else _EventTracker(self.device, host, layers))
+        self.tracker.cuda_kernels = cuda_kernels
         self._tracker = self.tracker
         self._gradients = gradients
 

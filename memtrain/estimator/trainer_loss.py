@@ -240,19 +240,21 @@ def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray
     held = [m for m in (model, getattr(trainer, "ref_model", None)) if isinstance(m, nn.Module)]
     with fake_tensor_mode(packed=_packed(batch), padded=padded, scalars=True) as mode, quiet_libraries(), \
             _swapped(trainer), _fake_weights(held, mode):
-        tracker = trace_training_step(trainer, mode, batch, accumulation)
+        tracker = trace_training_step(trainer, mode, batch, accumulation,
+                                      cuda_kernels=_device_of(model).type == "cuda")
     return np.array(tracker.rows, dtype=np.int64)[:, 2:]
 
 
 def trace_training_step(trainer: Any, mode: FakeTensorMode, batch: dict[str, Any], accumulation: int,
-                        layers: list[nn.Module] | None = None) -> Any:
+                        layers: list[nn.Module] | None = None, cuda_kernels: bool = False) -> Any:
     """One optimizer step of ``trainer``, whose weights are fake tensors of ``mode`` (inside it), under
     the estimator's meter; returns the meter's tracker (its rows, phases and, with ``layers``, the
     decoder layer of each op). The Trainer's ``create_optimizer`` and state, the earlier
     micro-batches' gradients held (``accumulation`` > 1), the Trainer class's ``training_step``
     (TRL's GRPOTrainer: without its generation, :func:`memtrain._compat.trl.generated`), gradient
     clipping, the optimizer step and ``zero_grad``. Shared by :func:`trainer_step_estimate` and the
-    recipe estimate of a GRPO recipe (:mod:`memtrain.estimator.grpo_step`)."""
+    recipe estimate of a GRPO recipe (:mod:`memtrain.estimator.grpo_step`); ``cuda_kernels``: the
+    step runs on CUDA (:func:`memtrain.estimator.trace.trace_step`)."""
     model = trainer.model
     with generated(trainer):
         trainer.model_wrapped = model
@@ -263,7 +265,7 @@ def trace_training_step(trainer: Any, mode: FakeTensorMode, batch: dict[str, Any
         if accumulation > 1:
             hold_gradients(model)  # the earlier micro-batches' gradients, as memtrain's own trace holds them
         trainer.current_gradient_accumulation_steps = accumulation
-        meter = TracingMeter(model, optimizer, inputs, list(layers or []), [])
+        meter = TracingMeter(model, optimizer, inputs, list(layers or []), [], cuda_kernels)
         with meter, _mixed_precision(trainer):
             type(trainer).training_step(trainer, model, inputs, None)  # TRL's GRPO: no default for it
             del inputs
