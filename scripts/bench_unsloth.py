@@ -41,7 +41,9 @@ its 8 GiB search). Where memtrain's planned length is too long a step for the ca
 :data:`TARGET_RATIO` times the baseline's longest instead, and the row says so. A memtrain step that
 runs out of memory records where (the traceback's frames outside torch), the allocator's largest
 live blocks with the frames that allocated them (``torch.cuda.memory._record_memory_history``, on
-for those steps), and then runs once uncapped, so the page gives the step's real peak. Each worker
+for those steps), and then runs once uncapped, so the page gives the step's real peak. The speed
+row's step is run once more under ``torch.profiler`` in each framework: the page lists the ops the
+time went to side by side (memtrain measured 0.44x Unsloth's tokens/s on the H200). Each worker
 prints a result line per task, so a worker killed at its deadline keeps what it finished.
 
 ``--backend fake`` runs the same phases on a CPU with a tiny Llama and a simulated card: a step
@@ -550,6 +552,26 @@ class Worker:
         self.clean()
         return out
 
+    def profile(self, length: int, top: int = 15) -> list[dict[str, Any]]:
+        """One more step at ``length`` under ``torch.profiler``: the ops that took the most device
+        time (CPU time on a CPU), where a step's seconds go. Public API: ``key_averages()``."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self.clean()
+        with profile(activities=activities) as prof:
+            train_steps(self.model, self.optimizer, length, 1, self.device, self.vocab, self.card)
+        self.clean()
+
+        def spent(event: Any) -> float:  # microseconds of the event itself, on the device if any
+            if self.device == "cuda":
+                return float(getattr(event, "self_device_time_total", None)
+                             or getattr(event, "self_cuda_time_total", 0.0))
+            return float(event.self_cpu_time_total)
+
+        events = sorted(prof.key_averages(), key=spent, reverse=True)[:top]
+        return [{"op": e.key[:80], "ms": round(spent(e) / 1000, 3), "calls": e.count} for e in events]
+
     def largest_live(self, top: int = 12) -> list[dict[str, Any]]:
         """The allocator's largest live blocks at this moment (after an out-of-memory error: what
         held the memory), with the frames that allocated them when the history was recorded
@@ -614,6 +636,8 @@ class Worker:
                 if later.get("steps_s"):
                     result["step_s"] = statistics.median(later["steps_s"])
                     result["tokens_per_s"] = length / result["step_s"]
+                    if task.get("profile") and self.predict(length) <= task["deadline"] - time.monotonic():
+                        result["kernels"] = self.profile(length)
             left = task["deadline"] - time.monotonic()
             if not first["fits"] and task.get("uncapped") and self.predict(length) <= left:
                 self.set_cap(None)  # how much the step really needs: the plan's error, measured
@@ -891,7 +915,8 @@ def baseline_tasks(end: float) -> list[dict[str, Any]]:
     tasks: list[dict[str, Any]] = [
         {"name": f"longest {cap} GiB", "kind": "longest", "cap_gib": cap} for cap in CAPS_GIB
     ]
-    tasks.insert(1, {"name": "speed", "kind": "step", "length": SPEED_LENGTH, "cap_gib": SPEED_CAP_GIB})
+    tasks.insert(1, {"name": "speed", "kind": "step", "length": SPEED_LENGTH, "cap_gib": SPEED_CAP_GIB,
+                     "profile": True})
     return [dict(t, phase_end=end) for t in tasks]
 
 
@@ -934,6 +959,7 @@ def memtrain_tasks(
                 "length": SPEED_LENGTH,
                 "cap_gib": SPEED_CAP_GIB,
                 "recipe": recipe,
+                "profile": True,
             }
         )
     small = CAPS_GIB[0]
@@ -1252,12 +1278,29 @@ def page(raw: dict[str, Any]) -> str:
                 f"{who}: {_gib(outside)} GiB outside the allocator, allocator settings "
                 f"`{next((r['info'].get('allocator') for r in rows.values() if r.get('info')), None)}`."
             )
+    lines += kernel_lines(name, theirs.get("speed", {}), ours.get("speed", {}))
     lines += [
         "",
         "All numbers come from `scripts/bench_unsloth.py`; the raw results are in the JSON beside this page.",
         "",
     ]
     return "\n".join(lines)
+
+
+def kernel_lines(name: str, theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """The speed row's profiled step, side by side: each framework's ops by their own device time."""
+    a, b = theirs.get("kernels") or [], ours.get("kernels") or []
+    if not a and not b:
+        return []
+    lines = ["", "Where the speed row's step goes (one more step under `torch.profiler`, ops by their own "
+             "device time, milliseconds and calls):", "",
+             f"| {name} op | ms | calls | memtrain op | ms | calls |", "|---|---:|---:|---|---:|---:|"]
+    for i in range(max(len(a), len(b))):
+        left = a[i] if i < len(a) else {"op": "", "ms": "", "calls": ""}
+        right = b[i] if i < len(b) else {"op": "", "ms": "", "calls": ""}
+        lines.append(f"| `{left['op']}` | {left['ms']} | {left['calls']} | `{right['op']}` | {right['ms']} | "
+                     f"{right['calls']} |")
+    return lines
 
 
 def _tok_s(row: dict[str, Any]) -> str:

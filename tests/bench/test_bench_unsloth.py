@@ -137,12 +137,16 @@ def test_a_fake_run_finds_each_frameworks_longest_and_renders_the_page(
         assert ours[f"longest {cap} GiB"]["fits"] and ours[f"longest {cap} GiB"]["length"] == plan["length"]
     speed = ours["speed"]
     assert speed["length"] == bench.SPEED_LENGTH and len(speed["steps_s"]) == bench.TIMED
+    for row in (speed, theirs["speed"]):  # one more step profiled: the ops the time went to
+        ops = [k["op"] for k in row["kernels"]]
+        assert any("mm" in op or "linear" in op for op in ops) and all(k["calls"] > 0 for k in row["kernels"])
     assert speed["tokens_per_s"] == pytest.approx(bench.SPEED_LENGTH / speed["step_s"])
     at_theirs = ours["speed at their longest"]
     assert at_theirs["length"] == fake_longest("unsloth", bench.CAPS_GIB[0]) and at_theirs["fits"]
 
     page = (tmp_path / "unsloth.md").read_text(encoding="utf-8")
     assert "Fake backend: not a measurement" in page
+    assert "Where the speed row's step goes" in page and f"`{speed['kernels'][0]['op']}`" in page
     ratio = raw["plans"]["8"]["length"] / fake_longest("unsloth", 8)
     assert f"| 8 GiB | {fake_longest('unsloth', 8):,} |" in page and f"{ratio:.2f}x" in page
     rendered = tmp_path / "again.md"
