@@ -69,6 +69,8 @@ class Trace:
     elided: frozenset[int] = frozenset()  # loop instances that ran only some iterations
     scaled: frozenset[int] = frozenset()  # of those, whose stand-in's kept storages were multiplied
     irregular: frozenset[int] = frozenset()  # of those, whose stand-in could not be multiplied
+    # the device's allocations and frees in order, when recorded (memtrain.estimator.cuda_allocator)
+    allocations: list[tuple[int, object, int]] | None = None
 
     def steady(self) -> bool:
         """Every elided loop's skipped iterations would have recorded what its stand-in iteration
@@ -179,7 +181,7 @@ def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
                device: torch.device | str = "cpu", foreach: bool = False, padded: bool = True,
-               elide: bool = False, cuda_kernels: bool = False) -> Trace:
+               elide: bool = False, cuda_kernels: bool = False, allocations: bool = False) -> Trace:
     """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
 
     With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
@@ -201,6 +203,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             (:mod:`memtrain.memory.loops`); the caller checks :meth:`Trace.steady`.
         cuda_kernels: the step is for CUDA: count what its kernels allocate inside a call
             (:func:`memtrain.estimator.trace_events.flash_backward_scratch`), which no fake tensor does.
+        allocations: record the device's allocations and frees in order (:attr:`Trace.allocations`).
     """
     settings = step_settings(cfg)
     accumulation = min(settings["accumulation"], 2)  # a third micro-batch looks like the second
@@ -230,6 +233,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             hold_gradients(model)
         layers = decoder_layers(model, config.num_hidden_layers)
         meter = TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model), cuda_kernels)
+        if allocations:
+            meter.tracker.allocations = []
         with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(elide):
             training_step(*step, held_gradients=held, loss_fn=loss_fn)
             marked, elided = loops.loops(), loops.elided()
@@ -240,7 +245,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     rows = np.array(tracker.rows, dtype=np.int64)
     marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,
-                 marks, marked, frozenset(elided), frozenset(tracker.scaled), frozenset(tracker.irregular))
+                 marks, marked, frozenset(elided), frozenset(tracker.scaled), frozenset(tracker.irregular),
+                 tracker.allocations)
 
 
 @contextlib.contextmanager

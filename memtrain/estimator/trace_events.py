@@ -86,6 +86,7 @@ class _StandIn:
     after: tuple[int, int] | None = None  # once ended: the iteration after it
     added: dict[Any, list[int]] = field(default_factory=dict)  # once ended: what it added, net
     first_row: int = 0  # once ended: the first row recorded after it
+    events: tuple[int, int] = (0, 0)  # its span of the recorded allocations (start, end once ended)
 
 
 class _EventRecorder:
@@ -109,6 +110,11 @@ class _EventRecorder:
         self._extra_flops = extra_flop_formulas()
         # the estimate is for CUDA: kernels' own scratch memory counts (flash_backward_scratch)
         self.cuda_kernels = False
+        # the device's allocations and frees in order, (1, key, bytes) / (0, key, 0), for the
+        # caching allocator's replay (memtrain.estimator.cuda_allocator); None: not recorded
+        self.allocations: list[tuple[int, object, int]] | None = None
+        self._copies: dict[int, list[object]] = {}  # a multiplied storage's copies (_multiply)
+        self._serial = 0  # the next recorded storage's key
         self._flash_backward = flash_attention_backward_ops()
         self._entry_fake_mode: Any = None
         # An elided loop's stand-in iteration (memtrain.memory.loops.weight() > 1): the storages it
@@ -147,6 +153,10 @@ class _EventRecorder:
         beside the op's outputs (already counted), then gone."""
         counts = self._raw[self.compute_device]  # type: ignore[attr-defined]
         slot, total, rounded = CATEGORY_NAMES.index("temporaries"), sum(parts), sum(map(_round, parts))
+        if self.allocations is not None:
+            keys = [("scratch", len(self.allocations), i) for i in range(len(parts))]
+            self.allocations.extend((1, key, n) for key, n in zip(keys, parts, strict=True))
+            self.allocations.extend((0, key, 0) for key in keys)
         counts[slot] += total
         self._rounded += rounded
         self.on_peak_update(None)
@@ -172,6 +182,8 @@ class _EventRecorder:
             self.scaled.add(loops.current()[0])  # its loop sees the multiplied bytes go
         slot = self._index[winfo.reftype]
         delta_rounded = 0
+        if self.allocations is not None and winfo.device == self.compute_device:  # type: ignore[attr-defined]
+            self._record(u_type, winfo, raw)
         if u_type == UpdateType.ADD:
             counts[slot] += raw
             delta_rounded = _round(raw)
@@ -197,6 +209,19 @@ class _EventRecorder:
         if winfo.device == self.compute_device:  # type: ignore[attr-defined]
             self._rounded += delta_rounded
 
+    def _record(self, u_type: UpdateType, winfo: Any, raw: int) -> None:
+        # a serial number, not id(): a storage's id is reused once it is gone
+        key, log = getattr(winfo, "_memtrain_key", None), self.allocations
+        assert log is not None
+        if key is None:
+            key = winfo._memtrain_key = self._serial
+            self._serial += 1
+        if u_type in (UpdateType.DEL, UpdateType.SIZE):
+            log.append((0, key, 0))
+            log.extend((0, copy, 0) for copy in self._copies.pop(key, []))
+        if u_type in (UpdateType.ADD, UpdateType.SIZE):
+            log.append((1, key, raw))
+
     def _follow_loops(self) -> None:
         """Start or end an elided loop's stand-in iteration (:func:`memtrain.memory.loops.weight`)
         and the iteration after it."""
@@ -207,6 +232,7 @@ class _EventRecorder:
         if self._stand_in is not None and mark != self._stand_in.mark:
             ended = self._stand_in
             ended.after, ended.first_row = mark, len(self.rows)
+            ended.events = (ended.events[0], len(self.allocations or ()))
             ended.added = {d: [now - before + freed for now, before, freed in
                                zip(self._raw[d], ended.start[d], ended.freed[d], strict=True)]
                            for d in self._raw}  # net, but for multiplied storages (of a loop before) it freed
@@ -214,6 +240,7 @@ class _EventRecorder:
         if self._stand_in is None and loops.weight() > 1:
             self._stand_in = _StandIn(mark, loops.weight(), {d: list(c) for d, c in self._raw.items()},
                                       {d: [0] * len(c) for d, c in self._raw.items()})
+            self._stand_in.events = (len(self.allocations or ()), 0)
 
     def _multiply(self, pending: _StandIn) -> None:
         """The iteration after an elided loop's stand-in has ended. What the stand-in allocated and
@@ -245,10 +272,42 @@ class _EventRecorder:
         self._rounded += rounded * extra
         for winfo in pending.survivors.values():
             winfo._memtrain_times = pending.times
+        if self.allocations is not None:
+            self._repeat(pending)
         shift = np.array([0, 0, *device, host, rounded], dtype=np.int64) * extra
         self.rows[pending.first_row:] = [tuple(int(v) for v in np.add(row, shift))
                                          for row in self.rows[pending.first_row:]]
         self.scaled.add(pending.mark[0])
+
+    def _repeat(self, pending: _StandIn) -> None:
+        """The skipped iterations' allocations, for the allocator's replay: the stand-in's own
+        (its span of the log) once per iteration it stands for, right after it. What it keeps (the
+        survivors) each copy keeps until the original goes; what it allocates and does not free (a
+        loop variable the next iteration replaces) the next copy frees as it starts, and the last
+        copy's goes when the original's would (in the iteration after the loop's stand-ins)."""
+        log = self.allocations
+        assert log is not None
+        start, end = pending.events
+        body = log[start:end]
+        survivors = {w._memtrain_key for w in pending.survivors.values()
+                     if w.device == self.compute_device and hasattr(w, "_memtrain_key")}  # type: ignore[attr-defined]
+        freed = {key for alloc, key, _ in body if not alloc}
+        passing = [key for alloc, key, _ in body if alloc and key not in freed and key not in survivors]
+        copies: list[tuple[int, object, int]] = []
+        for k in range(1, pending.times):
+            copies += [(0, key if k == 1 else (key, k - 1), 0) for key in passing]
+            copies += [(alloc, (key, k), n) for alloc, key, n in body]
+        log[end:end] = copies
+        for key in survivors:
+            self._copies[key] = [(key, k) for k in range(1, pending.times)]
+        last = {key: (key, pending.times - 1) for key in passing}
+        after = end + len(copies)  # the iteration after the stand-in, already recorded
+        for i in range(len(log) - 1, after - 1, -1):  # a loop variable it already freed: with it
+            alloc, key, _ = log[i]
+            if not alloc and key in last:
+                log.insert(i + 1, (0, last.pop(key), 0))
+        for key, copy in last.items():
+            self._copies[key] = [copy]
 
     def on_peak_update(self, peak_state: object) -> None:
         self._follow_loops()
