@@ -3,8 +3,12 @@
 #   here:        python scripts/gpu_kit.py                       # .gpusite/: wheels, bitsandbytes, data, unsloth/
 #                python scripts/bench_gpu.py --plan-long docs/bench/gpu_long_plans.json   # if stale
 #                python scripts/bench_unsloth.py --plan docs/bench/unsloth_plans.json     # if stale
-#   the device:  run(command="bash scripts/gpu_session.sh unsloth", carry=[".gpusite"], timeout_s=600)  # first
-#                run(command="bash scripts/gpu_session.sh", carry=[".gpusite"], timeout_s=600)
+#   the device:  run(command="UNSLOTH_BUDGET=380 bash scripts/gpu_session.sh unsloth", carry=[".gpusite"],
+#                    timeout_s=460)                                                        # first
+#                run(command="BENCH_BUDGET=280 TEST_TIMEOUT=60 bash scripts/gpu_session.sh", carry=[".gpusite"],
+#                    timeout_s=400)                          # at once: the machine goes back after 30 s idle
+# Sized to 15 minutes of device time from the H200 session (2026-11-27): the start took ~33 s, the
+# install and smoke check 25-35 s per call, a call's budget plus ~40 s of wall time.
 # `unsloth` (issue 39, part 1): after the install and smoke check, scripts/bench_unsloth.py with its
 # plans made beforehand, memtrain against Unsloth on the same GPU (Unsloth's site, /tmp/site-unsloth,
 # from .gpusite/unsloth/: the transformers, trl and datasets it accepts); UNSLOTH_BUDGET (seconds,
