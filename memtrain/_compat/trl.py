@@ -171,13 +171,22 @@ class GenerationSteps:
         self.trainer._step += 1
 
 
+def is_trl(trainer: Any, name: str) -> bool:
+    """Whether ``trainer`` is (a subclass of) TRL's trainer class ``name``, read from its class's
+    MRO: no import of TRL, so False where TRL is not installed. The one test of a trainer's kind
+    (the estimator, the plugin and the reliability layer all ask it here)."""
+    return any(cls.__name__ == name and cls.__module__.split(".")[0] == "trl"
+               for cls in type(trainer).__mro__)
+
+
+def is_grpo(trainer: Any) -> bool:
+    """Whether ``trainer`` is TRL's ``GRPOTrainer`` (or a subclass)."""
+    return is_trl(trainer, "GRPOTrainer")
+
+
 def generation_steps(trainer: Any) -> GenerationSteps | None:
     """:class:`GenerationSteps` of a ``GRPOTrainer``; None for any other trainer (or without TRL)."""
-    try:
-        from trl import GRPOTrainer
-    except ImportError:
-        return None
-    return GenerationSteps(trainer) if isinstance(trainer, GRPOTrainer) else None
+    return GenerationSteps(trainer) if is_grpo(trainer) else None
 
 
 def forget_metrics(trainer: Any) -> None:

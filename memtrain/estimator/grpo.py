@@ -162,15 +162,6 @@ def _weight_bytes(config: Any, dtype: int) -> int:
 # ------------------------------------------------------------------ a user's GRPOTrainer (the plugin)
 
 
-def is_grpo(trainer: Any) -> bool:
-    """Whether ``trainer`` is TRL's ``GRPOTrainer`` (or a subclass); False where TRL is not installed."""
-    try:
-        from trl import GRPOTrainer
-    except ImportError:
-        return False
-    return isinstance(trainer, GRPOTrainer)
-
-
 def longest_prompt(trainer: Any) -> int:
     """Tokens of the longest prompt of the Trainer's training set, tokenized as TRL's GRPOTrainer does
     (``processing_class(text=...)``; a conversation through its chat template with the generation

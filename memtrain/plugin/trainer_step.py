@@ -30,8 +30,9 @@ from typing import Any
 from transformers import Trainer
 
 from memtrain._compat.transformers_trainer import set_train_batch_size
+from memtrain._compat.trl import is_grpo
 from memtrain.data.rows import Rows
-from memtrain.estimator.grpo import is_grpo, trainer_generation_phase
+from memtrain.estimator.grpo import trainer_generation_phase
 from memtrain.estimator.trainer_loss import TrainerEstimate, longest_batch_rows, trainer_step_estimate
 from memtrain.plugin.apply import IN_PLACE, keep_generation_batch
 from memtrain.plugin.describe import BudgetPlan

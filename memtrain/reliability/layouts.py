@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from memtrain._compat.transformers_trainer import loss_shifts_labels
+from memtrain._compat.trl import is_trl
 
 Batch = dict[str, Any]
 
@@ -199,12 +200,12 @@ Detector = Callable[[Any, Batch], Layout | None]
 def coupled_loss(trainer: Any, inputs: Batch) -> Layout | None:
     """TRL trainers whose loss couples the examples of a micro-batch: pieces would change it."""
     reason = None
-    cpo_nll = _is_trl(trainer, "CPOTrainer") and bool(getattr(trainer, "cpo_alpha", 0))
-    nll = _is_trl(trainer, "ORPOTrainer") or cpo_nll
-    if _is_trl(trainer, "KTOTrainer") and getattr(trainer, "calculate_KL", False):
+    cpo_nll = is_trl(trainer, "CPOTrainer") and bool(getattr(trainer, "cpo_alpha", 0))
+    nll = is_trl(trainer, "ORPOTrainer") or cpo_nll
+    if is_trl(trainer, "KTOTrainer") and getattr(trainer, "calculate_KL", False):
         reason = ("its loss compares every example with a KL baseline estimated over the whole micro-batch "
                   "(`loss_type='kto'`), so each piece would train against another baseline")
-    elif _is_trl(trainer, "DPOTrainer"):
+    elif is_trl(trainer, "DPOTrainer"):
         coupled = sorted(set(_loss_types(trainer)) & {"aot", "aot_unpaired", "sft"})
         if coupled:
             reason = (f"its loss types {coupled} are not a mean over independent pairs ('aot' sorts the "
@@ -215,14 +216,14 @@ def coupled_loss(trainer: Any, inputs: Batch) -> Layout | None:
     if reason is None:
         return None
     rows = _rows(inputs)
-    paired = _is_trl(trainer, "DPOTrainer") and rows % 2 == 0
+    paired = is_trl(trainer, "DPOTrainer") and rows % 2 == 0
     return Unsplittable(inputs, rows // 2 if paired else rows, reason,
                         "preference pair" if paired else "example")
 
 
 def stacked_pairs(trainer: Any, inputs: Batch) -> Layout | None:
     """TRL's DPO and reward collators: ``input_ids`` holds every chosen sequence, then every rejected one."""
-    if not (_is_trl(trainer, "DPOTrainer") or _is_trl(trainer, "RewardTrainer")):
+    if not (is_trl(trainer, "DPOTrainer") or is_trl(trainer, "RewardTrainer")):
         return None
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.shape[0] % 2:
@@ -264,7 +265,7 @@ def packed_row(trainer: Any, inputs: Batch) -> Layout | None:
 
 def generated_completions(trainer: Any, inputs: Batch) -> Layout | None:
     """TRL's GRPOTrainer, on the micro-batch its ``_prepare_inputs`` made (``completion_ids``)."""
-    if not (_is_trl(trainer, "GRPOTrainer") and isinstance(inputs.get("completion_ids"), torch.Tensor)):
+    if not (is_trl(trainer, "GRPOTrainer") and isinstance(inputs.get("completion_ids"), torch.Tensor)):
         return None
     count = int(inputs["completion_ids"].shape[0])
     args = getattr(trainer, "args", None)
@@ -368,12 +369,6 @@ def _stray(inputs: Batch, allowed: tuple[int, ...]) -> str | None:
     """The first tensor (not a scalar) whose first dimension is none of ``allowed``."""
     return next((key for key, value in inputs.items() if isinstance(value, torch.Tensor) and value.dim() > 0
                  and value.shape[0] not in allowed), None)
-
-
-def _is_trl(trainer: Any, name: str) -> bool:
-    """Whether ``trainer`` is (a subclass of) TRL's ``name`` (without importing TRL)."""
-    return any(cls.__name__ == name and cls.__module__.split(".")[0] == "trl"
-               for cls in type(trainer).__mro__)
 
 
 def _loss_types(trainer: Any) -> list[str]:
