@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for record in raw["grid"][: args.only]:
         spec, measured = record["spec"], record["measured"]
-        row = next(r for r in bg.GRID if r.model == spec["model"] and r.method == spec["method"]
-                   and r.checkpointing == spec["checkpointing"] and r.optimizer == spec["optimizer"]
-                   and r.micro == spec["micro"] and r.seq == spec["seq"])
+        row = next(r for r in bg.GRID if bg.spec_key(r) == bg.spec_key(spec))
         got = replay_row(row.recipe())
         predicted = bg.predict_child([row.recipe()])[0]  # the estimate: traces of 2 and 3 layers
         over = predicted["overheads"]
