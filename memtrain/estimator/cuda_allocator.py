@@ -36,8 +36,9 @@ LARGE_PAGE = 20 * 2**20  # kLargeBuffer: the large pool's segment grows by it
 
 
 def round_size(size: int) -> int:
-    """The block size a request of ``size`` bytes asks for (``round_size``)."""
-    return MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
+    """The block size a request of ``size`` bytes asks for (``round_size``): a multiple of 512, at
+    least 512; an empty tensor asks for nothing (0). The tracer's rounding line uses it too."""
+    return -(-size // MIN_BLOCK) * MIN_BLOCK
 
 
 @dataclass(eq=False)
@@ -143,6 +144,8 @@ class Replay:
 
     def malloc(self, key: object, size: int) -> None:
         rounded = round_size(size)
+        if not rounded:  # an empty tensor: CUDA hands out no block
+            return
         pool = self.small if rounded <= SMALL_SIZE else self.large
         block = pool.malloc(rounded)
         self._live[key] = (pool, block)

@@ -10,7 +10,6 @@ op ran in: the rows that :mod:`memtrain.estimator.trace` extrapolates. It also c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +25,11 @@ from memtrain._compat.torch_tools import (
     overload_packet,
 )
 from memtrain._compat.torch_trackers import MemRefType, UpdateType
+from memtrain.estimator.cuda_allocator import round_size
 from memtrain.memory import loops, trackers
 from memtrain.memory import meter as meter_mod
 
 CATEGORY_NAMES = trackers.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
-CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 
 
 def cuda_runs_flash(args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -152,7 +151,7 @@ class _EventRecorder:
         """A kernel's own allocations, alive for its call: one row with them held as temporaries
         beside the op's outputs (already counted), then gone."""
         counts = self._raw[self.compute_device]  # type: ignore[attr-defined]
-        slot, total, rounded = CATEGORY_NAMES.index("temporaries"), sum(parts), sum(map(_round, parts))
+        slot, total, rounded = CATEGORY_NAMES.index("temporaries"), sum(parts), sum(map(round_size, parts))
         if self.allocations is not None:
             keys = [("scratch", len(self.allocations), i) for i in range(len(parts))]
             self.allocations.extend((1, key, n) for key, n in zip(keys, parts, strict=True))
@@ -186,7 +185,7 @@ class _EventRecorder:
             self._record(u_type, winfo, raw)
         if u_type == UpdateType.ADD:
             counts[slot] += raw
-            delta_rounded = _round(raw)
+            delta_rounded = round_size(raw)
             if winfo.device == self.compute_device and self.phase() != "optimizer":  # type: ignore[attr-defined]
                 self.written += raw * loops.weight()
             if self._stand_in is not None:
@@ -195,7 +194,7 @@ class _EventRecorder:
             counts[slot] -= old * times
             if self._stand_in is not None and times > 1:
                 self._stand_in.freed[winfo.device][slot] += old * times
-            delta_rounded = -_round(old) * times
+            delta_rounded = -round_size(old) * times
             for stand_in in (self._stand_in, self._pending):
                 if stand_in is not None:
                     stand_in.survivors.pop(id(winfo), None)
@@ -204,7 +203,7 @@ class _EventRecorder:
             counts[slot] += old * times
         elif u_type == UpdateType.SIZE:
             counts[slot] += (raw - old) * times
-            delta_rounded = (_round(raw) - _round(old)) * times
+            delta_rounded = (round_size(raw) - round_size(old)) * times
         winfo._memtrain_raw = raw
         if winfo.device == self.compute_device:  # type: ignore[attr-defined]
             self._rounded += delta_rounded
@@ -264,7 +263,7 @@ class _EventRecorder:
             return
         extra = pending.times - 1
         device, host = held[self.compute_device], sum(held[self.host_device])  # type: ignore[attr-defined]
-        rounded = sum(_round(w._memtrain_raw) for w in pending.survivors.values()
+        rounded = sum(round_size(w._memtrain_raw) for w in pending.survivors.values()
                       if w.device == self.compute_device)  # type: ignore[attr-defined]
         for d, counts in held.items():
             for slot, n in enumerate(counts):
@@ -364,10 +363,6 @@ def flop_count(count: Any, args: Any, kwargs: dict[str, Any], out: Any) -> int:
                  if isinstance(a, torch.Tensor) and a.dim() == 4 and heads % a.shape[1] == 0 else a
                  for a in args]
         return int(count(*grown, **kwargs, out_val=out))
-
-
-def _round(n: int) -> int:
-    return math.ceil(n / CUDA_BLOCK) * CUDA_BLOCK
 
 
 class TracingMeter(meter_mod.MemoryMeter):

@@ -49,6 +49,7 @@ def test_best_fit_takes_the_smallest_free_block_that_holds_the_request() -> None
 
 def test_requests_round_to_512_bytes_and_large_blocks_split_only_above_1_mib() -> None:
     assert ca.round_size(1) == 512 and ca.round_size(513) == 1024 and ca.round_size(4096) == 4096
+    assert ca.round_size(0) == 0  # an empty tensor: no block
     replay = ca.Replay()
     replay.malloc("big", 3 * MiB)
     replay.malloc("rest", 17 * MiB)  # the rest of the 20 MiB page
