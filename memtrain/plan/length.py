@@ -96,8 +96,8 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
 
     def at(length: int) -> est.Estimate:
         if (base, length) not in _ESTIMATES:
-            _ESTIMATES[base, length] = est.estimate(with_values(cfg, {**settings, MAX_KEY: length}),
-                                                    device=device)
+            probe = Search(with_values(cfg, {**settings, MAX_KEY: length}), device, usable, fields=[])
+            _ESTIMATES[base, length] = probe.estimate_of(lean.micro, lean.accumulation)
         found.probes[length] = _ESTIMATES[base, length].total_bytes
         if host is not None and _ESTIMATES[base, length].host_peak_bytes > host:
             found.probes[length] = max(found.probes[length], usable + 1)  # does not fit: the host's

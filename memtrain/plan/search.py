@@ -507,6 +507,13 @@ class Search:
         cand.seconds, cand.parts = cost.seconds, cost.parts
         self.done.append(cand)
 
+    def estimate_of(self, micro: int, accumulation: int) -> est.Estimate:
+        """The estimate of the recipe as given (no field ``auto``) at ``micro`` x ``accumulation``,
+        from the traces this search shares (:data:`_TRACES`): a later search that evaluates the same
+        settings reuses them (the length search's probe at the chosen length is the leanest
+        candidate of the search that follows it)."""
+        return self._summary(self._traced(self.cfg, accumulation), micro, accumulation)
+
     def fits(self, s: est.Estimate) -> bool:
         """The device total fits the usable budget, and the host bytes the host budget."""
         return s.total_bytes <= self.usable and (self.host is None or self.host.fits(s.host_peak_bytes))

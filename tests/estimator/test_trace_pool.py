@@ -92,6 +92,20 @@ def test_a_worker_runs_real_ops_after_this_process_used_its_threads(two_processe
         torch.set_num_threads(before)
 
 
+def test_uneven_shares_get_a_process_per_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three traces on two cores: a share of two beside a share of one ends when the two have run
+    one after the other; three processes sharing the cores end at about half the total."""
+    monkeypatch.delenv(trace_pool.ENV_VAR, raising=False)
+    monkeypatch.setattr(trace_pool.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    if trace_pool.processes(2) < 2:
+        pytest.skip("forked trace workers need Linux")
+    assert [trace_pool.processes(n) for n in (2, 3, 4, 5, 8)] == [2, 3, 2, 2, 2]
+    pids = trace_pool.run_all([_pid] * 3)
+    assert pids[0] == PARENT and len(set(pids)) == 3
+    monkeypatch.setenv(trace_pool.ENV_VAR, "2")  # a number set is a cap
+    assert trace_pool.processes(3) == 2
+
+
 def test_one_process_when_forking_is_unsafe_or_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert trace_pool.processes(1) == 1
     monkeypatch.setenv(trace_pool.ENV_VAR, "1")
