@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 from memtrain._compat.torch_tools import (
+    FakeTensor,
     active_fake_mode,
     extra_flop_formulas,
     flash_attention_backward_ops,
@@ -126,6 +127,9 @@ class _EventRecorder:
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
         if func is torch.ops.prim.device.default:
+            tensor = args[0]
+            if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
+                return tensor.fake_device  # FakeTensor's own answer, without a second dispatch
             return func(*args, **(kwargs or {}))
         phase = self.phase()  # type: ignore[attr-defined]
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
