@@ -14,6 +14,9 @@ with a budget of 1 byte (so each one's smallest peak is computed, none fits), an
 The long-context plan at 14,336 tokens (256 candidates, ~13 min on a 2-core CPU): 58 pairs before
 checkpointing's order was made partial (selective over none) and the lean norm unordered under
 activation offload, 0 after (docs/planner.md).
+
+``--time`` audits the time order the search prunes by (``Knob.slower_when_leaner``: a candidate
+leaner than a fitting one only in fields that add work, with more techniques, is not traced).
 """
 
 from __future__ import annotations
@@ -40,9 +43,13 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=None,
                         help="recipe overrides (default: the long-context plan's fields, all auto)")
     parser.add_argument("--save", help="write every candidate's values and smallest peak to this JSON file")
+    parser.add_argument("--time", action="store_true",
+                        help="audit the time order instead: an unbounded budget (every candidate fits at "
+                        "its largest micro-batch), and every pair the search calls \"a no faster than b\" "
+                        "(Search.no_faster) where a's predicted step is faster")
     args = parser.parse_args()
     overrides = [*(args.set if args.set is not None else LONG_CONTEXT), f"data.max_length={args.length}"]
-    search = Search(load_recipe(args.recipe, overrides), args.device, 1)
+    search = Search(load_recipe(args.recipe, overrides), args.device, 2**62 if args.time else 1)
     cands = [c for c in search.candidates() if search.inapplicable(c) is None]
     started = time.perf_counter()
     for cand in cands:
@@ -51,6 +58,16 @@ def main() -> None:
     if args.save:
         with open(args.save, "w", encoding="utf-8") as out:
             json.dump([[c.values, c.min_peak] for c in cands], out, default=str)
+    if args.time:
+        timed = [c for c in cands if c.seconds < float("inf")]
+        slower = sorted(((b.seconds - a.seconds, a, b) for a in timed for b in timed
+                         if a is not b and search.no_faster(a, b) and a.seconds < b.seconds and
+                         (a.micro, a.accumulation) == (b.micro, b.accumulation)), key=lambda x: -x[0])
+        pairs = sum(1 for a in timed for b in timed if a is not b and search.no_faster(a, b))
+        print(f"{len(slower)} of {pairs} pairs where the search claims a no faster than b, and a is faster")
+        for gap, a, b in slower:
+            print(f"  {gap:.4g} s faster: {a.label()}  vs  {b.label()}")
+        return
     wrong = sorted(((b.min_peak - a.min_peak, a, b) for a in cands for b in cands
                     if a is not b and search._dominated(a, b) and a.min_peak < b.min_peak),
                    key=lambda x: -x[0])

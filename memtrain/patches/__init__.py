@@ -117,6 +117,16 @@ class Knob:
         unordered_offloaded: under activation offload its values have no memory order (the
             planner does not prune one by another there; ``memtrain.plan.search.Search._dominated``):
             what the technique keeps on the device is partly what offload would have moved.
+        slower_when_leaner: its leaner values never make a step faster: each only adds work (a
+            transfer, a recompute, more and smaller tiles) and lowers no cost term. A candidate
+            that is leaner than one that fits only in such fields, with more memory techniques,
+            is never chosen, so the planner does not trace it (``memtrain.plan.search``;
+            scripts/audit_dominance.py ``--time`` checks the order on every candidate).
+        unordered_time_offloaded: under activation offload its leaner values can make a step
+            faster after all: they save fewer bytes for backward, and offload moves fewer (the
+            tiled MLP keeps only each MLP's input), so ``slower_when_leaner`` holds only without
+            activation offload (the audit above: 36 of 1,184 pairs, all tiled MLP on vs off under
+            offload, up to 1.07 s of a step faster, before this rule).
     """
 
     path: str
@@ -136,6 +146,8 @@ class Knob:
     lowers_cost: bool = False
     sizes: str = ""
     unordered_offloaded: bool = False
+    slower_when_leaner: bool = False
+    unordered_time_offloaded: bool = False
 
     def rank_of(self, value: Any, shape: ModelShape) -> tuple[int, ...]:
         """``value``'s position in this knob's memory order."""

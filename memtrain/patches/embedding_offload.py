@@ -154,7 +154,7 @@ def undo(model: nn.Module) -> nn.Module:
 # cross to the device once per micro-batch. The plugin may choose it: `model.to()` (the Trainer's
 # placement) leaves the table on the host.
 KNOBS = (Knob(FIELD, one_process(False, True), False, order=70, plugin=True, patches_model=True,
-              cost="embedding_bytes", to_host=True),)
+              cost="embedding_bytes", to_host=True, slower_when_leaner=True),)
 DOC = Doc("embedding offload", f"`{FIELD}: true`",
           "the frozen input embedding table in host memory; its looked-up rows cross each micro-batch",
           "[embedding_offload.md](docs/bench/embedding_offload.md)")

@@ -374,9 +374,10 @@ def undo(model: nn.Module) -> nn.Module:
 KNOBS = (
     # keeps only each MLP's input; one more MLP forward (4-bit weights dequantized once per tile)
     Knob("memory.tiled_mlp", fixed(False, True), False, order=130, plugin=True, patches_model=True,
-         cost="tiled_dequantized"),
+         cost="tiled_dequantized", slower_when_leaner=True, unordered_time_offloaded=True),
+    # smaller tiles: more launches and dequantizations for the same work
     Knob("memory.tiled_mlp_tile_tokens", lambda cfg, shape: [None, *tile_ladder(shape.hidden)], None,
-         order=140, rank=tile_rank, plugin=True, sizes="memory.tiled_mlp"),
+         order=140, rank=tile_rank, plugin=True, sizes="memory.tiled_mlp", slower_when_leaner=True),
 )
 DOC = Doc("tiled MLP",
           "`memory.tiled_mlp: true`, `memory.tiled_mlp_tile_tokens: auto` (tile sized from the budget)",

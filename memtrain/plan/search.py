@@ -55,6 +55,10 @@ _TRACES: dict[str, _Traced] = {}
 OFFLOADED = "memory.offload.activations"
 # the fields with no memory order under activation offload (Knob.unordered_offloaded)
 UNORDERED_OFFLOADED = space.unordered_offloaded_fields()
+# the fields whose leaner values never make a step faster (Knob.slower_when_leaner)
+SLOWER_WHEN_LEANER = space.slower_when_leaner_fields()
+# of them, those whose time order does not hold under activation offload (Knob.unordered_time_offloaded)
+UNORDERED_TIME_OFFLOADED = space.unordered_time_offloaded_fields()
 
 # The fields whose techniques patch the model, so whose applicability a fake model shows before
 # any trace (see Search.inapplicable): the registered knobs that say so (Knob.patches_model).
@@ -153,7 +157,7 @@ class Search:
             # keeps at least as much as, if that one could win too (its bound within reach): where
             # that does not fit, neither does this one nor any other above it, all pruned by
             # dominance for one trace. (With room to spare it would only trace slower candidates.)
-            k = (self._leaner(cands, i, bound_of, seen | (probed or set()), fastest, too_big)
+            k = (self._leaner(cands, i, bound_of, seen | (probed or set()), fastest, too_big, fits)
                  if too_big else None)
             if k is not None:
                 seen.add(k)
@@ -198,6 +202,9 @@ class Search:
         elif (big := next((t for t in host_big if self._dominated(cand, t, host=True)), None)) is not None:
             cand.reason = (f"keeps at least as much on the host as {big.label()}, which does not fit "
                            "the host")
+        elif (quick := self._outrun_by(cand, fits)) is not None:
+            cand.reason = (f"not traced: no faster than {quick.label()}, which fits at the largest "
+                           "micro-batch and differs only in techniques that add work, fewer of them")
         elif not self.alternatives and fastest is not None and bound >= self.time(fastest):
             # Candidates come in the order of their bounds: none from here on is faster than
             # `fastest`, so the tie window is final, and one with more techniques than a
@@ -218,7 +225,7 @@ class Search:
         return True
 
     def _leaner(self, cands: list[Candidate], i: int, bound_of: dict[int, float], seen: set[int],
-                fastest: Candidate | None, too_big: list[Candidate]) -> int | None:
+                fastest: Candidate | None, too_big: list[Candidate], fits: list[Candidate]) -> int | None:
         """The leanest candidate not judged yet that ``cands[i]`` keeps at least as much as, in
         every field, and whose bound could still win; None where there is none but ``cands[i]``."""
         reach = self.time(fastest) * (1 + TIE) if fastest is not None else math.inf
@@ -227,6 +234,8 @@ class Search:
             if k == i or k in seen or bound_of[k] > reach or not self._dominated(cands[i], other):
                 continue
             if any(self._dominated(other, t) for t in too_big) or self.inapplicable(other) is not None:
+                continue
+            if self._outrun_by(other, fits) is not None:  # keeps no more than one that fits: fits
                 continue
             score = self.leanness(other)
             if score > lean:
@@ -260,7 +269,8 @@ class Search:
                 if (self.inapplicable(cand) is not None
                         or any(self._dominated(cand, t) for t in too_big)  # cannot fit
                         or any(self._dominated(cand, t, host=True) for t in host_big)
-                        or any(self._dominated(f, cand) for f in fitting)):  # fits: no pruning
+                        or any(self._dominated(f, cand) for f in fitting)  # fits: no pruning
+                        or self._outrun_by(cand, fits) is not None):  # fits, and is never chosen
                     continue  # the main loop judges it
                 try:
                     self.evaluate(cand)
@@ -351,6 +361,42 @@ class Search:
                 if any(a < b for a, b in pairs):
                     return False
             elif any(a > b for a, b in pairs):
+                return False
+        return True
+
+    def _outrun_by(self, cand: Candidate, fits: list[Candidate]) -> Candidate | None:
+        """A fitting candidate the search chooses over ``cand`` whatever ``cand``'s trace says
+        (:meth:`_outrun`); None when there is none, or the alternatives are wanted."""
+        return None if self.alternatives else next((f for f in fits if self._outrun(cand, f)), None)
+
+    def _outrun(self, cand: Candidate, fast: Candidate) -> bool:
+        """``fast`` (evaluated, fitting) is chosen over ``cand`` whatever ``cand``'s trace would
+        say: ``cand`` is :meth:`no_faster` than it and turns on more memory techniques, while
+        ``fast`` fits at the largest micro-batch either may use (``cand``, keeping no more, fits
+        there too). The tie rule prefers ``fast`` (fewer techniques), and ``cand`` cannot move the
+        fastest, so the window stays."""
+        if fast.seconds == math.inf or (fast.micro, fast.accumulation) != self.batches_for(fast)[-1]:
+            return False
+        return self.techniques(cand) > self.techniques(fast) and self.no_faster(cand, fast)
+
+    def no_faster(self, cand: Candidate, other: Candidate) -> bool:
+        """``cand`` differs from ``other`` only in fields whose leaner values never make a step
+        faster (``SLOWER_WHEN_LEANER``; under activation offload, not those that save less for
+        backward: ``UNORDERED_TIME_OFFLOADED``), and is leaner or equal in each: at the same
+        micro-batch its predicted step is no faster. (scripts/audit_dominance.py ``--time`` checks
+        the claim on every pair of a search's candidates.)"""
+        if cand.values.get(IN_BACKWARD, False) != other.values.get(IN_BACKWARD, False):
+            return False
+        at = functools.partial(rank, depth=self.depth, vocab=self.vocab)
+        offloaded = any(c.values.get(OFFLOADED, recipe_value(self.cfg, OFFLOADED)) is True
+                        for c in (cand, other))
+        for f in self.fields:
+            a, b = cand.values[f], other.values[f]
+            if a == b:
+                continue
+            if f not in SLOWER_WHEN_LEANER or (offloaded and f in UNORDERED_TIME_OFFLOADED):
+                return False
+            if any(x < y for x, y in zip(at(f, a), at(f, b), strict=True)):
                 return False
         return True
 

@@ -148,6 +148,17 @@ def unordered_offloaded_fields() -> tuple[str, ...]:
     return tuple(k.path for k in patches.knobs() if k.unordered_offloaded)
 
 
+def slower_when_leaner_fields() -> tuple[str, ...]:
+    """The fields whose leaner values never make a step faster (``Knob.slower_when_leaner``)."""
+    return tuple(k.path for k in patches.knobs() if k.slower_when_leaner)
+
+
+def unordered_time_offloaded_fields() -> tuple[str, ...]:
+    """The fields whose time order does not hold under activation offload
+    (``Knob.unordered_time_offloaded``)."""
+    return tuple(k.path for k in patches.knobs() if k.unordered_time_offloaded)
+
+
 def patched_fields() -> tuple[str, ...]:
     """The fields whose techniques patch the model, so whose applicability a fake model shows
     before any trace."""
