@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,7 +52,17 @@ from memtrain.estimator.trace import (
 from memtrain.estimator.trace_events import CATEGORY_NAMES
 
 PHASES = ("forward", "backward", "optimizer")
-Counts = tuple[int, int, list[str], "Work | None"]  # parameters, trainable, patches, work
+
+
+class Counts(NamedTuple):
+    """What a traced step counts besides its bytes, at the model's full depth."""
+
+    parameters: int  # every parameter (4-bit packed weights at their logical size)
+    trainable: int
+    patches: list[str]  # the patches applied, as their records name them
+    work: Work | None  # FLOPs, ops and bytes written (None: not counted)
+
+
 # Up to this depth a full trace costs no more than tracing 2 + 3 layers, and needs no extrapolation.
 FULL_TRACE_DEPTH = 5
 # With `memory.checkpointing: n` the first n layers differ from the rest: each point is traced at
@@ -214,8 +224,8 @@ def _extrapolated(plan: TraceSetup, a: Trace, b: Trace, micro_batch: int, seq_le
     """The full-depth step from traces at depths 2 (``a``) and 3 (``b``)."""
     steps = plan.depth - 2
     work = None if a.work is None or b.work is None else a.work + (b.work + a.work.scaled(-1)).scaled(steps)
-    counts = (a.parameters + steps * (b.parameters - a.parameters),
-              a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
+    counts = Counts(a.parameters + steps * (b.parameters - a.parameters),
+                    a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
     found = extrapolate_depth(a, b, plan.depth)
     if found is not None:
         return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
@@ -238,9 +248,9 @@ def _two_kinds(plan: TraceSetup, base: Trace, more_checkpointed: Trace, more_pla
     if base.work is not None and more_checkpointed.work is not None and more_plain.work is not None:
         less = base.work.scaled(-1)
         work = base.work + (more_checkpointed.work + less).scaled(dc) + (more_plain.work + less).scaled(dp)
-    counts = (plane(base.parameters, more_checkpointed.parameters, more_plain.parameters),
-              plane(base.trainable, more_checkpointed.trainable, more_plain.trainable),
-              more_checkpointed.patches, work)
+    counts = Counts(plane(base.parameters, more_checkpointed.parameters, more_plain.parameters),
+                    plane(base.trainable, more_checkpointed.trainable, more_plain.trainable),
+                    more_checkpointed.patches, work)
     found = extrapolate_checkpointed(base, more_checkpointed, more_plain, checkpointed, plain)
     if found is not None:
         return found, counts, (f"traced 2+2, 3+2 and 2+3 of {checkpointed}+{plain} layers "
@@ -257,7 +267,7 @@ def _checkpointing(plan: TraceSetup, layers: int) -> TraceSetup:
 
 def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:
     """The step from a trace of every layer."""
-    return (direct(full), (full.parameters, full.trainable, full.patches, full.work),
+    return (direct(full), Counts(full.parameters, full.trainable, full.patches, full.work),
             f"traced all {plan.depth} layers")
 
 
@@ -306,16 +316,16 @@ def summarize(plan: TraceSetup, cands: Candidates, counts: Counts, method: str,
         "optimizer": cfg.training.optimizer, "micro_batch_size": plan.micro_batch,
         "gradient_accumulation": resolve_batch(cfg.training, cfg.distributed.processes).accumulation,
         "seq_len": plan.seq_len, "checkpointing": cfg.memory.checkpointing,
-        "layers": plan.depth, "patches": counts[2], "processes": cfg.distributed.processes,
+        "layers": plan.depth, "patches": counts.patches, "processes": cfg.distributed.processes,
         "sharding": cfg.distributed.sharding if cfg.distributed.processes > 1 else "none",
     }
     return Estimate(
-        model=plan.label, device=plan.device, settings=settings, parameters=counts[0],
-        trainable=counts[1], peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
+        model=plan.label, device=plan.device, settings=settings, parameters=counts.parameters,
+        trainable=counts.trainable, peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
         category_at_phase_peak=at_phase, host_peak_bytes=int(values[:, HOST].max()),
         host_resident_bytes=int(values[:, HOST].min()),
         overheads=overheads, overhead_sources=sources, total_bytes=peak + sum(overheads.values()),
-        method=method, notes=list(plan.notes), seconds=round(seconds, 3), work=counts[3],
+        method=method, notes=list(plan.notes), seconds=round(seconds, 3), work=counts.work,
     )
 
 

@@ -332,7 +332,7 @@ class Search:
             summary = self._summary(traced, micro, accumulation)
             if not self.fits(summary):
                 continue
-            work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
+            work = costmodel.work_at(traced.counts2.work, traced.counts3.work, micro)
             cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary, micro)
             out.append(dataclasses.replace(cand, micro=micro, accumulation=accumulation, reason="",
                                            peak=summary.total_bytes, host=summary.host_peak_bytes,
@@ -421,7 +421,7 @@ class Search:
         get = lambda path: cand.values.get(path, recipe_value(self.cfg, path))  # noqa: E731
         ckpt = get("memory.checkpointing")
         micro, accumulation = batches[-1]  # a step, or an example, costs least there
-        work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
+        work = costmodel.work_at(traced.counts2.work, traced.counts3.work, micro)
         flops = work.flops
         # what the candidate adds to the bound's trace (where the recipe fixes a technique, that
         # trace has it already)
@@ -548,7 +548,7 @@ class Search:
         first = batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
         smallest = 2 if first == 1 and micro > 1 else first
         cand.min_peak = self._summary(traced, smallest, dict(batches).get(smallest, accumulation)).total_bytes
-        work = costmodel.work_at(traced.counts2[3], traced.counts3[3], micro)
+        work = costmodel.work_at(traced.counts2.work, traced.counts3.work, micro)
         cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary, micro)
         cand.seconds, cand.parts = cost.seconds, cost.parts
         self.done.append(cand)
@@ -572,7 +572,7 @@ class Search:
         return self.batches
 
     def _grad_bytes(self, cfg: RunConfig, traced: _Traced) -> int:
-        return traced.counts2[1] * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)
+        return traced.counts2.trainable * (2 if cfg.model.dtype in ("bf16", "fp16") else 4)
 
     def _summary(self, traced: _Traced, micro: int, accumulation: int = 1) -> est.Estimate:
         """The estimate at ``micro``: linear from the traces at 2 and 3 (size 1 is traced itself:
@@ -608,7 +608,7 @@ class Search:
         quantized = get("model.quantization") not in ("none", "auto")
         ckpt = get("memory.checkpointing")
         passes = 1.0 if ckpt == "full" else (min(1.0, ckpt / self.depth) if isinstance(ckpt, int) else 0.0)
-        frozen = counts[0] - counts[1]
+        frozen = counts.parameters - counts.trainable
         opt_off = bool(get("memory.offload.optimizer"))
         # the tiled MLP dequantizes its 4-bit weights once per tile and pass: the candidate's tiles,
         # also in a lower bound (from a trace without them), where they can cost more than the rest
@@ -618,7 +618,7 @@ class Search:
                  if quantized and get("memory.tiled_mlp") is True else 0)
         return costmodel.step_seconds(
             work, micro_batches=accumulation, rates=self.rates, dtype=cfg.model.dtype,
-            optimizer=str(get("training.optimizer")), trainable=counts[1],
+            optimizer=str(get("training.optimizer")), trainable=counts.trainable,
             quantized_elements=int(frozen * 0.9) if quantized else 0, recompute_passes=passes,
             offloaded_bytes=offloaded, optimizer_offloaded=opt_off,
             optimizer_rates=self.host_rates if opt_off else None, parameter_bytes=element,
