@@ -55,12 +55,13 @@ QUICKSTART = ["recipes/quickstart.yaml", "training.micro_batch_size=auto", "memo
 
 # The length search with every loop iteration run (the estimator before issue 37 did that).
 WHOLE_SEARCH = """
-import json, functools
+import json
 from memtrain.config import load_recipe
 from memtrain.estimator import estimate as est
 from memtrain.plan import length
 from memtrain.reliability.budget import usable_bytes
-length.est.estimate = functools.partial(est.estimate, exact_length=True)
+whole = est.trace_candidates_at  # every trace of the search (its probes trace through Search)
+est.trace_candidates_at = lambda plan, points, exact, exact_length=False: whole(plan, points, exact, True)
 cfg = load_recipe({recipe!r}, {overrides!r})
 found = length.longest_length(cfg, "cuda", usable_bytes({gb} * 2**30, 0.10), host=256 * 2**30)
 print(json.dumps({{"tokens": found.chosen, "probes": len(found.probes)}}))
