@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_leaves
 from memtrain._compat.versions import private
 
 __all__ = ["FakeTensor", "FakeTensorMode", "active_fake_mode", "backward_hooks", "clear_cublas_workspaces",
-           "extra_flop_formulas", "foreach_mul_", "is_fake", "keep_on_device", "module_tensor_tables",
-           "overload_packet",
+           "extra_flop_formulas", "fake_device", "foreach_mul_", "is_fake", "keep_on_device",
+           "module_tensor_tables", "overload_packet",
            "post_accumulate_grad_hooks", "set_allocator_settings", "tensor_base", "tensor_version",
            "tree_leaves", "unset_fake_temporarily"]
 
@@ -34,6 +34,15 @@ def overload_packet(func: Any) -> Any:
     ``torch.utils.flop_counter.flop_registry``. Touches ``OpOverload._overloadpacket``: torch has no
     public accessor (``FlopCounterMode`` reads the same attribute)."""
     return private(func, "_overloadpacket", f"{_SHIM}.overload_packet", "torch")
+
+
+def fake_device(tensor: Any) -> torch.device | None:
+    """The device a fake tensor reports, as ``FakeTensor`` answers ``prim.device`` itself (its
+    ``fake_device`` outside a kernel; checked on torch 2.11 and 2.13); None for anything else, or
+    inside a kernel, where the fake mode answers ``meta`` (ask the op then)."""
+    if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
+        return tensor.fake_device
+    return None
 
 
 def clear_cublas_workspaces() -> bool:

@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 from memtrain._compat.torch_tools import (
-    FakeTensor,
     active_fake_mode,
     extra_flop_formulas,
+    fake_device,
     flash_attention_backward_ops,
     overload_packet,
 )
@@ -127,10 +127,8 @@ class _EventRecorder:
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # Fake tensors answer `.device` through dispatch: thousands of ops that allocate nothing.
         if func is torch.ops.prim.device.default:
-            tensor = args[0]
-            if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
-                return tensor.fake_device  # FakeTensor's own answer, without a second dispatch
-            return func(*args, **(kwargs or {}))
+            device = fake_device(args[0])  # FakeTensor's own answer, without a second dispatch
+            return device if device is not None else func(*args, **(kwargs or {}))
         phase = self.phase()  # type: ignore[attr-defined]
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
         if out is NotImplemented:  # a DTensor op (FSDP2): its local ops come back through here

@@ -350,8 +350,7 @@ class Search:
             return False
         # Under activation offload some fields' memory orders do not hold (Knob.unordered_offloaded:
         # checkpointing, the lean norm; found by scripts/audit_dominance.py)
-        offloaded = any(c.values.get(OFFLOADED, recipe_value(self.cfg, OFFLOADED)) is True
-                        for c in (cand, small))
+        offloaded = self._offloaded(cand, small)
         at = functools.partial(rank, depth=self.depth, vocab=self.vocab)
         for f in self.fields:
             if f in UNORDERED_OFFLOADED and offloaded and cand.values[f] != small.values[f]:
@@ -388,8 +387,7 @@ class Search:
         if cand.values.get(IN_BACKWARD, False) != other.values.get(IN_BACKWARD, False):
             return False
         at = functools.partial(rank, depth=self.depth, vocab=self.vocab)
-        offloaded = any(c.values.get(OFFLOADED, recipe_value(self.cfg, OFFLOADED)) is True
-                        for c in (cand, other))
+        offloaded = self._offloaded(cand, other)
         for f in self.fields:
             a, b = cand.values[f], other.values[f]
             if a == b:
@@ -399,6 +397,10 @@ class Search:
             if any(x < y for x, y in zip(at(f, a), at(f, b), strict=True)):
                 return False
         return True
+
+    def _offloaded(self, *cands: Candidate) -> bool:
+        """Whether any of ``cands`` offloads activations (as it sets it, else as the recipe does)."""
+        return any(c.values.get(OFFLOADED, recipe_value(self.cfg, OFFLOADED)) is True for c in cands)
 
     def _host_short(self, cand: Candidate) -> bool:
         """``cand`` (evaluated, not fitting) fits the device but not the host budget."""
