@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from memtrain._compat.transformers_trainer import loss_shifts_labels
-from memtrain._compat.trl import is_trl
+from memtrain._compat.trl import is_grpo, is_trl
 
 Batch = dict[str, Any]
 
@@ -265,7 +265,7 @@ def packed_row(trainer: Any, inputs: Batch) -> Layout | None:
 
 def generated_completions(trainer: Any, inputs: Batch) -> Layout | None:
     """TRL's GRPOTrainer, on the micro-batch its ``_prepare_inputs`` made (``completion_ids``)."""
-    if not (is_trl(trainer, "GRPOTrainer") and isinstance(inputs.get("completion_ids"), torch.Tensor)):
+    if not (is_grpo(trainer) and isinstance(inputs.get("completion_ids"), torch.Tensor)):
         return None
     count = int(inputs["completion_ids"].shape[0])
     args = getattr(trainer, "args", None)
