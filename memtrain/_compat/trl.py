@@ -17,7 +17,11 @@ precomputation, ...) and runs the stock ``DPOTrainer``. What is here has no publ
   generated inputs, and its step counter ``_step`` is put back (the estimator traces the loss step);
 - :class:`GenerationSteps`: a ``GRPOTrainer``'s training step in two halves, generation (or the
   buffered slice of the last generation) and the loss step on it, so that out-of-memory recovery
-  can redo the loss step on the same completions.
+  can redo the loss step on the same completions;
+- :func:`mark_generation`: which call generates a ``GRPOTrainer``'s completions. TRL 1.16 has no
+  callback event for it; it calls ``generate`` (``generate_batch`` with transformers' paged
+  generation) on ``accelerator.unwrap_model`` of its model, which is ``trainer.model`` itself on one
+  process, so wrapping those methods on that instance marks the phase.
 
 Checked on trl 1.16.0 (installed; the tested range is :data:`memtrain._compat.versions.TESTED`, 1.16).
 """
@@ -187,6 +191,30 @@ def is_grpo(trainer: Any) -> bool:
 def generation_steps(trainer: Any) -> GenerationSteps | None:
     """:class:`GenerationSteps` of a ``GRPOTrainer``; None for any other trainer (or without TRL)."""
     return GenerationSteps(trainer) if is_grpo(trainer) else None
+
+
+GENERATE_METHODS = ("generate", "generate_batch")  # HF generation; transformers' paged generation
+
+
+def mark_generation(trainer: Any, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> bool:
+    """Run every text generation of a ``GRPOTrainer`` inside ``context()`` (the meter's generation
+    phase): the model's :data:`GENERATE_METHODS` are wrapped on ``trainer.model``'s instance, once.
+    False (nothing wrapped) for another trainer, or where vLLM generates (not this process's tensors)."""
+    if not is_grpo(trainer) or getattr(trainer.args, "use_vllm", False):
+        return False
+    model = trainer.model
+    for name in GENERATE_METHODS:
+        stock = getattr(model, name, None)
+        if stock is None or getattr(stock, "memtrain_generation", False):
+            continue
+
+        def marked(*args: Any, _stock: Callable[..., Any] = stock, **kwargs: Any) -> Any:
+            with context():
+                return _stock(*args, **kwargs)
+
+        marked.memtrain_generation = True  # type: ignore[attr-defined]
+        setattr(model, name, marked)
+    return True
 
 
 def forget_metrics(trainer: Any) -> None:

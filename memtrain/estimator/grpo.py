@@ -226,6 +226,15 @@ def step_batch(trainer: Any, micro_batch: int, prompt: int | None = None) -> dic
     return batch
 
 
+def generation_beside(trainer: Any, step: Any) -> GenerationPhase:
+    """:func:`trainer_generation_phase` beside a traced training step ``step`` (a
+    :class:`~memtrain.estimator.trainer_loss.TrainerEstimate`): what stays resident between the
+    phases is the step's weights, buffers and optimizer state, and the prompts are as long as in the
+    batch it traced."""
+    resident = sum(step.by_category.get(name, 0) for name in ("parameters", "buffers", "optimizer_state"))
+    return trainer_generation_phase(trainer, resident, step.batch["prompt_ids"][1])
+
+
 def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> GenerationPhase:
     """The generation phase's peak for a user's ``GRPOTrainer``: :func:`generation_memory` of its
     generation batch (``generation_batch_size`` completions per process, generated at once) at

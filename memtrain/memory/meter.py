@@ -5,7 +5,8 @@ sees every tensor an op creates and sorts it into parameters, buffers, gradients
 (created in forward), temporaries (created in backward) and optimizer state. It works on CPU, on
 CUDA and under ``FakeTensorMode`` (the estimator traces fake steps with it). memtrain adds:
 
-- per-phase peaks (forward / backward / optimizer) with the category split at each peak;
+- per-phase peaks (forward / backward / optimizer) with the category split at each peak, and a
+  ``generation`` phase for text generated inside a step (GRPO's completions; :func:`generating`);
 - a *host* bucket: tensors that offload code moved to host memory (:meth:`MemoryMeter.mark_host`)
   are counted apart from the compute device, also on a CPU-only machine where both are RAM;
 - gradient accumulation (the root module runs several times in one step);
@@ -24,7 +25,9 @@ The trackers themselves (and the category names) are in :mod:`memtrain.memory.tr
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -175,6 +178,22 @@ def mark_host(tensor: torch.Tensor) -> None:
     meter = _ACTIVE.get()
     if meter is not None:
         meter.mark_host(tensor)
+
+
+@contextlib.contextmanager
+def generating() -> Iterator[None]:
+    """Inside, the active meter (if any) files every op under the ``generation`` phase: the text
+    generation a GRPO step runs before its loss (its KV cache and sampling tensors), told apart from
+    the training step's forward and backward."""
+    meter = _ACTIVE.get()
+    tracker = meter._tracker if meter is not None else None
+    if tracker is not None:
+        tracker.generating += 1
+    try:
+        yield
+    finally:
+        if tracker is not None:
+            tracker.generating -= 1
 
 
 def _host_tensors(objects: list[Any]) -> list[torch.Tensor]:

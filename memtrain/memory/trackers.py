@@ -64,7 +64,8 @@ FSDP_CATEGORIES: dict[RefType, str] = {
     FSDPRefType.REDUCE_SCATTER: "unsharded",
 }
 CATEGORY_NAMES: tuple[str, ...] = (*CATEGORIES.values(), "unsharded")
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+# "generation": text generation inside a step (GRPO's completions, under ``meter.generating()``).
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "generation")
 # The key host bytes are filed under while the meter runs. On a CPU-only machine "cpu" is the
 # compute device, so host copies get a distinct (otherwise unused) CPU index.
 HOST_ON_CPU = torch.device("cpu", 1)
@@ -85,6 +86,7 @@ class _MeterMixin:
         self.record_timeline = timeline
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self._backward_seen = False
+        self.generating = 0  # > 0 inside meter.generating(): every op belongs to "generation"
 
     def __enter__(self) -> Any:
         # The fake mode active when tracking starts (None in eager): an op under another one is
@@ -112,6 +114,8 @@ class _MeterMixin:
         # optimizer step; a module running again means the next micro-batch's forward, and the
         # work outside modules after it (the loss scaled by 1/accumulation) belongs to that forward.
         # An optimizer step inside backward (training.optimizer_in_backward) is part of backward.
+        if self.generating:
+            return "generation"
         if self.in_optimizer_step and not self.module_tracker.is_bw:  # type: ignore[attr-defined]
             return "optimizer"
         if self.module_tracker.is_bw:  # type: ignore[attr-defined]

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from memtrain.memory.meter import MemoryMeter, StepMemory
+from memtrain._compat.trl import mark_generation
+from memtrain.memory.meter import MemoryMeter, StepMemory, generating
 
 if TYPE_CHECKING:
     from typing import Self
@@ -65,14 +66,19 @@ class MemoryMeterCallback(TrainerCallback):
         keep_timeline: keep the per-op timeline of the measured step with the highest peak
             (for the memory report plot).
         predicted_bytes: the estimator's predicted peak, logged as ``memory/predicted_peak_mib``.
+        predicted_phases: a GRPO run's predicted peak per phase (``{"generation": ..., "training":
+            ...}``), logged as ``memory/predicted_<phase>_peak_mib`` beside the measured
+            ``memory/<phase>_peak_mib`` (:func:`memory_logs`).
     """
 
     def __init__(self, every: int | None = None, keep_timeline: bool = True,
-                 predicted_bytes: int | None = None) -> None:
+                 predicted_bytes: int | None = None,
+                 predicted_phases: dict[str, int] | None = None) -> None:
         self.every = every
         self._every = every or 1  # resolved at train begin
         self.keep_timeline = keep_timeline
         self.predicted_bytes = predicted_bytes  # the estimator's peak, logged beside the measured one
+        self.predicted_phases = dict(predicted_phases or {})  # GRPO: "generation" / "training" peaks
         self.steps: dict[int, StepMemory] = {}  # global step -> measurement
         self.worst: StepMemory | None = None
         self.shapes: dict[int, Shape] = {}  # global step -> its largest micro-batch, measured steps
@@ -91,6 +97,7 @@ class MemoryMeterCallback(TrainerCallback):
             callbacks.remove(self)
         callbacks.insert(min(1, len(callbacks)), self)  # after DefaultFlowCallback
         self._peek(trainer)
+        mark_generation(trainer, generating)  # GRPO: its completions are the "generation" phase
         return self
 
     def _peek(self, trainer: Trainer) -> None:
@@ -167,6 +174,8 @@ class MemoryMeterCallback(TrainerCallback):
         entries = memory_logs(max(self._since_log, key=lambda r: r.peak_bytes))
         if self.predicted_bytes:
             entries["memory/predicted_peak_mib"] = self.predicted_bytes / 2**20
+        for phase, predicted in self.predicted_phases.items():
+            entries[f"memory/predicted_{phase}_peak_mib"] = predicted / 2**20
         logs.update(entries)  # what trackers (TensorBoard, W&B, ...) receive
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(entries)  # the Trainer stored its copy before on_log
@@ -186,9 +195,16 @@ def logging_interval(args: TrainingArguments, state: TrainerState) -> int:
 
 
 def memory_logs(result: StepMemory, prefix: str = "memory/") -> dict[str, float]:
-    """Flat log entries (MiB) for a measured step, for the Trainer's logs."""
+    """Flat log entries (MiB) for a measured step, for the Trainer's logs. A step that generated text
+    (GRPO) also logs its two phases apart: ``generation_peak_mib`` and ``training_peak_mib`` (the
+    largest of the forward, backward and optimizer phases)."""
     mib = 2**20
     logs = {f"{prefix}peak_mib": result.peak_bytes / mib}
+    phases = result.peak_by_phase
+    if "generation" in phases:
+        logs[f"{prefix}generation_peak_mib"] = phases["generation"] / mib
+        logs[f"{prefix}training_peak_mib"] = max(
+            (v for k, v in phases.items() if k != "generation"), default=0) / mib
     logs.update({f"{prefix}{k}_mib": v / mib for k, v in result.peak_by_category.items() if v})
     if result.host_peak_bytes:
         logs[f"{prefix}host_peak_mib"] = result.host_peak_bytes / mib

@@ -165,16 +165,28 @@ def test_the_generation_phase_is_predicted_within_10_percent(tmp_path: Path, ove
     end-of-sequence token is 1 in 30,522), so each call is the worst case. When written: 24.69 /
     24.41, 16.87 / 16.63, 28.49 / 28.20 MiB (1.01 each). Before (weights + KV + 2 logits, the
     recipe estimate's model): 16.8 MiB for 24.4 measured. Planted: 3 sampling copies instead of 4 ->
-    0.86, fails; the generation batch taken as the micro-batch -> the row count fails."""
+    0.86, fails; the generation batch taken as the micro-batch -> the row count fails.
+    The run's logs have the same phase apart (``memory/generation_peak_mib``, the meter inside
+    ``generate``: within 1% of memprobe's count; when written 24.417 / 24.408 and 40.066 / 40.057
+    MiB) and its prediction (``memory/predicted_generation_peak_mib``: 40.55 MiB for the worst 40.06).
+    Planted: the meter not told of generation -> no such log entry, fails."""
     from memtrain.estimator.grpo import generation_phase
     from memtrain.run.train import train
 
     cfg = load_recipe(RECIPE, [f"output.dir={tmp_path / 'run'}", "training.max_steps=2",
                                "data.max_length=128", *overrides])
     probe = _Generations()
-    train(cfg, callbacks=[probe.callback])
+    result = train(cfg, callbacks=[probe.callback])
     assert len(probe.calls) == 2, probe.calls
-    for rows, prompt, held, measured in probe.calls:
+    logged = [e for e in result.log_history if "memory/peak_mib" in e]
+    assert len(logged) == 2, result.log_history
+    for (rows, prompt, held, measured), entry in zip(probe.calls, logged, strict=True):
         assert rows == cfg.training.micro_batch_size * cfg.training.gradient_accumulation
         predicted = generation_phase(cfg, prompt, resident=held).peak_bytes  # the recipe's batch
         assert measured <= predicted <= 1.10 * measured, (rows, prompt, predicted / 2**20, measured / 2**20)
+        # the run's own logs: the meter's generation phase is what memprobe counted in generate
+        assert entry["memory/generation_peak_mib"] == pytest.approx(measured / 2**20, rel=0.01), entry
+    # the logged prediction (the built Trainer's worst case: its longest prompt, optimizer state held)
+    # against the worst generation measured
+    worst = max(measured for *_, measured in probe.calls) / 2**20
+    assert worst <= logged[-1]["memory/predicted_generation_peak_mib"] <= 1.10 * worst, logged

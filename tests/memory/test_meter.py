@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_CONFIGS
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from memtrain.memory.meter import MemoryMeter, mark_host
+from memtrain.memory.meter import MemoryMeter, generating, mark_host
 from memtrain.trainer.step import measure_step
 
 
@@ -40,6 +40,27 @@ def test_categories_add_up_and_repeat_exactly() -> None:
         assert max(r.peak_by_phase.values()) == r.peak_bytes
     # steps 2 and 3 hold the same state: identical measurements, byte for byte
     assert steps[1].to_dict() == steps[2].to_dict()
+
+
+def test_text_generated_inside_a_step_is_its_own_phase() -> None:
+    """GRPO generates completions inside a training step: ops under ``generating()`` are the
+    ``generation`` phase, whose peak is what generation held (weights + its tensors), not mixed into
+    the forward's. Planted: the tracker ignoring the flag files the generation as forward and fails."""
+    model = tiny_llama()
+    params = param_bytes(model)
+    with MemoryMeter(model) as meter:
+        with torch.no_grad(), generating():
+            cache = torch.zeros(64, 2**20, dtype=torch.uint8)  # 64 MiB: the "KV cache"
+            model(input_ids=batch(b=1, t=8)["input_ids"])
+            del cache
+        model(**batch()).loss.backward()
+    phases = meter.result().peak_by_phase
+    assert set(phases) == {"generation", "forward", "backward"}
+    assert 64 * 2**20 + params < phases["generation"] < 66 * 2**20 + params  # + the small forward
+    assert phases["forward"] < phases["generation"]  # the cache was freed before the forward
+    with MemoryMeter(model) as meter:  # outside generating(): no such phase
+        model(**batch()).loss.backward()
+    assert "generation" not in meter.result().peak_by_phase
 
 
 def test_optimizer_state_is_adam_moments() -> None:
