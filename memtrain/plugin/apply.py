@@ -107,6 +107,10 @@ def apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: 
     model.__dict__["memtrain_plan"] = result  # not a submodule, not saved with the weights
     into = IN_PLACE.get()
     if into is None:
+        if result.vllm is not None:  # vLLM colocated: the share it is built with (before the Trainer)
+            updates["vllm_gpu_memory_utilization"] = result.vllm.utilization
+            if getattr(args, "vllm_max_model_length", None) is None:
+                updates["vllm_max_model_length"] = result.vllm.length
         return model, new_arguments(args, updates)
     for name, value in updates.items():  # a Trainer holds these arguments: no new ones (see IN_PLACE)
         setattr(into, name, type(into.optim)(value) if name == "optim" else value)

@@ -11,7 +11,7 @@ planner's failure in the plugin's own argument names.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -29,6 +29,9 @@ from memtrain.errors import MemtrainError
 from memtrain.patches import Knob
 from memtrain.plugin.options import planned_attention, planned_optimizer
 from memtrain.units import format_bytes
+
+if TYPE_CHECKING:
+    from memtrain.estimator.vllm_colocate import ColocateShare
 
 EIGHT_BIT_OPTIM = "adamw_bnb_8bit"  # what TrainingArguments calls memtrain's adamw_8bit
 TASKS = (("sequence-classification", MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
@@ -66,6 +69,12 @@ class BudgetPlan:
             ``"assumed"`` (nothing to read: ``attach`` re-plans from the Trainer's data).
         pending: the plan is completed by ``attach`` (the length was assumed, or the Trainer
             computes its own loss), which prints it then; ``prepare_for_budget`` printed one line.
+        vllm: vLLM's colocated share of the GPU (:mod:`memtrain.plugin.colocate`), whose
+            ``vllm_gpu_memory_utilization`` the new arguments carry; the budget above is then what it
+            leaves training.
+        phase_peaks: for TRL's GRPOTrainer, once ``attach`` traced its step: the predicted peak of
+            each phase, ``{"generation": ..., "training": ...}`` (``predicted_peak`` is the larger),
+            logged beside the measured ones.
     """
 
     budget: int
@@ -78,6 +87,8 @@ class BudgetPlan:
     length_from: str = "max_length="
     pending: bool = False
     quiet: bool = False
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    vllm: ColocateShare | None = None  # TRL's GRPO with vLLM colocated: its share, set in the args
     request: dict[str, Any] = field(default_factory=dict, repr=False)  # prepare_for_budget's call, to re-plan
 
     def table(self) -> Table:

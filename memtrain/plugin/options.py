@@ -171,9 +171,10 @@ RULES: tuple[Rule, ...] = (
         "planned as packed rows (position ids restart, no padding); attach traces TRL's own step")),
     Rule("num_generations", True, _generations, _generation_note),
     Rule("use_vllm", False, _grpo("use_vllm"), lambda _: (
-        "vLLM generates the completions: its memory (colocated: the vllm_gpu_memory_utilization share of the "
-        "GPU it reserves, its own copy of the weights and its KV cache; server mode: another process) is not "
-        "in the prediction, whose generation phase is HF generate's")),
+        "vLLM generates the completions: colocated, its share of the GPU (vllm_gpu_memory_utilization: its "
+        "own copy of the weights and its KV cache) is planned in bytes and training into the rest "
+        "(memtrain.plugin.colocate); in server mode it is another process's. The predicted peak is the "
+        "training step's, HF generate's phase does not apply")),
     Rule("use_transformers_continuous_batching", False, _grpo("use_transformers_continuous_batching"),
          lambda _: ("transformers' continuous batching keeps a paged KV cache sized by its own config; the "
                     "generation phase predicted is HF generate's dynamic cache")),

@@ -46,13 +46,24 @@ from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from memtrain._compat.transformers_trainer import set_loss_scaled_for_ga
+from memtrain._compat.trl import is_grpo
 from memtrain._compat.versions import check_versions
 from memtrain.data.rows import Rows
 from memtrain.device import configure_allocator
 from memtrain.errors import MemtrainError
+from memtrain.estimator.grpo import generation_beside
 from memtrain.estimator.trainer_loss import TrainerEstimate
-from memtrain.plugin.apply import apply_plan, planned_fields, say
-from memtrain.plugin.describe import BudgetPlan, budget_plan, nothing_fits, planned_length, recipe_for
+from memtrain.estimator.vllm_colocate import ColocateShare
+from memtrain.plugin.apply import IN_PLACE, apply_plan, planned_fields, say
+from memtrain.plugin.colocate import colocated_vllm
+from memtrain.plugin.describe import (
+    BudgetPlan,
+    Change,
+    budget_plan,
+    nothing_fits,
+    planned_length,
+    recipe_for,
+)
 from memtrain.plugin.options import Seen, option_notes
 from memtrain.plugin.trainer_step import check_trainer_step, complete_plan, overrides_step
 from memtrain.reliability.budget import SimulatedBudget, resolve_budget, usable_bytes
@@ -143,6 +154,7 @@ class MemoryBudgetCallback(MemoryMeterCallback):
             if self.predicted is None or self._plan_predicts:
                 self.predicted = self.predicted_bytes = self.plan.predicted_peak if (
                     found is None or found.modelled) else None
+                self.predicted_phases = dict(self.plan.phase_peaks) if self.predicted is not None else {}
         elif self.trainer_estimate is None and (self.estimate is True or (
                 self.estimate == "auto" and overrides_step(trainer))):
             self._estimate_step(trainer)
@@ -180,6 +192,10 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         """The Trainer's own step traced: its peak is the prediction (none if not modelled)."""
         found = self.trainer_estimate = check_trainer_step(trainer, self.usable)
         self.predicted = self.predicted_bytes = found.peak_bytes
+        if found.modelled and found.peak_bytes is not None and is_grpo(trainer):
+            generation = generation_beside(trainer, found)  # the peak is the larger phase's
+            self.predicted_phases = {"generation": generation.peak_bytes, "training": found.peak_bytes}
+            self.predicted = self.predicted_bytes = max(self.predicted_phases.values())
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -227,6 +243,9 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         if self.predicted is not None:  # memory/predicted_peak_mib: logged by MemoryMeterCallback
             error = (self.predicted - measured.peak_bytes) / measured.peak_bytes
             extra["memory/predicted_error_pct"] = 100.0 * error
+        for phase, predicted in self.predicted_phases.items():  # GRPO: each phase against its own
+            if seen := logs.get(f"memory/{phase}_peak_mib"):
+                extra[f"memory/{phase}_error_pct"] = 100.0 * (predicted / MiB - seen) / seen
         peak = measured.peak_bytes
         if measured.cuda_max_reserved is not None and self.limit is None:
             # on CUDA what runs out is the allocator's reserved memory plus the context, not tensors
@@ -333,6 +352,9 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         raise MemtrainError(f"prepare_for_budget: `budget={budget!r}`: {err}. Fix: a size like '24GiB', "
                             "a number of bytes, or 'auto' (the device's free memory).") from err
     length, length_from, notes = planned_length(model, args, max_length, rows)
+    share = colocated_vllm(model, args, int(total), length, built=IN_PLACE.get() is not None)  # type: ignore[arg-type]
+    if share is not None:  # TRL's GRPO with vLLM colocated: training gets what vLLM's share leaves
+        total, notes = _beside_vllm(share, int(total), length_from, notes)  # type: ignore[arg-type]
     notes += option_notes(Seen(args, model))
     packed = bool(getattr(args, "packing", False) or getattr(args, "padding_free", False))
     base = recipe_for(model, args, length, allow_approximate, peft_config=peft_config,
@@ -365,6 +387,9 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
         adapter = base.adapter.method + (f" r={base.adapter.r}" if base.adapter.method == "lora" else "")
         result = budget_plan(decided, args, changed, user_checkpointing, adapter, decided.apply(planned),
                              fixed=memory)
+        if share is not None and IN_PLACE.get() is None:  # set before the Trainer builds vLLM
+            result.vllm = share
+            result.changes += vllm_changes(share, args)
         return apply_plan(model, args, decided, _finish(result, model, args, budget, length, length_from,
                                                         notes, base.data.packing, quiet, request), planned)
     error = nothing_fits(failures, int(total), margin, args, user_checkpointing,  # type: ignore[arg-type]
@@ -380,6 +405,43 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     _finish(result, model, args, budget, length, length_from, notes, base.data.packing, quiet, request)
     model.__dict__["memtrain_plan"] = result
     return model, args
+
+
+def _beside_vllm(share: ColocateShare, budget: int, length_from: str, notes: list[str]
+                 ) -> tuple[int, list[str]]:
+    """The budget training is planned into beside vLLM's colocated ``share``, and the notes saying so."""
+    rest = budget - share.held
+    said = [f"{share.describe()}; training is planned into the rest of the budget, {format_bytes(rest)}"]
+    if length_from == "assumed" and share.max_model_len == share.length:
+        said.append(f"vLLM's share is sized for completions of {share.length} tokens with their prompts "
+                    "(the assumed length): pass max_length= (longest prompt + max_completion_length) or set "
+                    "vllm_max_model_length, since vLLM is built with the Trainer, before attach reads the "
+                    "data")
+    if not share.fits:  # attach: the Trainer's vLLM was built with another utilization
+        said.append(f"the Trainer's vLLM (vllm_gpu_memory_utilization={share.utilization:.2f}) holds "
+                    f"{share.concurrent} of the {share.sequences} completions generated at once at "
+                    f"{share.length} tokens: the rest wait (slower generation, not more memory)")
+    if rest <= 0:
+        raise MemtrainError(
+            f"prepare_for_budget: vLLM colocated takes {format_bytes(share.held)} of the "
+            f"{format_bytes(budget)} budget (vllm_gpu_memory_utilization={share.utilization:.2f} of the "
+            f"GPU's {format_bytes(share.total)}, CUDA graphs beside it), leaving nothing to train. Fix: "
+            "vllm_enable_sleep_mode=True (vLLM releases its share while training steps run), fewer "
+            "completions at once (generation_batch_size), a shorter max_completion_length, or "
+            "vllm_mode='server' (vLLM on another GPU).")
+    return rest, notes + said
+
+
+def vllm_changes(share: ColocateShare, args: Any) -> list[Change]:
+    """The ``GRPOConfig`` fields vLLM's share sets (before the Trainer builds vLLM)."""
+    changes = [Change("vllm_gpu_memory_utilization", f"{args.vllm_gpu_memory_utilization:g}",
+                      f"{share.utilization:.2f}",
+                      f"vLLM's weights and the KV cache of {share.sequences} completions x {share.length} "
+                      "tokens, with allowances (see the notes)")]
+    if getattr(args, "vllm_max_model_length", None) is None:
+        changes.append(Change("vllm_max_model_length", "None (the model's positions)", str(share.length),
+                              "vLLM checks that one request of this length fits its KV cache"))
+    return changes
 
 
 def _finish(result: BudgetPlan, model: nn.Module, args: TrainingArguments, budget: Any, length: int,

@@ -32,7 +32,7 @@ from transformers import Trainer
 from memtrain._compat.transformers_trainer import set_train_batch_size
 from memtrain._compat.trl import is_grpo
 from memtrain.data.rows import Rows
-from memtrain.estimator.grpo import trainer_generation_phase
+from memtrain.estimator.grpo import generation_beside
 from memtrain.estimator.trainer_loss import TrainerEstimate, longest_batch_rows, trainer_step_estimate
 from memtrain.plugin.apply import IN_PLACE, keep_generation_batch
 from memtrain.plugin.describe import BudgetPlan
@@ -168,8 +168,10 @@ def _with_generation(trainer: Trainer, plan: BudgetPlan, found: TrainerEstimate)
     peak = found.peak_bytes or 0
     if not is_grpo(trainer):
         return peak
-    resident = sum(found.by_category.get(name, 0) for name in ("parameters", "buffers", "optimizer_state"))
-    generation = trainer_generation_phase(trainer, resident, found.batch["prompt_ids"][1])
+    if getattr(trainer.args, "use_vllm", False):  # vLLM generates: its share is planned apart (colocate)
+        return peak
+    generation = generation_beside(trainer, found)
+    plan.phase_peaks = {"generation": generation.peak_bytes, "training": peak}
     larger = "the generation phase" if generation.peak_bytes > peak else "the training step"
     plan.notes.append(f"{generation.describe()}; the predicted peak is {larger}'s "
                       f"(training step traced: {format_bytes(peak)})")

@@ -105,6 +105,22 @@ def test_a_grpo_script_with_the_two_lines_is_refitted_planned_and_measured(
     counted = [s["peak"] for s in counter.steps]  # scripts/memprobe.py
     assert len(counted) == 2 and all(0.95 <= callback.predicted / c <= 1.10 for c in measured + counted), (
         callback.predicted, measured, counted)
+    # each phase logged apart, measured (the meter's generation phase: inside the model's generate)
+    # against its own prediction; the step's peak is the larger phase's
+    assert plan.phase_peaks == callback.predicted_phases
+    assert max(plan.phase_peaks.values()) == plan.predicted_peak
+    logged = [e for e in trainer.state.log_history if "memory/peak_mib" in e]
+    assert len(logged) == 2, trainer.state.log_history
+
+    for entry in logged:
+        generation, training = entry["memory/generation_peak_mib"], entry["memory/training_peak_mib"]
+        assert entry["memory/peak_mib"] == max(generation, training) and 0 < generation < training, entry
+        for phase in ("generation", "training"):
+            predicted = entry[f"memory/predicted_{phase}_peak_mib"]
+            assert predicted == plan.phase_peaks[phase] / 2**20, entry
+            assert 0.95 <= predicted / entry[f"memory/{phase}_peak_mib"] <= 1.10, (phase, entry)
+            assert entry[f"memory/{phase}_error_pct"] == pytest.approx(
+                100 * (predicted / entry[f"memory/{phase}_peak_mib"] - 1)), entry
 
 
 def test_a_grpo_config_without_an_adapter_at_beta_0_plans_no_reference(tmp_path: Path, tok: Any) -> None:
