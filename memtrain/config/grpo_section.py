@@ -61,6 +61,18 @@ class ObjectiveFields(Section):
         256, gt=0, description="GRPO: the most tokens a completion may have (the memory estimate's "
         "worst case: every completion this long).")
     grpo_temperature: float = Field(1.0, gt=0, description="GRPO: the sampling temperature.")
+    grpo_top_p: float = Field(
+        1.0, gt=0, le=1, description="GRPO: nucleus sampling, the probability mass kept (TRL's `top_p`); "
+        "1: off. Below 1 the sampling step holds about 6.5 more rows x vocabulary fp32 tensors (its sort), "
+        "which the estimate counts.")
+    grpo_top_k: int = Field(
+        0, ge=0, description="GRPO: sample from the k most likely tokens only (TRL's `top_k`); 0: off.")
+    grpo_min_p: float | None = Field(
+        None, ge=0, le=1, description="GRPO: drop tokens below this fraction of the most likely one's "
+        "probability (TRL's `min_p`); null: off.")
+    grpo_repetition_penalty: float = Field(
+        1.0, gt=0, description="GRPO: penalty on tokens already in the prompt or completion (TRL's "
+        "`repetition_penalty`); 1: off.")
     grpo_beta: float = Field(
         0.0, ge=0,
         description="GRPO: the KL coefficient toward the reference model (TRL's `beta`); 0: no reference "

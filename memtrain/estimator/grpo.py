@@ -21,6 +21,7 @@ completions, HF ``generate``); :func:`generation_phase` applies it to a recipe,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,37 @@ def check_grpo(cfg: RunConfig, data: PreparedData | None = None) -> None:
 # 4.0 beyond the KV cache; one more per logits processor that makes a new tensor (a temperature
 # other than 1). tests/end_to_end/test_grpo.py::test_the_generation_phase_is_predicted_within_10_percent.
 SAMPLING_COPIES = 4
+# Each logits processor HF ``generate`` runs while sampling (in its order) peaks at these rows x
+# vocabulary fp32 tensors more than SAMPLING_COPIES (its own temporaries: a temperature's quotient;
+# top-k's threshold mask and masked copy; top-p's sort, int64 indices, softmax, cumulative sum and
+# masks; min-p's probabilities and mask; the repetition penalty's gather/scatter), plus one more
+# when it is not the first in the chain (the processed scores it was handed are alive beside the
+# logits). Measured with scripts/memprobe.py's LiveBytes around ``generate`` (transformers 5.24,
+# torch 2.13, CPU; the same in units at 32 and 64 rows, every combination of the five):
+# docs/bench/generation_processors.md (``python scripts/bench_generation_processors.py``).
+PROCESSOR_ORDER = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+PROCESSOR_EXTRA = {"repetition_penalty": 2.0, "temperature": 1.0, "top_k": 1.25, "top_p": 5.5, "min_p": 2.25}
+
+
+def sampling_processors(*, temperature: float | None = 1.0, top_k: int | None = 0,
+                        top_p: float | None = 1.0, min_p: float | None = None,
+                        repetition_penalty: float | None = 1.0) -> tuple[str, ...]:
+    """The logits processors HF ``generate`` adds for these sampling settings (its own conditions:
+    a temperature other than 1, ``top_k`` other than 0, ``top_p`` below 1, any ``min_p``, a
+    repetition penalty other than 1), in the order it runs them."""
+    on = {"repetition_penalty": repetition_penalty is not None and repetition_penalty != 1.0,
+          "temperature": temperature is not None and temperature != 1.0,
+          "top_k": top_k is not None and top_k != 0, "top_p": top_p is not None and top_p < 1.0,
+          "min_p": min_p is not None}
+    return tuple(name for name in PROCESSOR_ORDER if on[name])
+
+
+def sampling_copies(processors: tuple[str, ...] = ()) -> float:
+    """Rows x vocabulary fp32 tensors at the sampling step's peak with ``processors`` (see
+    :data:`PROCESSOR_EXTRA`): the largest of the plain step's and each processor's."""
+    chain = [name for name in PROCESSOR_ORDER if name in processors]
+    own = (PROCESSOR_EXTRA[name] + (i > 0) for i, name in enumerate(chain))
+    return SAMPLING_COPIES + max(own, default=0.0)
 
 
 @dataclass
@@ -101,14 +133,14 @@ class GenerationPhase:
 
 
 def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, completion: int, size: int,
-                      processors: int = 0) -> GenerationPhase:
+                      processors: tuple[str, ...] = ()) -> GenerationPhase:
     """HF ``generate`` of ``sequences`` rows (every prompt ``prompt`` tokens, left-padded, every
     completion ``completion`` tokens: the worst case) of a model with text config ``text`` whose
     weights are ``size`` bytes per value, beside ``resident`` bytes: the KV cache at full length in
     the weights' dtype (a ``DynamicCache``: each step concatenates one layer's new key and value to
     the old ones), the prompts' prefill (per layer: the MLP's two intermediate tensors and four
-    hidden-size tensors per token), and the sampling step (:data:`SAMPLING_COPIES` plus
-    ``processors`` fp32 tensors of rows x vocabulary)."""
+    hidden-size tensors per token), and the sampling step (:func:`sampling_copies` fp32 tensors of
+    rows x vocabulary for the logits ``processors`` of :func:`sampling_processors`)."""
     length = prompt + completion
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -118,7 +150,7 @@ def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, 
     growth = kv // (2 * layers) if layers else 0
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     prefill = sequences * prompt * (2 * intermediate + 4 * text.hidden_size) * size
-    sampling = (SAMPLING_COPIES + processors) * sequences * text.vocab_size * 4
+    sampling = math.ceil(sampling_copies(processors) * sequences * text.vocab_size * 4)
     return GenerationPhase(resident=resident, kv_cache=kv, growth=growth, prefill=prefill, sampling=sampling,
                            sequences=sequences, length=length)
 
@@ -146,7 +178,9 @@ def generation_phase(cfg: RunConfig, prompt_tokens: int | None = None, micro_bat
     held = _weight_bytes(config, dtype) if resident is None else resident
     return generation_memory(text, resident=held, sequences=micro, prompt=prompt,
                              completion=cfg.training.grpo_max_completion_length, size=dtype,
-                             processors=int(cfg.training.grpo_temperature != 1.0))
+                             processors=sampling_processors(
+                                 temperature=t.grpo_temperature, top_k=t.grpo_top_k, top_p=t.grpo_top_p,
+                                 min_p=t.grpo_min_p, repetition_penalty=t.grpo_repetition_penalty))
 
 
 def _weight_bytes(config: Any, dtype: int) -> int:
@@ -239,11 +273,12 @@ def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> Genera
     """The generation phase's peak for a user's ``GRPOTrainer``: :func:`generation_memory` of its
     generation batch (``generation_batch_size`` completions per process, generated at once) at
     ``prompt`` + ``max_completion_length`` tokens, beside ``resident`` bytes (weights, buffers,
-    optimizer state; gradients were freed by the last ``zero_grad``), with a temperature other
-    than 1 as one more sampling tensor.
+    optimizer state; gradients were freed by the last ``zero_grad``), with the logits processors its
+    sampling settings add (``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``; ``generation_kwargs`` over them, as TRL does).
 
     Not modelled: vLLM (``use_vllm``) and continuous batching (paged caches), which plan.notes name;
-    other logits processors (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``); the no-grad
+    other logits processors (``generation_kwargs`` such as ``typical_p``, bad words); the no-grad
     old-policy / reference log-prob passes after generation (``per_device_train_batch_size`` rows at a
     time, no activations kept for backward: below the traced training step).
     """
@@ -259,7 +294,9 @@ def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> Genera
         dtype = torch.bfloat16 if args.bf16 else torch.float16
     size = torch.empty(0, dtype=dtype).element_size()
     sequences = max(1, args.generation_batch_size // max(1, args.world_size))
-    temperature = getattr(args, "temperature", 1.0)
+    extra = getattr(args, "generation_kwargs", None) or {}  # TRL lets them override its own settings
+    defaults = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
+    processors = sampling_processors(**{name: extra.get(name, getattr(args, name, default))
+                                        for name, default in defaults.items()})
     return generation_memory(text, resident=resident, sequences=sequences, prompt=prompt,
-                             completion=args.max_completion_length, size=size,
-                             processors=int(temperature is not None and temperature != 1.0))
+                             completion=args.max_completion_length, size=size, processors=processors)

@@ -154,8 +154,9 @@ class _Generations:
     ["training.grpo_max_completion_length=64"],  # full fine-tuning, 4 prompts x 8, temperature 1
     ["training.grpo_max_completion_length=128", "training.micro_batch_size=8",
      "training.gradient_accumulation=2", "training.grpo_num_generations=4"],  # 16 generated at once
-    ["training.grpo_max_completion_length=64", "adapter.method=lora", "training.grpo_temperature=0.7"],
-], ids=["full-64", "accumulated-128", "lora-temperature"])
+    ["training.grpo_max_completion_length=64", "adapter.method=lora", "training.grpo_temperature=0.7",
+     "training.grpo_top_p=0.9"],  # HF's top-p sorts the vocabulary: the sampling step's largest processor
+], ids=["full-64", "accumulated-128", "lora-temperature-top_p"])
 def test_the_generation_phase_is_predicted_within_10_percent(tmp_path: Path, overrides: list[str]) -> None:
     """The generation phase (memtrain.estimator.grpo.generation_memory: HF ``generate`` of a whole
     generation batch, micro-batch x steps_per_generation completions, at full length: the KV cache,

@@ -1,0 +1,54 @@
+"""The generation phase's sampling step with the logits processors GRPO users set (issue 38):
+memtrain.estimator.grpo's per-processor counts against scripts/memprobe.py (no memtrain code) around
+HF ``generate``, on a model and shape unlike the ones the counts were measured on (a 3-layer Qwen2 with
+an 8,000-token vocabulary, 24 rows, 12-token prompts, 20 new tokens; the counts came from a 2-layer
+Llama with 30,522 tokens at 32 and 64 rows, docs/bench/generation_processors.md).
+
+Before: only a temperature was counted, so top_p 0.9 was predicted at 0.46 of its measured peak.
+Planted when written: the "+1 when not first" term dropped -> top_k+min_p and all five fail; top_p's
+5.5 taken as 4.5 -> top_p fails; HF's order reversed -> all five fail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from memtrain.estimator.grpo import generation_memory, sampling_processors
+from scripts.memprobe import LiveBytes
+
+ROWS, PROMPT, NEW = 24, 12, 20
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    config = AutoConfig.for_model("qwen2", hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=8000,
+                                  max_position_embeddings=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"top_p": 0.9}, {"top_k": 40, "min_p": 0.05}, {"temperature": 0.6, "repetition_penalty": 1.2},
+    {"repetition_penalty": 1.1, "temperature": 0.7, "top_k": 50, "top_p": 0.95, "min_p": 0.1},
+], ids=["none", "top_p", "top_k+min_p", "temperature+repetition", "all five"])
+def test_the_sampling_step_is_predicted_for_each_processor(model: Any, extra: dict[str, Any]) -> None:
+    settings = dict(max_new_tokens=NEW, do_sample=True, pad_token_id=0, bos_token_id=None, eos_token_id=[1],
+                    temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
+    settings.update(extra)
+    ids = torch.randint(10, 7000, (ROWS, PROMPT), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    probe = LiveBytes()
+    probe.adopt([ids, mask])
+    with torch.no_grad(), probe:
+        out = model.generate(input_ids=ids, attention_mask=mask,
+                             generation_config=GenerationConfig(**settings, disable_compile=True))
+    completion = out.shape[1] - PROMPT
+    processors = sampling_processors(**extra)
+    predicted = generation_memory(model.config, resident=0, sequences=ROWS, prompt=PROMPT,
+                                  completion=completion, size=4, processors=processors).peak_bytes
+    assert probe.device_peak <= predicted <= 1.05 * probe.device_peak, (predicted, probe.device_peak)
