@@ -235,7 +235,8 @@ def _is_id_list(value: Any) -> bool:
 def _trace(trainer: Any, batch: dict[str, Any], accumulation: int) -> np.ndarray:
     """Per-op byte rows of one optimizer step of ``trainer`` on a fake copy of everything it holds."""
     mask = batch.get("attention_mask")
-    padded = isinstance(mask, torch.Tensor) and not bool(mask.all())
+    # TRL's GRPO left-pads prompts of different lengths: its worst case holds the attention mask
+    padded = (isinstance(mask, torch.Tensor) and not bool(mask.all())) or is_grpo(trainer)
     model = trainer.model
     held = [m for m in (model, getattr(trainer, "ref_model", None)) if isinstance(m, nn.Module)]
     with fake_tensor_mode(packed=_packed(batch), padded=padded, scalars=True) as mode, quiet_libraries(), \
@@ -265,7 +266,8 @@ def trace_training_step(trainer: Any, mode: FakeTensorMode, batch: dict[str, Any
         if accumulation > 1:
             hold_gradients(model)  # the earlier micro-batches' gradients, as memtrain's own trace holds them
         trainer.current_gradient_accumulation_steps = accumulation
-        meter = TracingMeter(model, optimizer, inputs, list(layers or []), [], cuda_kernels)
+        buffered = buffered_slices(trainer, mode, inputs)  # held through the step, as TRL's buffer is
+        meter = TracingMeter(model, optimizer, {**inputs, **buffered}, list(layers or []), [], cuda_kernels)
         with meter, _mixed_precision(trainer):
             type(trainer).training_step(trainer, model, inputs, None)  # TRL's GRPO: no default for it
             del inputs
@@ -274,7 +276,24 @@ def trace_training_step(trainer: Any, mode: FakeTensorMode, batch: dict[str, Any
                 torch.nn.utils.clip_grad_norm_(params, trainer.args.max_grad_norm, foreach=True)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            del buffered
     return meter.tracker
+
+
+def buffered_slices(trainer: Any, mode: FakeTensorMode, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """TRL's GRPOTrainer keeps a whole generation batch (``generation_batch_size`` completions per
+    process) in its buffer while it trains on one micro-batch of it (``batch``): the rest, as new
+    fake tensors of ``mode`` shaped like ``batch``'s rows (empty for any other trainer)."""
+    if not is_grpo(trainer):
+        return {}
+    args = trainer.args
+    rows = int(batch["completion_ids"].shape[0])
+    rest = max(0, args.generation_batch_size // max(1, args.world_size) - rows)
+    slices = rest // max(1, rows)
+    with mode:  # new storages (from_tensor would hand back the batch's own fakes)
+        return {f"buffered: {k}": torch.empty((rest, *v.shape[1:]) if v.dim() else (slices,), dtype=v.dtype,
+                                              device=v.device)
+                for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
 @contextmanager

@@ -34,6 +34,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 WORDS = ["cat", "dog", "sun", "moon", "tree", "river", "stone", "bird"]
+KIB = 1 / 1024  # in MiB
 COMMON = {"learning_rate": 1e-3, "logging_steps": 1, "report_to": "none", "use_cpu": True,
           "save_strategy": "no", "seed": 0, "bf16": False, "disable_tqdm": True}
 
@@ -121,6 +122,42 @@ def test_a_grpo_script_with_the_two_lines_is_refitted_planned_and_measured(
             assert 0.95 <= predicted / entry[f"memory/{phase}_peak_mib"] <= 1.10, (phase, entry)
             assert entry[f"memory/{phase}_error_pct"] == pytest.approx(
                 100 * (predicted / entry[f"memory/{phase}_peak_mib"] - 1)), entry
+    for phase in ("generation", "training"):  # at least the worst step's, to the KiB
+        # (training, when written: 70,937,744 predicted, 70,937,732 measured; without the 3 other
+        # micro-batches of completions TRL's buffer holds, 3,108 bytes short: fails)
+        assert max(e[f"memory/{phase}_peak_mib"] for e in logged) - KIB <= plan.phase_peaks[phase] / 2**20
+
+
+@pytest.mark.parametrize("setting", [
+    {"peft": False, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8,
+     "max_completion_length": 64, "beta": 0.0},
+    {"peft": True, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 4,
+     "max_completion_length": 64, "beta": 0.04, "temperature": 0.8, "top_p": 0.9},
+], ids=["full-G8-64", "lora-G4-64-top_p"])
+def test_each_phase_is_predicted_for_settings_users_vary(tmp_path: Path, tok: Any,
+                                                          setting: dict[str, Any]) -> None:
+    """Issue 38's targets through the plugin: for each phase, the logged prediction is at least the worst
+    measured (memtrain's meter; its generation phase is memprobe's within 0.04%, tests/end_to_end/
+    test_grpo.py) and at most 1.10 x it; full fine-tuning with 8 completions per prompt and LoRA with 4,
+    completions of 64 tokens, the second sampling with temperature and top_p. When written: generation
+    1.0014 / 1.0022, training 1.0124 / 0.99999999 (predicted / worst measured: 4 bytes short of
+    626,549,512, a scalar; hence "at least" within a KiB). Found by this test: TRL left-pads prompts, and
+    the 4-D attention mask it then builds (8 x 76 x 76 bytes, saved for backward) was not traced;
+    planted back (the batch traced unpadded), the LoRA row fails by 46,213 bytes."""
+    setting = dict(setting)
+    peft = lora() if setting.pop("peft") else None
+    args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=2, **setting, **COMMON)
+    model, args = memtrain.prepare_for_budget(tiny_model(), args, "2GiB", peft_config=peft, quiet=True)
+    trainer = trl.GRPOTrainer(model=model, args=args, reward_funcs=short, train_dataset=prompts(),
+                              processing_class=tok, peft_config=peft)
+    memtrain.attach(trainer, every=1)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "memory/peak_mib" in e]
+    assert len(logged) == 2, trainer.state.log_history
+    for phase in ("generation", "training"):
+        worst = max(e[f"memory/{phase}_peak_mib"] for e in logged)
+        predicted = logged[-1][f"memory/predicted_{phase}_peak_mib"]
+        assert worst - KIB <= predicted <= 1.10 * worst, (phase, predicted, worst)
 
 
 def test_a_grpo_config_without_an_adapter_at_beta_0_plans_no_reference(tmp_path: Path, tok: Any) -> None:
