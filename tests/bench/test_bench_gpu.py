@@ -309,6 +309,10 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path, monkeypatc
             assert payload["data"]["max_length"] == "auto"
             assert env["CUDA_VISIBLE_DEVICES"] == ""  # planned beside measured rows: never on the GPU
             return long_plan
+        if mode == "grpo":
+            calls.append(f"grpo {payload['row']['model']}")
+            return {"predicted": {"generation": GiB, "training": 2 * GiB},
+                    "measured": {"generation": GiB, "training": 2 * GiB}}
         calls.append(json.dumps(payload, sort_keys=True))
         return {"device": "Fake GPU", "allocated": GiB, "reserved": int(1.5 * GiB), "step_s": 0.5,
                 "nvml_before": 0, "nvml_after": 2 * GiB, "device_bytes": 80 * GiB,
@@ -333,8 +337,9 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path, monkeypatc
     long = [json.dumps(r.recipe(long_plan), sort_keys=True) for r in bench.LONG_CONTEXT]
     plan = [json.dumps(r.recipe(), sort_keys=True) for r in bench.plan_rows(
         [{"values": {"memory.checkpointing": "full"}, "micro": 4, "accumulation": 4}])]
+    grpo = [f"grpo {r.model}" for r in bench.GRPO_ROWS]  # after the long rows, before the grid
     # the long-context rows at the planned length
-    assert calls == (long + plan + grid if not planning_s else plan + grid + long)
+    assert calls == (long + plan + grpo + grid if not planning_s else plan + grpo + grid + long)
     assert all(json.loads(c)["data"]["max_length"] == 5376 for c in long)
     text = out.read_text()
     assert "| 5,376 | 1.00 | 1.00 | +0.0% pass |" in text and "5,376 tokens: found" in text
@@ -342,6 +347,7 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path, monkeypatc
     assert "| 1 | ckpt=full (chosen) | 3.00 | 1.50 | 2.00 | 1.000 | 0.500 | 0.50x |" in text
     raw = json.loads(out.with_suffix(".json").read_text())
     assert len(raw["grid"]) == len(bench.GRID) and raw["dropped"] == []
+    assert len(raw["grpo"]) == len(bench.GRPO_ROWS) and "| 1.000 | within [1, 1.10] |" in text
     assert raw["meta"]["allocator"] == "expandable_segments:True"  # what `memtrain train` runs with
     again = tmp_path / "again.md"  # --render: the same page from the raw JSON, no GPU
     assert bench.main(["--render", str(out.with_suffix(".json")), "--out", str(again)]) == 0
@@ -398,7 +404,7 @@ def test_rows_an_earlier_run_measured_are_kept(tmp_path: Path, monkeypatch: pyte
         if mode == "predict":
             predicted.append(len(payload))
             return [{"tensors": GiB, "total": 2 * GiB, "overheads": {}} for _ in payload]
-        if mode in ("plan", "long"):
+        if mode in ("plan", "long", "grpo"):
             return {"error": "not this test"}
         measured.append(json.dumps(payload, sort_keys=True))
         return {"device": "New GPU", "allocated": GiB, "reserved": GiB, "step_s": 0.5,
@@ -441,3 +447,37 @@ def test_plan_long_writes_the_plans_and_leaves_the_profile_alone(tmp_path: Path,
     assert profile.read_text(encoding="utf-8") == '{"cuda": {"threads": 16}}'
     written = json.loads(out.read_text(encoding="utf-8"))
     assert written["plans"] == [{"length": 1024, "why": "planned"}] and "--plan-long" in written["where"]
+
+
+def test_grpo_rows_render_each_phase_against_its_target() -> None:
+    records = [
+        {"row": asdict(bench.GRPO_ROWS[0]), "label": bench.GRPO_ROWS[0].label(),
+         "result": {"predicted": {"generation": 105, "training": 200}, "measured": {"generation": 100,
+                                                                                   "training": 210}}},
+        {"row": asdict(bench.GRPO_ROWS[1]), "label": bench.GRPO_ROWS[1].label(),
+         "result": {"error": "out of memory: x"}},
+    ]
+    lines = bench.grpo_lines(records)
+    assert any("| generation |" in line and "| 1.050 | within [1, 1.10] |" in line for line in lines), lines
+    assert any("| training |" in line and "| 0.952 | outside [1, 1.10] |" in line for line in lines), lines
+    assert lines[-1].endswith("out of memory: x |")
+    assert "temperature 0.8, top_p 0.9" in bench.GRPO_ROWS[0].label()
+    meta = {"command": "c", "device": "d", "date": "x", "torch": "t", "cuda": "c", "transformers": "t",
+            "peft": "p", "bitsandbytes": "b", "python": "3", "wall_s": 1.0, "budget_s": 2.0}
+    assert "## GRPO: the generation and training phases" in bench.page(meta, [], [], [], None, records)
+    assert "No GRPO row ran." in bench.page(meta, [], [], [], None, None)
+
+
+@pytest.mark.slow
+def test_a_grpo_row_runs_its_script_and_counts_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GRPO child on a CPU (the GPU run's flow; memprobe counts generation instead of CUDA's
+    statistics): the plan's two phase predictions come back, and the generation one holds what
+    memprobe counted inside generate, within [1, 1.10]."""
+    row = bench.GrpoRow(bench.TINY, peft=True, generations=4, per_device=4, accumulation=1, completion=16,
+                        sampling=(("top_p", 0.9),))
+    result = bench.grpo_child({"row": asdict(row), "device": "cpu"})
+    assert "error" not in result, result
+    assert set(result["predicted"]) == {"generation", "training"}
+    measured = result["measured"]["generation"]
+    assert len(result["steps"]["generation"]) == bench.GRPO_STEPS
+    assert measured <= result["predicted"]["generation"] <= 1.10 * measured, result
