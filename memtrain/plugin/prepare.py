@@ -394,6 +394,12 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
                                                         notes, base.data.packing, quiet, request), planned)
     error = nothing_fits(failures, int(total), margin, args, user_checkpointing,  # type: ignore[arg-type]
                          lora=base.adapter.method == "lora")
+    if share is not None:  # the budget was what vLLM's colocated share left: say so, and what frees it
+        error = MemtrainError(
+            f"{error} (This budget is what vLLM's colocated share leaves: it takes "
+            f"{format_bytes(share.held)} while training steps run, vllm_gpu_memory_utilization="
+            f"{share.utilization:.2f}. Or: vllm_enable_sleep_mode=True, fewer completions generated at "
+            "once, a shorter max_completion_length, or vllm_mode='server'.)")
     if length_from != "assumed":
         raise error
     # nothing fits rows of the assumed length: attach plans for the Trainer's data (or says nothing fits)

@@ -127,3 +127,21 @@ def test_prepare_for_budget_sets_vllms_share_and_plans_training_into_the_rest(tm
                             use_cpu=True, report_to="none", bf16=False)
     model, _ = memtrain.prepare_for_budget(tiny_model(), asleep, budget, max_length=48, quiet=True)
     assert model.memtrain_plan.budget == budget - model.memtrain_plan.vllm.cuda_graphs  # released to train
+
+
+@pytest.mark.slow
+def test_a_share_that_leaves_training_nothing_is_a_clear_error(tmp_path: Path) -> None:
+    trl = pytest.importorskip("trl")
+    from plain_trainer import tiny_model
+
+    import memtrain
+    from memtrain.errors import MemtrainError
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate",
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=16,
+                          use_cpu=True, report_to="none", bf16=False)
+    with pytest.raises(MemtrainError) as err:  # vLLM's share and graphs take more than the 1 GiB budget
+        memtrain.prepare_for_budget(tiny_model(), args, GIB, max_length=48, quiet=True)
+    said = str(err.value)
+    assert "vLLM colocated takes" in said and "leaving nothing to train" in said
+    assert "vllm_enable_sleep_mode=True" in said and "vllm_mode='server'" in said
