@@ -46,6 +46,24 @@ def unitless_tiny(text: str | int) -> bool:
     return isinstance(text, str) and text.strip().isdigit() and int(text) < 2**20
 
 
+def budget_problem(text: str) -> str | None:
+    """Why ``text`` is not a memory budget (a positive size with a unit, or ``auto``), in words that
+    follow the field's name; None when it is one. The one rule for the recipe's budgets
+    (``memory.budget``, ``host_budget``, ``simulate_budget``) and the CLI's ``--budget``."""
+    if text == "auto":
+        return None
+    try:
+        size = parse_size(text)
+    except ValueError:
+        return "must look like '24GiB', '512MiB' or 'auto'"
+    if size <= 0:
+        return "must be more than 0 bytes, like '24GiB', or 'auto'"
+    if unitless_tiny(text):
+        return (f"is {size} bytes (a number without a unit is bytes); write the unit, like '{text}GiB' or "
+                f"'{text}MiB'")
+    return None
+
+
 def format_bytes(n: float) -> str:
     """Format a byte count with a binary unit: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
     sign = "-" if n < 0 else ""

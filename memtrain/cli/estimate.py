@@ -33,18 +33,11 @@ def _check_device(device: str | None) -> None:
 
 def _check_budget(budget: str | None) -> None:
     """``--budget`` must be a size or ``auto``, checked before any work."""
-    from memtrain.units import parse_size, unitless_tiny
+    from memtrain.units import budget_problem
 
-    if budget is None or budget == "auto":
-        return
-    try:
-        if parse_size(budget) <= 0:
-            raise ValueError("a budget must be more than 0 bytes")
-        if unitless_tiny(budget):
-            raise ValueError(f"{budget} bytes: a number without a unit is bytes")
-    except ValueError as err:
-        raise MemtrainError(f"`--budget` must look like '24GiB', '512MiB' or 'auto', got {budget!r} "
-                            f"({err}). Fix: a positive size with a unit, e.g. --budget 24GiB.") from None
+    if budget is not None and (why := budget_problem(budget)) is not None:
+        raise MemtrainError(f"`--budget` {why}, got {budget!r}. Fix: a positive size with a unit, e.g. "
+                            "--budget 24GiB.")
 
 
 def _check_plot(plot: Path | None, sweep: bool) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from memtrain.config.base import Auto, FractionOr, Problem, Section, report_problem
-from memtrain.units import parse_size, unitless_tiny
+from memtrain.units import budget_problem
 
 # -------------------------------------------------------------------------------------- memory
 
@@ -159,17 +159,8 @@ class MemoryConfig(Section):
     @field_validator("budget", "simulate_budget", "host_budget")
     @classmethod
     def _size(cls, v: str | None) -> str | None:
-        if v is None or v == "auto":
-            return v
-        try:
-            size = parse_size(v)
-        except ValueError:
-            raise ValueError("must look like '24GiB', '512MiB' or 'auto'") from None
-        if size <= 0:
-            raise ValueError("must be more than 0 bytes, like '24GiB', or 'auto'")
-        if unitless_tiny(v):
-            raise ValueError(f"is {size} bytes (a number without a unit is bytes); write the unit, "
-                             f"like '{v}GiB' or '{v}MiB'")
+        if v is not None and (why := budget_problem(v)) is not None:
+            raise ValueError(why)
         return v
 
     @property
