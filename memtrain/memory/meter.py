@@ -40,10 +40,10 @@ from memtrain._compat.torch_trackers import TOTAL_KEY, FSDPRefType, MemRefType
 from memtrain.device import kept_on_host, model_device
 from memtrain.memory.quantized import quantization_state_tensors
 from memtrain.memory.trackers import (
-    HOST_ON_CPU,
     PHASES,
     FSDPTracker,
     Tracker,
+    host_key,
 )
 
 _ACTIVE: contextvars.ContextVar[MemoryMeter | None] = contextvars.ContextVar("memtrain_meter", default=None)
@@ -100,7 +100,7 @@ class MemoryMeter:
         if device is None:
             device = _compute_device(model)
         self.device = _canonical(torch.device(device))
-        host = torch.device("cpu") if self.device.type != "cpu" else HOST_ON_CPU
+        host = host_key(self.device)
         self._tracker: Tracker | FSDPTracker = (
             FSDPTracker(model, optimizer, self.device, host, timeline) if isinstance(model, FSDPModule)
             else Tracker(self.device, host, timeline))

@@ -71,6 +71,12 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer", "generation")
 HOST_ON_CPU = torch.device("cpu", 1)
 
 
+def host_key(device: torch.device) -> torch.device:
+    """The key a tracker files host bytes under when ``device`` computes: the CPU, or, where the CPU
+    is the compute device, :data:`HOST_ON_CPU`. (The meter and the simulated budget both ask here.)"""
+    return torch.device("cpu") if device.type != "cpu" else HOST_ON_CPU
+
+
 class _MeterMixin:
     """What memtrain adds to torch's trackers: phase peaks, category maxima, a host bucket, a
     timeline, and device peaks without MemTracker's per-module snapshots (see ``Tracker``)."""

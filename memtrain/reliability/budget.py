@@ -29,7 +29,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from memtrain._compat.torch_trackers import TOTAL_KEY
 from memtrain.config import MemoryConfig
 from memtrain.device import AllocatorBudget, compute_device, host_budget_bytes, host_free_bytes
-from memtrain.memory.trackers import HOST_ON_CPU, Tracker
+from memtrain.memory.trackers import Tracker, host_key
 from memtrain.units import format_bytes, parse_size
 
 
@@ -98,7 +98,7 @@ class HostBudget:
 
 class _BudgetTracker(Tracker):
     def __init__(self, device: torch.device, limit: int, defer: bool = False) -> None:
-        host = torch.device("cpu") if device.type != "cpu" else HOST_ON_CPU
+        host = host_key(device)
         super().__init__(device, host, timeline=False)
         self.limit = limit
         self.defer = defer
