@@ -129,12 +129,11 @@ def kv_block_bytes(text: Any, size: int, block_size: int = BLOCK_SIZE) -> int:
     return 2 * block_size * kv_heads * head_dim * size * text.num_hidden_layers
 
 
-def weight_bytes(parameters: int, size: int, quantized_4bit: bool) -> int:
-    """vLLM's copy of ``parameters`` weights: ``size`` bytes each, or bitsandbytes 4-bit (half a byte
-    and one fp32 absmax per 64 values) where the trained model is 4-bit."""
-    if quantized_4bit:
-        return parameters // 2 + 4 * math.ceil(parameters / 64)
-    return parameters * size
+def weight_bytes(parameters: int, size: int, quantized: int = 0) -> int:
+    """vLLM's copy of the weights: ``parameters`` at ``size`` bytes each, and ``quantized`` more in
+    bitsandbytes 4-bit (half a byte and one fp32 absmax per 64 values: the linear layers of a model
+    trained in 4-bit; its embeddings and head stay in ``size``)."""
+    return parameters * size + quantized // 2 + 4 * math.ceil(quantized / 64)
 
 
 def profile_bytes(text: Any, size: int, sequences: int, tokens: int = MAX_NUM_BATCHED_TOKENS) -> int:
@@ -148,21 +147,22 @@ def profile_bytes(text: Any, size: int, sequences: int, tokens: int = MAX_NUM_BA
 
 
 def colocate_share(text: Any, *, total: int, parameters: int, sequences: int, length: int,
-                   max_model_len: int | None = None, dtype: Any = "bfloat16", quantized_4bit: bool = False,
+                   max_model_len: int | None = None, dtype: Any = "bfloat16", quantized: int = 0,
                    tensor_parallel: int = 1, sleep: bool = False,
                    utilization: float | None = None) -> ColocateShare:
     """The smallest ``vllm_gpu_memory_utilization`` (a multiple of :data:`STEP`) whose KV cache holds
     ``sequences`` completions of ``length`` tokens at once (and vLLM's one-request check at
-    ``max_model_len``, default ``length``), for a model with text config ``text`` and ``parameters``
-    weights on a device of ``total`` bytes; or, given ``utilization`` (a vLLM already built with it),
-    that share as it is. With tensor parallelism each process holds its share of the weights and of
-    the KV heads (the sequences are the whole group's)."""
+    ``max_model_len``, default ``length``), for a model with text config ``text``, ``parameters``
+    weights in its dtype and ``quantized`` in bitsandbytes 4-bit, on a device of ``total`` bytes;
+    or, given ``utilization`` (a vLLM already built with it), that share as it is. With tensor
+    parallelism each process holds its share of the weights and of the KV heads (the sequences are
+    the whole group's)."""
     size = vllm_dtype_bytes(dtype)
     max_model_len = max_model_len or length
     block = kv_block_bytes(text, size) // tensor_parallel
     per_sequence = math.ceil(length / BLOCK_SIZE)
     blocks = max(sequences * per_sequence, math.ceil(max_model_len / BLOCK_SIZE)) + 1  # + the null block
-    weights = weight_bytes(parameters, size, quantized_4bit) // tensor_parallel
+    weights = weight_bytes(parameters, size, quantized) // tensor_parallel
     profile = profile_bytes(text, size, sequences)
     needed = weights + profile + NON_TORCH_ALLOWANCE + blocks * block
     if utilization is None:

@@ -28,20 +28,20 @@ def is_colocated(args: Any) -> bool:
             and getattr(args, "vllm_mode", None) == "colocate")
 
 
-def vllm_weights(model: nn.Module) -> tuple[int, bool]:
-    """The base model's weight count as vLLM loads it (adapter weights left out: TRL merges them
-    before each weight sync) and whether it is bitsandbytes 4-bit (packed values counted unpacked)."""
-    count, quantized = 0, False
+def vllm_weights(model: nn.Module) -> tuple[int, int]:
+    """The base model's weights as vLLM loads them (adapter weights left out: TRL merges them before
+    each weight sync): the count in the model's dtype, and the count in bitsandbytes 4-bit (packed
+    values counted unpacked)."""
+    plain = quantized = 0
     for name, param in model.named_parameters():
         if "lora_" in name or "modules_to_save" in name:
             continue
         state = getattr(param, "quant_state", None)
         if state is not None and getattr(state, "shape", None) is not None:
-            quantized = True
-            count += math.prod(state.shape)
+            quantized += math.prod(state.shape)
         else:
-            count += param.numel()
-    return count, quantized
+            plain += param.numel()
+    return plain, quantized
 
 
 def device_total(budget: int) -> int:
@@ -71,6 +71,6 @@ def colocated_vllm(model: nn.Module, args: Any, budget: int, length: int, *,
     stated = getattr(args, "vllm_max_model_length", None)
     return colocate_share(text, total=device_total(budget), parameters=parameters, sequences=sequences,
                           length=stated or length, dtype=getattr(config, "dtype", None) or getattr(
-                              config, "torch_dtype", None), quantized_4bit=quantized, tensor_parallel=tp,
+                              config, "torch_dtype", None), quantized=quantized, tensor_parallel=tp,
                           sleep=bool(getattr(args, "vllm_enable_sleep_mode", False)),
                           utilization=args.vllm_gpu_memory_utilization if built else None)

@@ -72,11 +72,13 @@ def test_vllm_sizes_its_one_request_check_for_max_model_len() -> None:
 
 def test_tensor_parallel_and_4_bit_weights() -> None:
     total = 24 * GIB
-    one = colocate_share(LLAMA_8B, total=total, parameters=PARAMETERS_8B, sequences=16, length=2048,
-                         quantized_4bit=True)
-    assert one.weights == PARAMETERS_8B // 2 + 4 * math.ceil(PARAMETERS_8B / 64)  # 4-bit, fp32 absmax per 64
-    two = colocate_share(LLAMA_8B, total=total, parameters=PARAMETERS_8B, sequences=16, length=2048,
-                         quantized_4bit=True, tensor_parallel=2)
+    embeddings = 2 * 128256 * 4096  # the input embedding and the head stay bf16; the linears are 4-bit
+    linears = PARAMETERS_8B - embeddings
+    one = colocate_share(LLAMA_8B, total=total, parameters=embeddings, quantized=linears, sequences=16,
+                         length=2048)
+    assert one.weights == 2 * embeddings + linears // 2 + 4 * math.ceil(linears / 64)  # fp32 absmax per 64
+    two = colocate_share(LLAMA_8B, total=total, parameters=embeddings, quantized=linears, sequences=16,
+                         length=2048, tensor_parallel=2)
     assert two.block_bytes * 2 == one.block_bytes == 2 * 16 * 8 * 128 * 2 * 32
     assert two.weights == one.weights // 2
     non_kv = two.weights + two.profile + two.non_torch
