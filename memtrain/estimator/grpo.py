@@ -260,6 +260,18 @@ def step_batch(trainer: Any, micro_batch: int, prompt: int | None = None) -> dic
     return batch
 
 
+def phase_peaks(trainer: Any, step: Any) -> dict[str, int]:
+    """The predicted peak of each phase of a GRPOTrainer's step, beside its traced training ``step``
+    (a modelled :class:`~memtrain.estimator.trainer_loss.TrainerEstimate`): ``{"generation": ...,
+    "training": ...}``; empty for another trainer, or where vLLM generates (its memory is not this
+    step's: :mod:`memtrain.plugin.colocate` plans a colocated share apart)."""
+    from memtrain._compat.trl import is_grpo
+
+    if not is_grpo(trainer) or getattr(trainer.args, "use_vllm", False) or step.peak_bytes is None:
+        return {}
+    return {"generation": generation_beside(trainer, step).peak_bytes, "training": step.peak_bytes}
+
+
 def generation_beside(trainer: Any, step: Any) -> GenerationPhase:
     """:func:`trainer_generation_phase` beside a traced training step ``step`` (a
     :class:`~memtrain.estimator.trainer_loss.TrainerEstimate`): what stays resident between the

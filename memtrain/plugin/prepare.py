@@ -46,12 +46,11 @@ from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from memtrain._compat.transformers_trainer import set_loss_scaled_for_ga
-from memtrain._compat.trl import is_grpo
 from memtrain._compat.versions import check_versions
 from memtrain.data.rows import Rows
 from memtrain.device import configure_allocator
 from memtrain.errors import MemtrainError
-from memtrain.estimator.grpo import generation_beside
+from memtrain.estimator.grpo import phase_peaks
 from memtrain.estimator.trainer_loss import TrainerEstimate
 from memtrain.estimator.vllm_colocate import ColocateShare
 from memtrain.plugin.apply import IN_PLACE, apply_plan, planned_fields, say
@@ -192,10 +191,9 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         """The Trainer's own step traced: its peak is the prediction (none if not modelled)."""
         found = self.trainer_estimate = check_trainer_step(trainer, self.usable)
         self.predicted = self.predicted_bytes = found.peak_bytes
-        if found.modelled and found.peak_bytes is not None and is_grpo(trainer):
-            generation = generation_beside(trainer, found)  # the peak is the larger phase's
-            self.predicted_phases = {"generation": generation.peak_bytes, "training": found.peak_bytes}
-            self.predicted = self.predicted_bytes = max(self.predicted_phases.values())
+        if found.modelled and (phases := phase_peaks(trainer, found)):  # GRPO: the larger phase's peak
+            self.predicted_phases = phases
+            self.predicted = self.predicted_bytes = max(phases.values())
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:

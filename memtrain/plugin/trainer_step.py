@@ -30,9 +30,8 @@ from typing import Any
 from transformers import Trainer
 
 from memtrain._compat.transformers_trainer import set_train_batch_size
-from memtrain._compat.trl import is_grpo
 from memtrain.data.rows import Rows
-from memtrain.estimator.grpo import generation_beside
+from memtrain.estimator.grpo import generation_beside, phase_peaks
 from memtrain.estimator.trainer_loss import TrainerEstimate, longest_batch_rows, trainer_step_estimate
 from memtrain.plugin.apply import IN_PLACE, keep_generation_batch
 from memtrain.plugin.describe import BudgetPlan
@@ -166,16 +165,14 @@ def _with_generation(trainer: Trainer, plan: BudgetPlan, found: TrainerEstimate)
     """The predicted peak: the traced step's; for TRL's GRPOTrainer the larger of it and the generation
     phase (:func:`memtrain.estimator.grpo.trainer_generation_phase`, which the plan's notes state)."""
     peak = found.peak_bytes or 0
-    if not is_grpo(trainer):
+    phases = phase_peaks(trainer, found)
+    if not phases:
         return peak
-    if getattr(trainer.args, "use_vllm", False):  # vLLM generates: its share is planned apart (colocate)
-        return peak
-    generation = generation_beside(trainer, found)
-    plan.phase_peaks = {"generation": generation.peak_bytes, "training": peak}
-    larger = "the generation phase" if generation.peak_bytes > peak else "the training step"
-    plan.notes.append(f"{generation.describe()}; the predicted peak is {larger}'s "
+    plan.phase_peaks = phases
+    larger = "the generation phase" if phases["generation"] > peak else "the training step"
+    plan.notes.append(f"{generation_beside(trainer, found).describe()}; the predicted peak is {larger}'s "
                       f"(training step traced: {format_bytes(peak)})")
-    return max(peak, generation.peak_bytes)
+    return max(phases.values())
 
 
 def _replan(trainer: Trainer, plan: BudgetPlan, rows: Rows, prepare: Callable[..., Any]) -> None:

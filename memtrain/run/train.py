@@ -326,7 +326,7 @@ def _predict_grpo(trainer: Any, meter: MemoryMeterCallback, console: Console) ->
     generation output, every completion at full length after the longest prompt), or the analytic
     generation phase where that is larger. The report's prediction is the recipe estimate, which traces
     the same TRL step on the model built on fake tensors (:mod:`memtrain.estimator.grpo_step`)."""
-    from memtrain.estimator.grpo import generation_beside
+    from memtrain.estimator.grpo import generation_beside, phase_peaks
     from memtrain.estimator.trainer_loss import trainer_step_estimate
 
     found = trainer_step_estimate(trainer)
@@ -335,8 +335,8 @@ def _predict_grpo(trainer: Any, meter: MemoryMeterCallback, console: Console) ->
                       style="yellow", highlight=False)
         return
     generation = generation_beside(trainer, found)
-    meter.predicted_bytes = max(found.peak_bytes, generation.peak_bytes)
-    meter.predicted_phases = {"generation": generation.peak_bytes, "training": found.peak_bytes}
+    meter.predicted_phases = phase_peaks(trainer, found)
+    meter.predicted_bytes = max(meter.predicted_phases.values())
     console.print(f"GRPO: TRL's training step traced: {format_bytes(found.peak_bytes)} "
                   f"({found.describe()}); {generation.describe()}", highlight=False)
 
