@@ -70,8 +70,8 @@ def check_grpo(cfg: RunConfig, data: PreparedData | None = None) -> None:
 # sampling): the fp32 copy of the last position's logits, the softmax probabilities, and two of
 # torch.multinomial's for one sample (an exponential draw of the same size, the probabilities
 # divided by it). Measured with scripts/memprobe.py's LiveBytes (transformers 5.24, torch 2.13, CPU):
-# 4.0 beyond the KV cache; one more per logits processor that makes a new tensor (a temperature
-# other than 1). tests/end_to_end/test_grpo.py::test_the_generation_phase_is_predicted_within_10_percent.
+# 4.0 beyond the KV cache with no logits processor (the processors: PROCESSOR_EXTRA below).
+# tests/end_to_end/test_grpo.py::test_the_generation_phase_is_predicted_within_10_percent.
 SAMPLING_COPIES = 4
 # Each logits processor HF ``generate`` runs while sampling (in its order) peaks at these rows x
 # vocabulary fp32 tensors more than SAMPLING_COPIES (its own temporaries: a temperature's quotient;
