@@ -1,7 +1,7 @@
 """Audit the planner's memory orders: estimate every candidate, list the pairs dominance gets wrong.
 
 The planner's search prunes a candidate that keeps at least as much as one that does not fit, field
-by field along each field's memory order (:meth:`memtrain.plan.search.Search._dominated`). That is
+by field along each field's memory order (:meth:`memtrain.plan.search.Search.dominated`). That is
 sound only if the orders hold. This script builds the search of a recipe (every technique ``auto``
 by default: the long-context plan's fields), estimates every applicable candidate at micro-batch 1
 with a budget of 1 byte (so each one's smallest peak is computed, none fits), and prints every pair
@@ -69,7 +69,7 @@ def main() -> None:
             print(f"  {gap:.4g} s faster: {a.label()}  vs  {b.label()}")
         return
     wrong = sorted(((b.min_peak - a.min_peak, a, b) for a in cands for b in cands
-                    if a is not b and search._dominated(a, b) and a.min_peak < b.min_peak),
+                    if a is not b and search.dominated(a, b) and a.min_peak < b.min_peak),
                    key=lambda x: -x[0])
     print(f"{len(wrong)} pairs where dominance claims a keeps at least as much as b, and a keeps less")
     for gap, a, b in wrong:

@@ -57,13 +57,11 @@ QUICKSTART = ["recipes/quickstart.yaml", "training.micro_batch_size=auto", "memo
 WHOLE_SEARCH = """
 import json
 from memtrain.config import load_recipe
-from memtrain.estimator import estimate as est
 from memtrain.plan import length
 from memtrain.reliability.budget import usable_bytes
-whole = est.trace_candidates_at  # every trace of the search (its probes trace through Search)
-est.trace_candidates_at = lambda plan, points, exact, exact_length=False: whole(plan, points, exact, True)
 cfg = load_recipe({recipe!r}, {overrides!r})
-found = length.longest_length(cfg, "cuda", usable_bytes({gb} * 2**30, 0.10), host=256 * 2**30)
+found = length.longest_length(cfg, "cuda", usable_bytes({gb} * 2**30, 0.10), host=256 * 2**30,
+                              exact_length=True)
 print(json.dumps({{"tokens": found.chosen, "probes": len(found.probes)}}))
 """
 WHOLE_ESTIMATE = """

@@ -115,7 +115,7 @@ class Knob:
             turns that technique off, a size the recipe fixed is dropped with it
             (``memtrain.plan.space.with_values``), as the recipe's checks require.
         unordered_offloaded: under activation offload its values have no memory order (the
-            planner does not prune one by another there; ``memtrain.plan.search.Search._dominated``):
+            planner does not prune one by another there; ``memtrain.plan.search.Search.dominated``):
             what the technique keeps on the device is partly what offload would have moved.
         slower_when_leaner: its leaner values never make a step faster: each only adds work (a
             transfer, a recompute, more and smaller tiles) and lowers no cost term. A candidate

@@ -74,9 +74,11 @@ class LengthSearch:
 
 
 def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = None,
-                   host: int | None = None) -> LengthSearch:
+                   host: int | None = None, exact_length: bool = False) -> LengthSearch:
     """The longest ``data.max_length`` (a multiple of ``step``, default ``LENGTH_STEP``) whose
     leanest settings fit ``usable`` device bytes (and ``host`` bytes of host memory, when given).
+    ``exact_length``: every estimate runs every loop iteration (as the estimator did before issue
+    37: scripts/bench_plan_speed.py times the difference).
 
     Raises:
         MemtrainError: not even ``step`` tokens fit (the message gives the peak at ``step``).
@@ -88,15 +90,16 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     if limit is not None:
         step = min(step, limit)
         top = min(top, limit // step * step)
-    lean = _leanest(cfg, device, usable, step)
+    lean = _leanest(cfg, device, usable, step, exact_length)
     settings = {**lean.values, "training.micro_batch_size": lean.micro,
                 "training.gradient_accumulation": lean.accumulation}
     found = LengthSearch(0, step, usable, settings, limit=limit)
-    base = with_values(cfg, {**settings, MAX_KEY: 1}).model_dump_json() + f"|{device}"
+    base = with_values(cfg, {**settings, MAX_KEY: 1}).model_dump_json() + f"|{device}|{exact_length}"
 
     def at(length: int) -> est.Estimate:
         if (base, length) not in _ESTIMATES:
-            probe = Search(with_values(cfg, {**settings, MAX_KEY: length}), device, usable, fields=[])
+            probe = Search(with_values(cfg, {**settings, MAX_KEY: length}), device, usable, fields=[],
+                           exact_length=exact_length)
             _ESTIMATES[base, length] = probe.estimate_of(lean.micro, lean.accumulation)
         found.probes[length] = _ESTIMATES[base, length].total_bytes
         if host is not None and _ESTIMATES[base, length].host_peak_bytes > host:
@@ -194,10 +197,10 @@ def _down(tokens: float, step: int) -> int:
     return int(tokens) // step * step
 
 
-def _leanest(cfg: RunConfig, device: str, usable: int, step: int) -> Candidate:
+def _leanest(cfg: RunConfig, device: str, usable: int, step: int, exact_length: bool = False) -> Candidate:
     """The valid, applicable candidate that keeps least: the most fields at the end of their
     memory order (:func:`memtrain.plan.space.rank`)."""
-    search = Search(with_values(cfg, {MAX_KEY: step}), device, usable)
+    search = Search(with_values(cfg, {MAX_KEY: step}), device, usable, exact_length=exact_length)
     cands = sorted(search.candidates(), key=lambda c: -search.leanness(c))
     for cand in cands:
         if search.batches_for(cand) and search.inapplicable(cand) is None:

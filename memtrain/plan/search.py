@@ -74,9 +74,11 @@ class Search:
     :func:`memtrain.plan.planner.plan` and the leanest candidate of :mod:`memtrain.plan.length`."""
 
     def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None,
-                 rows: Rows | None = None, host: HostBudget | None = None, alternatives: bool = True
-                 ) -> None:
+                 rows: Rows | None = None, host: HostBudget | None = None, alternatives: bool = True,
+                 exact_length: bool = False) -> None:
         self.cfg, self.device, self.usable = cfg, device, usable
+        # True: every trace runs every loop iteration (the estimator before issue 37; benchmarks)
+        self.exact_length = exact_length
         # False: trace only what can change the choice (see run); the alternatives are not all known
         self.alternatives = alternatives
         self.host = host  # the host RAM a plan may keep (None: no limit)
@@ -197,9 +199,9 @@ class Search:
         elif fastest is not None and bound > self.time(fastest) * (1 + TIE):
             cand.reason = (f"slower: at least {bound:.3g} {self.unit}, the fastest that fits needs "
                            f"{self.time(fastest):.3g} s")
-        elif (big := next((t for t in too_big if self._dominated(cand, t)), None)) is not None:
+        elif (big := next((t for t in too_big if self.dominated(cand, t)), None)) is not None:
             cand.reason = f"keeps at least as much as {big.label()}, which does not fit"
-        elif (big := next((t for t in host_big if self._dominated(cand, t, host=True)), None)) is not None:
+        elif (big := next((t for t in host_big if self.dominated(cand, t, host=True)), None)) is not None:
             cand.reason = (f"keeps at least as much on the host as {big.label()}, which does not fit "
                            "the host")
         elif (quick := self._outrun_by(cand, fits)) is not None:
@@ -231,9 +233,9 @@ class Search:
         reach = self.time(fastest) * (1 + TIE) if fastest is not None else math.inf
         best, lean = None, -1
         for k, other in enumerate(cands):
-            if k == i or k in seen or bound_of[k] > reach or not self._dominated(cands[i], other):
+            if k == i or k in seen or bound_of[k] > reach or not self.dominated(cands[i], other):
                 continue
-            if any(self._dominated(other, t) for t in too_big) or self.inapplicable(other) is not None:
+            if any(self.dominated(other, t) for t in too_big) or self.inapplicable(other) is not None:
                 continue
             if self._outrun_by(other, fits) is not None:  # keeps no more than one that fits: fits
                 continue
@@ -267,9 +269,9 @@ class Search:
                     continue
                 cand = cands[k]
                 if (self.inapplicable(cand) is not None
-                        or any(self._dominated(cand, t) for t in too_big)  # cannot fit
-                        or any(self._dominated(cand, t, host=True) for t in host_big)
-                        or any(self._dominated(f, cand) for f in fitting)  # fits: no pruning
+                        or any(self.dominated(cand, t) for t in too_big)  # cannot fit
+                        or any(self.dominated(cand, t, host=True) for t in host_big)
+                        or any(self.dominated(f, cand) for f in fitting)  # fits: no pruning
                         or self._outrun_by(cand, fits) is not None):  # fits, and is never chosen
                     continue  # the main loop judges it
                 try:
@@ -339,7 +341,7 @@ class Search:
                                            seconds=cost.seconds, parts=cost.parts))
         return out
 
-    def _dominated(self, cand: Candidate, small: Candidate, host: bool = False) -> bool:
+    def dominated(self, cand: Candidate, small: Candidate, host: bool = False) -> bool:
         """``cand`` keeps at least as much memory as ``small`` in every field: on the device, or
         with ``host``, on the host (where an offload's order is reversed: :func:`space.to_host`).
 
@@ -633,7 +635,7 @@ class Search:
                                   exclude={"training": {"micro_batch_size", "gradient_accumulation",
                                                         "effective_batch_size"}})
         single = max(m for m, _ in self.batches) == 1  # micro-batch 1 only (a long context)
-        key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{single}"
+        key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{single}|{self.exact_length}"
         if key not in self._traces:
             # the traces' own micro-batches are 2 and 3; a GRPO recipe is valid only in whole groups
             micro = cfg.training.grpo_num_generations if cfg.training.objective == "grpo" else 1
@@ -641,11 +643,11 @@ class Search:
                    "training.gradient_accumulation": min(accumulation, 2)}
             plan = trace_setup(with_values(cfg, one), (), self.device, self.rows)
             if single:  # the linear model in the micro-batch is not needed: trace 1 alone
-                c1, counts1, _ = est.trace_candidates(plan, 1, plan.seq_len, False)
+                c1, counts1, _ = est.trace_candidates(plan, 1, plan.seq_len, False, self.exact_length)
                 self._traces[key] = _Traced(plan, None, None, counts1, counts1, {1: c1})
                 return self._traces[key]
             (c2, counts2, _), (c3, counts3, _) = est.trace_candidates_at(
-                plan, [(2, plan.seq_len), (3, plan.seq_len)], False)
+                plan, [(2, plan.seq_len), (3, plan.seq_len)], False, self.exact_length)
             self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
         return self._traces[key]
 

@@ -55,6 +55,32 @@ def test_the_plan_is_the_longest_length_that_fits_and_the_next_does_not(
     assert _total(resolved, 3 * step) <= decided.usable  # the settings chosen at that length fit
 
 
+def test_exact_length_runs_every_loop_iteration_of_every_trace_and_finds_the_same_length(
+        tmp_path: Path, tiny_text_file: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``longest_length(..., exact_length=True)`` (scripts/bench_plan_speed.py's "every iteration"
+    row) reaches every trace of the search, the leanest settings' too, and answers as the elided
+    search does. Planted: Search not passing it on -> the calls fail."""
+    from memtrain.estimator import estimate as est
+
+    cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full", loss="auto", tiled_mlp=True))
+    budget = int(_total(cfg, 3 * step, **{"memory.loss": "chunked"}) / 0.9)
+    traced = est.trace_candidates_at
+    calls: list[bool] = []
+
+    def counted(plan: object, points: object, exact: bool, exact_length: bool = False) -> object:
+        calls.append(exact_length)
+        return traced(plan, points, exact, exact_length)
+
+    monkeypatch.setattr(est, "trace_candidates_at", counted)
+    usable = int(budget * 0.9)
+    whole = length.longest_length(cfg, "cpu", usable, exact_length=True)
+    assert calls and all(calls), calls
+    calls.clear()
+    elided = length.longest_length(cfg, "cpu", usable)
+    assert calls and not any(calls)
+    assert whole.chosen == elided.chosen and whole.probes == elided.probes
+
+
 def test_a_budget_that_fits_no_length_names_the_field_and_the_peak(
         tmp_path: Path, tiny_text_file: Path, step: int) -> None:
     cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full"))

@@ -250,7 +250,7 @@ def test_a_search_allowing_only_micro_batch_1_traces_only_micro_batch_1(
 
 
 def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
-    """What host-budget pruning assumes (``Search._dominated(host=True)``), on real estimates: a
+    """What host-budget pruning assumes (``Search.dominated(host=True)``), on real estimates: a
     candidate that keeps at least as much in every field but an offload, and offloads at least as
     much, keeps at least as many host bytes. Checkpointing, activation offload, the tiled MLP,
     the lean norm and the chunked loss, every combination. (Planted: the offload's order not
@@ -271,7 +271,7 @@ def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
     host = {id(c): estimate(planner.with_values(cfg, c.values), device="cuda").host_peak_bytes
             for c in cands}
     assert len(set(host.values())) >= 4  # the offload moves different bytes per candidate
-    pairs = [(a, b) for a, b in itertools.permutations(cands, 2) if search._dominated(a, b, host=True)]
+    pairs = [(a, b) for a, b in itertools.permutations(cands, 2) if search.dominated(a, b, host=True)]
     assert len(pairs) > len(cands)
     broken = [(a.label(), b.label()) for a, b in pairs if host[id(a)] < host[id(b)]]
     assert not broken, broken[:3]
@@ -491,12 +491,12 @@ def test_under_activation_offload_checkpointing_settings_are_not_ranked_by_memor
     search = planner.Search(cfg, "cuda", 2**40)
     by = {(c.values["memory.checkpointing"], c.values["memory.offload.activations"]): c
           for c in search.candidates()}
-    assert not search._dominated(by["none", True], by["selective", True])  # offload: not comparable
-    assert not search._dominated(by["none", True], by["full", True])
-    assert not search._dominated(by["none", False], by["full", True])
-    assert search._dominated(by["none", False], by["full", False])  # no offload: the order holds
-    assert search._dominated(by["selective", False], by["full", False])
-    assert search._dominated(by["none", False], by["none", True])
+    assert not search.dominated(by["none", True], by["selective", True])  # offload: not comparable
+    assert not search.dominated(by["none", True], by["full", True])
+    assert not search.dominated(by["none", False], by["full", True])
+    assert search.dominated(by["none", False], by["full", False])  # no offload: the order holds
+    assert search.dominated(by["selective", False], by["full", False])
+    assert search.dominated(by["none", False], by["none", True])
     # ... except between selective and none, with or without offload: with a lean norm a selective
     # checkpoint keeps more at 14,336 tokens (117.4 GiB against 107.6 when written)
     lean = [*common[:5], "data.max_length=14336", "memory.lean_norm=true", "memory.offload.activations=false",
@@ -504,14 +504,14 @@ def test_under_activation_offload_checkpointing_settings_are_not_ranked_by_memor
     kept = {ck: estimate(load_recipe(recipe, [*lean, f"memory.checkpointing={ck}"]),
                          device="cuda").total_bytes for ck in ("none", "selective")}
     assert kept["selective"] > kept["none"], kept
-    assert not search._dominated(by["none", False], by["selective", False])
+    assert not search.dominated(by["none", False], by["selective", False])
     # and the lean norm under offload (1 MiB more with it at 14,336 tokens, none or selective)
     cfg = load_recipe(recipe, [*common[:-2], "memory.lean_norm=auto", "memory.offload.activations=auto"])
     search = planner.Search(cfg, "cuda", 2**40)
     norm = {(c.values["memory.lean_norm"], c.values["memory.offload.activations"]): c
             for c in search.candidates()}
-    assert not search._dominated(norm[False, True], norm[True, True])
-    assert search._dominated(norm[False, False], norm[True, False])
+    assert not search.dominated(norm[False, True], norm[True, True])
+    assert search.dominated(norm[False, False], norm[True, False])
 
 
 def test_a_candidate_leaner_only_in_fields_that_add_work_is_outrun(tmp_path: Path, corpus: Path) -> None:
