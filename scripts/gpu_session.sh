@@ -15,7 +15,8 @@
 # default 470) is its whole run, split by the script into preparing the model (<= 90 s), the
 # baseline's search (half of the rest) and memtrain's steps. Without it:
 # It installs the kit into /tmp/site (afresh: a warm machine keeps /tmp between calls), checks the
-# imports and a 4-bit layer on CUDA, runs scripts/bench_gpu.py (page and raw JSON under $OUT), then
+# imports and a 4-bit layer on CUDA, runs scripts/bench_gpu.py (page and raw JSON under $OUT; since
+# 2026-11-28 with two GRPO rows after the long-context rows, about 75 s each: issue 38), then
 # the CUDA-only tests. BENCH_BUDGET (seconds, default 420) and TEST_TIMEOUT (default 100) size it
 # to the 10-minute call; extra arguments go to bench_gpu.py (e.g. --skip-calibrate --profile P).
 set -u
