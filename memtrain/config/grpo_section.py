@@ -63,8 +63,8 @@ class ObjectiveFields(Section):
     grpo_temperature: float = Field(1.0, gt=0, description="GRPO: the sampling temperature.")
     grpo_top_p: float = Field(
         1.0, gt=0, le=1, description="GRPO: nucleus sampling, the probability mass kept (TRL's `top_p`); "
-        "1: off. Below 1 the sampling step holds about 6.5 more rows x vocabulary fp32 tensors (its sort), "
-        "which the estimate counts.")
+        "1: off. Below 1 the sampling step holds 5.5 more rows x vocabulary fp32 tensors (its sort; 6.5 "
+        "after another processor such as a temperature), which the estimate counts.")
     grpo_top_k: int = Field(
         0, ge=0, description="GRPO: sample from the k most likely tokens only (TRL's `top_k`); 0: off.")
     grpo_min_p: float | None = Field(
