@@ -118,6 +118,7 @@ class GenerationPhase:
     sampling: int  # the sampling step's rows x vocabulary fp32 tensors
     sequences: int
     length: int
+    processors: tuple[str, ...] = ()  # the logits processors the sampling step runs (HF's order)
 
     @property
     def peak_bytes(self) -> int:
@@ -129,7 +130,8 @@ class GenerationPhase:
                 f"MiB = weights and optimizer state {self.resident / mib:,.2f} + KV cache "
                 f"{(self.kv_cache + self.growth) / mib:,.2f} ({self.sequences} completions x {self.length} "
                 f"tokens) + the larger of the prompts' prefill {self.prefill / mib:,.2f} and the sampling "
-                f"step's logits {self.sampling / mib:,.2f} MiB")
+                f"step's logits {self.sampling / mib:,.2f} MiB"
+                + (f" (with {', '.join(self.processors)})" if self.processors else ""))
 
 
 def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, completion: int, size: int,
@@ -152,7 +154,7 @@ def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, 
     prefill = sequences * prompt * (2 * intermediate + 4 * text.hidden_size) * size
     sampling = math.ceil(sampling_copies(processors) * sequences * text.vocab_size * 4)
     return GenerationPhase(resident=resident, kv_cache=kv, growth=growth, prefill=prefill, sampling=sampling,
-                           sequences=sequences, length=length)
+                           sequences=sequences, length=length, processors=tuple(processors))
 
 
 def generation_phase(cfg: RunConfig, prompt_tokens: int | None = None, micro_batch: int | None = None,

@@ -49,6 +49,8 @@ def test_the_sampling_step_is_predicted_for_each_processor(model: Any, extra: di
                              generation_config=GenerationConfig(**settings, disable_compile=True))
     completion = out.shape[1] - PROMPT
     processors = sampling_processors(**extra)
-    predicted = generation_memory(model.config, resident=0, sequences=ROWS, prompt=PROMPT,
-                                  completion=completion, size=4, processors=processors).peak_bytes
+    phase = generation_memory(model.config, resident=0, sequences=ROWS, prompt=PROMPT, completion=completion,
+                              size=4, processors=processors)
+    predicted = phase.peak_bytes
     assert probe.device_peak <= predicted <= 1.05 * probe.device_peak, (predicted, probe.device_peak)
+    assert ("(with " in phase.describe()) == bool(extra) and all(p in phase.describe() for p in processors)
