@@ -94,11 +94,6 @@ class ColocateShare:
         only the graphs (weights and KV cache are released until the next generation)."""
         return self.cuda_graphs + (0 if self.sleep else self.requested)
 
-    @property
-    def during_generation(self) -> int:
-        """What vLLM holds while it generates (awake)."""
-        return self.requested + self.cuda_graphs
-
     def describe(self) -> str:
         gib = 2**30
         sleep = ("; vllm_enable_sleep_mode: released while training steps run" if self.sleep else
