@@ -76,7 +76,7 @@ from memtrain.data.prepare import PreparedData, prepare_data
 from memtrain.errors import MemtrainError
 from memtrain.memory import hostmem
 from memtrain.model import load_tokenizer
-from memtrain.plan import autofit, search
+from memtrain.plan import autofit
 from memtrain.reliability.budget import SimulatedBudgetCallback
 from memtrain.trainer.build import build_model
 from memtrain.trainer.trainer import build_trainer, optimizer_arguments
@@ -295,7 +295,6 @@ def run_memtrain(s: Setup, tmp: Path, limit: int, margin: float | str) -> dict[s
     budget = SimulatedBudgetCallback(limit)
     judge = Judge()
     rows = s.data.rows(cfg)  # as `memtrain train` does: the longest batch of the data at hand
-    search._TRACES.clear()  # every run traces, as each `memtrain train` process does
     start = time.perf_counter()
     timer = Timer(start)
     try:

@@ -41,6 +41,7 @@ from memtrain.config import MemoryConfig, load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.estimator.estimate import estimate
 from memtrain.plan.length import LENGTH_STEP, LengthSearch, longest_length
+from memtrain.plan.search import TraceCache
 from memtrain.reliability.budget import usable_bytes
 
 GiB = 2**30
@@ -65,10 +66,13 @@ def settings() -> list[str]:
     return BASE + [value for name, value in OPTIONAL.items() if name in fields]
 
 
+CACHE = TraceCache()  # every size's search starts from the lengths the sizes before it estimated
+
+
 def longest(usable: int) -> LengthSearch:
     """The planner's longest length for these settings (``data.max_length: auto``)."""
     cfg = load_recipe(RECIPE, [*settings(), "data.max_length=auto"])
-    return longest_length(cfg, "cuda", usable, host=HOST_BUDGET)
+    return longest_length(cfg, "cuda", usable, host=HOST_BUDGET, cache=CACHE)
 
 
 def main() -> None:

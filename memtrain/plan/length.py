@@ -16,10 +16,10 @@ the estimate bend), until they are one step apart. An estimate costs about the s
 (the loops over the tokens run a few iterations, :mod:`memtrain.memory.loops`) and, with no
 ``L x L`` attention matrix, its peak is affine in the length between kernel changes; so the search
 first solves that model (:func:`_solve`): the budget's crossing of a line through two lengths far
-apart, confirmed by an estimate at the answer and one at the next step. Estimates are
-kept per settings for the
-process, so planning the same recipe for several budgets (scripts/bench_long_context.py) starts
-from every length probed before.
+apart, confirmed by an estimate at the answer and one at the next step. Estimates are kept in
+the plan's :class:`memtrain.plan.search.TraceCache`, so a caller planning the same recipe for
+several budgets with one cache (scripts/bench_long_context.py) starts from every length probed
+before.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.estimator import estimate as est
 from memtrain.estimator.setup import position_limit, resolve_config
-from memtrain.plan.search import Search
+from memtrain.plan.search import Search, TraceCache
 from memtrain.plan.space import Candidate, with_values
 from memtrain.units import format_bytes
 
@@ -42,8 +42,6 @@ LONGEST = 2**24  # no search beyond 16M tokens
 MAX_KEY = "data.max_length"
 SOLVE_SPAN = 8  # the affine model's second length: this many times the first
 SOLVE_ROUNDS = 3
-
-_ESTIMATES: dict[tuple[str, int], est.Estimate] = {}  # (settings, length) -> estimate, for the process
 
 
 @dataclass
@@ -74,11 +72,13 @@ class LengthSearch:
 
 
 def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = None,
-                   host: int | None = None, exact_length: bool = False) -> LengthSearch:
+                   host: int | None = None, exact_length: bool = False,
+                   cache: TraceCache | None = None) -> LengthSearch:
     """The longest ``data.max_length`` (a multiple of ``step``, default ``LENGTH_STEP``) whose
     leanest settings fit ``usable`` device bytes (and ``host`` bytes of host memory, when given).
     ``exact_length``: every estimate runs every loop iteration (as the estimator did before issue
-    37: scripts/bench_plan_speed.py times the difference).
+    37: scripts/bench_plan_speed.py times the difference). ``cache``: the plan's traces and
+    estimates (default: a new one, this search's own).
 
     Raises:
         MemtrainError: not even ``step`` tokens fit (the message gives the peak at ``step``).
@@ -90,24 +90,27 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     if limit is not None:
         step = min(step, limit)
         top = min(top, limit // step * step)
-    lean = _leanest(cfg, device, usable, step, exact_length)
+    cache = TraceCache() if cache is None else cache
+    lean = _leanest(cfg, device, usable, step, exact_length, cache)
     settings = {**lean.values, "training.micro_batch_size": lean.micro,
                 "training.gradient_accumulation": lean.accumulation}
     found = LengthSearch(0, step, usable, settings, limit=limit)
     base = with_values(cfg, {**settings, MAX_KEY: 1}).model_dump_json() + f"|{device}|{exact_length}"
 
     def at(length: int) -> est.Estimate:
-        if (base, length) not in _ESTIMATES:
+        def make() -> est.Estimate:
             probe = Search(with_values(cfg, {**settings, MAX_KEY: length}), device, usable, fields=[],
-                           exact_length=exact_length)
-            _ESTIMATES[base, length] = probe.estimate_of(lean.micro, lean.accumulation)
-        found.probes[length] = _ESTIMATES[base, length].total_bytes
-        if host is not None and _ESTIMATES[base, length].host_peak_bytes > host:
-            found.probes[length] = max(found.probes[length], usable + 1)  # does not fit: the host's
-        return _ESTIMATES[base, length]
+                           exact_length=exact_length, cache=cache)
+            return probe.estimate_of(lean.micro, lean.accumulation)
 
-    for key, length in list(_ESTIMATES):  # lengths probed before with these settings, this process
-        if key == base and length % step == 0 and length <= top:
+        estimate = cache.estimate(base, length, make)
+        found.probes[length] = estimate.total_bytes
+        if host is not None and estimate.host_peak_bytes > host:
+            found.probes[length] = max(found.probes[length], usable + 1)  # does not fit: the host's
+        return estimate
+
+    for length in cache.lengths(base):  # lengths probed before with these settings and this cache
+        if length % step == 0 and length <= top:
             at(length)
     _solve(found, at, usable, step, top)
     lo = max((n for n, b in found.probes.items() if b <= usable), default=0)
@@ -197,10 +200,11 @@ def _down(tokens: float, step: int) -> int:
     return int(tokens) // step * step
 
 
-def _leanest(cfg: RunConfig, device: str, usable: int, step: int, exact_length: bool = False) -> Candidate:
+def _leanest(cfg: RunConfig, device: str, usable: int, step: int, exact_length: bool,
+             cache: TraceCache) -> Candidate:
     """The valid, applicable candidate that keeps least: the most fields at the end of their
     memory order (:func:`memtrain.plan.space.rank`)."""
-    search = Search(with_values(cfg, {MAX_KEY: step}), device, usable, exact_length=exact_length)
+    search = Search(with_values(cfg, {MAX_KEY: step}), device, usable, exact_length=exact_length, cache=cache)
     cands = sorted(search.candidates(), key=lambda c: -search.leanness(c))
     for cand in cands:
         if search.batches_for(cand) and search.inapplicable(cand) is None:

@@ -47,7 +47,7 @@ from memtrain.config import RunConfig
 from memtrain.data.rows import Rows
 from memtrain.errors import MemtrainError
 from memtrain.plan.length import LengthSearch, longest_length
-from memtrain.plan.search import Search
+from memtrain.plan.search import Search, TraceCache
 from memtrain.plan.space import Candidate, auto_fields, with_values
 from memtrain.reliability.budget import HostBudget, resolve_budget, usable_bytes
 from memtrain.units import format_bytes, parse_size
@@ -107,7 +107,8 @@ def budget_bytes(cfg: RunConfig, budget: str | int | None = None, device: str | 
 
 
 def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None = None,
-         tune: int = 0, rows: Rows | None = None, alternatives: bool = True) -> Plan:
+         tune: int = 0, rows: Rows | None = None, alternatives: bool = True,
+         cache: TraceCache | None = None) -> Plan:
     """Decide every ``auto`` field of ``cfg`` (see the module docstring).
 
     Args:
@@ -123,6 +124,8 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
         alternatives: False traces only the candidates that can change the choice (the plugin's
             plans, which show none): the same choice, fewer traces, and ``Plan.alternatives``
             lists only those traced. Tuning needs them (``tune`` > 0 keeps them).
+        cache: the traces and estimates to plan with and keep (:class:`TraceCache`); default: a
+            new one for this call (pass one to several calls to reuse what each traced).
 
     Raises:
         NothingFits: no candidate fits; the message gives the smallest peak and its settings.
@@ -133,13 +136,15 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     usable = usable_bytes(total, cfg.memory.margin_fraction)
     host = HostBudget.of(cfg.memory)
     auto = auto_fields(cfg)
+    cache = TraceCache() if cache is None else cache
     length = None
     if cfg.data.max_length == "auto":  # the length first, then the fastest settings at that length
         if rows is not None:
             raise ValueError("data.max_length: auto is planned for the worst case; pass no rows")
-        length = longest_length(cfg, target, usable, host=host.usable)
+        length = longest_length(cfg, target, usable, host=host.usable, cache=cache)
         cfg = with_values(cfg, {"data.max_length": length.chosen})
-    search = Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives or tune > 0)
+    search = Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives or tune > 0,
+                    cache=cache)
     chosen = search.run()
     fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
                   key=lambda c: c.seconds)
@@ -248,5 +253,5 @@ def describe(p: Plan) -> dict[str, Any]:
             "max_length": None if p.length is None else {**p.length.to_dict(), "why": p.length.explain()}}
 
 
-__all__ = ["Candidate", "NothingFits", "Plan", "auto_fields", "budget_bytes", "describe", "fit_micro_batch",
-           "needs_plan", "plan", "tune_choice", "with_values"]
+__all__ = ["Candidate", "NothingFits", "Plan", "TraceCache", "auto_fields", "budget_bytes", "describe",
+           "fit_micro_batch", "needs_plan", "plan", "tune_choice", "with_values"]

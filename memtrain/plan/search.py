@@ -11,7 +11,8 @@ import functools
 import itertools
 import json
 import math
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,43 @@ class _Traced:
     points: dict[int, Any] = field(default_factory=dict)  # micro-batch -> candidates traced directly
 
 
-_TRACES: dict[str, _Traced] = {}
+class TraceCache:
+    """What a plan traces, kept for the searches it runs: traces keyed by the settings they depend
+    on (never the budget), and the length search's estimates keyed by settings and length.
+
+    Owned by whoever plans: :func:`memtrain.plan.planner.plan` makes one per call and hands it to
+    the length search and the search at the chosen length (the length search's last probe is the
+    leanest candidate of the search after it: traced once). Pass one to several calls to share
+    more (a benchmark planning one recipe for several budgets); a :class:`Search` made without one
+    keeps its own. At most ``limit`` entries of each kind, the least recently used dropped first.
+    """
+
+    def __init__(self, limit: int = 512) -> None:
+        self.limit = limit
+        self.traces: OrderedDict[str, _Traced] = OrderedDict()
+        self.estimates: OrderedDict[tuple[str, int], est.Estimate] = OrderedDict()
+
+    def trace(self, key: str, make: Callable[[], _Traced]) -> _Traced:
+        """The traces of ``key``, made by ``make`` the first time."""
+        return _kept(self.traces, key, make, self.limit)
+
+    def estimate(self, base: str, length: int, make: Callable[[], est.Estimate]) -> est.Estimate:
+        """The estimate of the settings ``base`` at ``length`` tokens, made by ``make`` the first time."""
+        return _kept(self.estimates, (base, length), make, self.limit)
+
+    def lengths(self, base: str) -> list[int]:
+        """The lengths estimated so far with the settings ``base``."""
+        return [n for key, n in self.estimates if key == base]
+
+
+def _kept(store: OrderedDict[Any, Any], key: Any, make: Callable[[], Any], limit: int) -> Any:
+    if key in store:
+        store.move_to_end(key)
+        return store[key]
+    store[key] = value = make()
+    while len(store) > limit:
+        store.popitem(last=False)
+    return value
 
 OFFLOADED = "memory.offload.activations"
 # the fields with no memory order under activation offload (Knob.unordered_offloaded)
@@ -75,7 +112,7 @@ class Search:
 
     def __init__(self, cfg: RunConfig, device: str, usable: int, fields: list[str] | None = None,
                  rows: Rows | None = None, host: HostBudget | None = None, alternatives: bool = True,
-                 exact_length: bool = False) -> None:
+                 exact_length: bool = False, cache: TraceCache | None = None) -> None:
         self.cfg, self.device, self.usable = cfg, device, usable
         # True: every trace runs every loop iteration (the estimator before issue 37; benchmarks)
         self.exact_length = exact_length
@@ -100,8 +137,8 @@ class Search:
         self.done: list[Candidate] = []
         self.pruned: list[Candidate] = []
         self._patch_errors: dict[str, str | None] = {}  # applicability of one technique value
-        self._traces = _TRACES  # shared by every search in this process: a trace depends only on
-        # the settings in its key, never on the budget
+        # the plan's traces (a trace depends only on the settings in its key, never on the budget)
+        self.cache = TraceCache() if cache is None else cache
 
     def candidates(self) -> Iterator[Candidate]:
         domains = [options(self.cfg, f, self.shape) for f in self.fields]
@@ -559,8 +596,8 @@ class Search:
 
     def estimate_of(self, micro: int, accumulation: int) -> est.Estimate:
         """The estimate of the recipe as given (no field ``auto``) at ``micro`` x ``accumulation``,
-        from the traces this search shares (:data:`_TRACES`): a later search that evaluates the same
-        settings reuses them (the length search's probe at the chosen length is the leanest
+        from the traces this search shares (:attr:`cache`): a later search with the same cache that
+        evaluates the same settings reuses them (the length search's probe at the chosen length is the leanest
         candidate of the search that follows it)."""
         return self._summary(self._traced(self.cfg, accumulation), micro, accumulation)
 
@@ -636,7 +673,8 @@ class Search:
                                                         "effective_batch_size"}})
         single = max(m for m, _ in self.batches) == 1  # micro-batch 1 only (a long context)
         key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{single}|{self.exact_length}"
-        if key not in self._traces:
+
+        def make() -> _Traced:
             # the traces' own micro-batches are 2 and 3; a GRPO recipe is valid only in whole groups
             micro = cfg.training.grpo_num_generations if cfg.training.objective == "grpo" else 1
             one = {"training.micro_batch_size": micro, "training.effective_batch_size": None,
@@ -644,12 +682,12 @@ class Search:
             plan = trace_setup(with_values(cfg, one), (), self.device, self.rows)
             if single:  # the linear model in the micro-batch is not needed: trace 1 alone
                 c1, counts1, _ = est.trace_candidates(plan, 1, plan.seq_len, False, self.exact_length)
-                self._traces[key] = _Traced(plan, None, None, counts1, counts1, {1: c1})
-                return self._traces[key]
+                return _Traced(plan, None, None, counts1, counts1, {1: c1})
             (c2, counts2, _), (c3, counts3, _) = est.trace_candidates_at(
                 plan, [(2, plan.seq_len), (3, plan.seq_len)], False, self.exact_length)
-            self._traces[key] = _Traced(plan, c2, c3, counts2, counts3)
-        return self._traces[key]
+            return _Traced(plan, c2, c3, counts2, counts3)
+
+        return self.cache.trace(key, make)
 
 
 def _patch_error(cfg: RunConfig, config: Any) -> str | None:

@@ -374,10 +374,12 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
                "memory": memory}
     # checkpointing and the chunked loss first, then every technique the plugin may choose
     # (apply.FIRST_FIELDS), then the same with the 8-bit optimizer: the fewest changes that fit
+    cache = planner.TraceCache()  # a setting two tiers both try is traced once
     for optimizer, auto in ((o, a) for o in optimizers for a in tiers):
         planned = planner.with_values(base, {**auto, "training.optimizer": optimizer})
         try:
-            decided = planner.plan(planned, int(total), rows=rows, alternatives=False)  # type: ignore[arg-type]
+            decided = planner.plan(planned, int(total), rows=rows, alternatives=False,  # type: ignore[arg-type]
+                                   cache=cache)
         except planner.NothingFits as err:
             failures.append((optimizer, err))
             continue

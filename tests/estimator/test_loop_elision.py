@@ -195,10 +195,8 @@ def test_length_search_solves_the_affine_model(tmp_path: Path, tiny_text_file: P
           for n in (5120, 5376)}
     usable = (at[5120] + at[5376]) // 2  # 5,120 tokens fit, 5,376 do not
     cfg = _cfg(tmp_path, tiny_text_file, "llama", "auto", memory)
-    length._ESTIMATES.clear()
     fast = length.longest_length(cfg, "cpu", usable)
     assert fast.chosen == 5120 and fast.probes[5376] > usable
-    length._ESTIMATES.clear()
     monkeypatch.setattr(length, "_solve", lambda *args: None)  # regula falsi alone
     falsi = length.longest_length(cfg, "cpu", usable)
     assert falsi.chosen == fast.chosen

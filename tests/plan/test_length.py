@@ -29,7 +29,6 @@ def _recipe(tmp_path: Path, corpus: Path, **memory: object) -> dict:
 def step(monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setattr(length, "LENGTH_STEP", STEP)
     monkeypatch.setattr(length, "FIRST_PROBE", STEP)
-    monkeypatch.setattr(length, "_ESTIMATES", {})  # no estimate from another test
     return STEP
 
 
@@ -154,3 +153,46 @@ def test_train_tokenizes_at_the_planned_length_and_says_how_many_examples_were_c
     assert f"4 of 16 training examples were cut at data.max_length={2 * step}" in caplog.text
     saved = load_recipe(str(result.output_dir / "recipe.yaml"))
     assert saved.data.max_length == 2 * step
+
+
+def test_a_plan_owns_its_traces(tmp_path: Path, tiny_text_file: Path, step: int,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan traces into the cache it is given: planning again with that cache traces nothing
+    (the length search's probes and the search after it), a plan with its own cache traces
+    everything again (nothing is kept in the process), and the length search's last probe is the
+    search's leanest candidate, traced once. Planted: a module-level cache -> the third plan
+    traces nothing; plan() not handing its cache to the length search -> the second plan traces."""
+    from memtrain.estimator import estimate as est
+    from memtrain.plan.search import TraceCache
+
+    cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full", loss="auto"))
+    lean = {"memory.loss": "chunked"}
+    budget = int((_total(cfg, 3 * step, **lean) + _total(cfg, 4 * step, **lean)) / 2 / 0.9)
+    calls: list[tuple[str, int]] = []
+    traces = est.trace_candidates_at  # every trace of a search goes through it
+
+    def at(plan: object, points: object, *args: object) -> object:
+        calls.append((plan.cfg.memory.loss, plan.seq_len))  # type: ignore[attr-defined]
+        return traces(plan, points, *args)
+
+    monkeypatch.setattr(est, "trace_candidates_at", at)
+    cache = TraceCache()
+    first = planner.plan(cfg, budget, device="cpu", cache=cache)
+    traced = list(calls)
+    assert len(set(traced)) == len(traced), traced  # nothing traced twice, the leanest at 3 steps included
+    assert ("chunked", 3 * step) in traced
+    assert planner.plan(cfg, budget, device="cpu", cache=cache).settings() == first.settings()
+    assert calls == traced  # all from the cache
+    assert planner.plan(cfg, budget, device="cpu").settings() == first.settings()
+    assert calls[len(traced):] == traced  # its own cache: the same traces again
+
+
+def test_the_trace_cache_drops_the_least_recently_used() -> None:
+    from memtrain.plan.search import TraceCache
+
+    cache, made = TraceCache(limit=2), []
+    make = lambda name: lambda: made.append(name) or name  # noqa: E731
+    for name in ("a", "b", "a", "c", "a", "b"):
+        cache.estimate("settings", ord(name), make(name))
+    assert made == ["a", "b", "c", "b"]  # "a" was used last when "c" came: "b" went
+    assert sorted(cache.lengths("settings")) == [ord("a"), ord("b")]

@@ -16,7 +16,7 @@ from conftest import causal_recipe
 
 from memtrain.config import load_recipe
 from memtrain.plan import costmodel
-from memtrain.plan.search import Search
+from memtrain.plan.search import Search, TraceCache
 
 FIELDS = {"checkpointing": "auto", "tiled_mlp": "auto", "lean_norm": "auto",
           "offload": {"activations": "auto"}, "loss": "auto"}
@@ -48,9 +48,10 @@ def test_the_bound_is_at_most_the_prediction(tmp_path: Path, tiny_text_file: Pat
                            training={"micro_batch_size": 1, "gradient_accumulation": 1},
                            memory={"tiled_mlp_tile_tokens": 32, **fields})
     cfg = load_recipe(recipe)
+    cache = TraceCache()  # one cache for the four searches: each setting is traced once
     for term in ("matmul", "memory", "launch", "offload"):
         monkeypatch.setattr(costmodel, "rates", lambda device, term=term: _rates(term))
-        search = Search(cfg, "cuda", 2**40)  # traces are kept for the process: each runs once
+        search = Search(cfg, "cuda", 2**40, cache=cache)
         assert search.mlp_weights > 0
         checked = 0
         for cand in search.candidates():

@@ -300,7 +300,6 @@ def test_host_budget_pruning_keeps_the_choice(tmp_path: Path, corpus: Path,
     budget = int((lean.total_bytes + plain.total_bytes) / 2 / 0.9)  # only offloading fits the device
     runs = {}
     for pruned in (True, False):
-        search_mod._TRACES.clear()
         if not pruned:
             monkeypatch.setattr(search_mod.Search, "_host_short", lambda self, cand: False)
         evaluated: list[dict] = []

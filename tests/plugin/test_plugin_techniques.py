@@ -60,6 +60,12 @@ def test_the_plugins_choices_are_the_registrys() -> None:
             fixed["memory.offload.embeddings"]) == (True, True, "full", False)
     with pytest.raises(MemtrainError, match=r"memory=\{'offload.optimizer': ...\}` is not a setting"):
         planned_fields({"offload": {"optimizer": True}}, False, 0.1, False)
+    # a technique fixed off takes its size along (a tile size `auto` with the tiled MLP off was an
+    # invalid recipe: prepare_for_budget(memory={"tiled_mlp": False}) raised a ValueError)
+    off = planned_fields({"tiled_mlp": False, "loss": "standard"}, False, 0.1, False)
+    assert (off["memory.tiled_mlp_tile_tokens"], off["memory.loss_chunk_tokens"]) == (None, None)
+    sized = planned_fields({"tiled_mlp": False, "tiled_mlp_tile_tokens": 64}, False, 0.1, False)
+    assert sized["memory.tiled_mlp_tile_tokens"] == 64  # fixed by the user: kept (the recipe says why not)
 
 
 def test_forced_techniques_are_applied_in_stage_order_and_the_step_holds_the_prediction(
