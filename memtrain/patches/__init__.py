@@ -64,6 +64,8 @@ class ModelShape:
 
 Options = Callable[["RunConfig", ModelShape], list[Any]]
 Rank = Callable[[Any, ModelShape], tuple[int, ...]]
+# device bytes a value keeps at least, for a recipe, a model and the rows of one micro-batch
+Floor = Callable[["RunConfig", ModelShape, Any, int], int]
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,12 @@ class Knob:
         unordered_offloaded: under activation offload its values have no memory order (the
             planner does not prune one by another there; ``memtrain.plan.search.Search.dominated``):
             what the technique keeps on the device is partly what offload would have moved.
+        floor: device bytes a value keeps at least, at one moment of any step, whatever the other
+            settings, from the recipe (its ``data.max_length`` rows), the model's shape and the
+            rows of a micro-batch (0: no floor); the planner rejects a candidate whose floor
+            exceeds the budget without tracing it (``memtrain.plan.search.Search.floor``). A floor
+            must hold for every model and library version the estimator traces:
+            tests/plan/test_floor.py checks each registered one against traced peaks.
         slower_when_leaner: its leaner values never make a step faster: each only adds work (a
             transfer, a recompute, more and smaller tiles) and lowers no cost term. A candidate
             that is leaner than one that fits only in such fields, with more memory techniques,
@@ -146,6 +154,7 @@ class Knob:
     lowers_cost: bool = False
     sizes: str = ""
     unordered_offloaded: bool = False
+    floor: Floor | None = None
     slower_when_leaner: bool = False
     unordered_time_offloaded: bool = False
 

@@ -234,11 +234,25 @@ def apply(model: nn.Module, config: Config | int | None = None) -> nn.Module:
     return model
 
 
+def standard_loss_floor(cfg: RunConfig, shape: ModelShape, value: Any, micro: int) -> int:
+    """Device bytes the standard loss keeps at least for ``micro`` rows of ``data.max_length``
+    tokens in a causal LM's SFT step: two float32 tensors of every position's logits at once.
+    transformers' causal-LM loss upcasts the logits (``logits.float()``: a copy, unless the head
+    already returns float32) and cross-entropy's ``log_softmax`` writes its float32 output while
+    reading them: 8 bytes per position and vocabulary entry, one position per row short (the last
+    predicts nothing), whatever checkpointing or offload does around it. (The head's own bf16
+    logits are left out: a head in float32 has none.) 0 for the chunked loss, and for other tasks
+    and objectives (DPO's and GRPO's losses are TRL's, over the completion's tokens)."""
+    if value != "standard" or cfg.model.task != "causal-lm" or cfg.training.objective != "sft":
+        return 0
+    return micro * (int(cfg.data.max_length) - 1) * shape.vocab * 8
+
+
 KNOBS = (
     # DPO's loss is TRL's tiled log-prob head, not the model's loss
     Knob("memory.loss", lambda cfg, shape: (["standard", "chunked"] if cfg.model.task == "causal-lm"
                                             and cfg.training.objective == "sft" else ["standard"]),
-         "standard", order=100, plugin=True, patches_model=True),
+         "standard", order=100, plugin=True, patches_model=True, floor=standard_loss_floor),
     # a size whose default (None) sits inside its memory order: a size other than the default counts
     # as one more technique, so ties keep the default. The cost model predicts the loss chunks equal
     # (same FLOPs); measured, a quarter of the rule's chunk took 1.07x the rule's step and one chunk

@@ -137,6 +137,8 @@ class Search:
         self.done: list[Candidate] = []
         self.pruned: list[Candidate] = []
         self._patch_errors: dict[str, str | None] = {}  # applicability of one technique value
+        self._floors: dict[str, tuple[int, str]] = {}
+        self.floored: list[Candidate] = []  # rejected by their floor, untraced (in `pruned` too)
         # the plan's traces (a trace depends only on the settings in its key, never on the budget)
         self.cache = TraceCache() if cache is None else cache
 
@@ -205,6 +207,7 @@ class Search:
                     continue
             judge(cand)
         if fastest is None:
+            self._smallest_traced()
             return None
         ties = [c for c in fits if self.time(c) <= self.time(fastest) * (1 + TIE)]
         best = min(ties, key=lambda c: (self.techniques(c), _gathers(c), c.peak, self.time(c)))
@@ -233,6 +236,14 @@ class Search:
         or (without alternatives) unable to change the choice."""
         if (why := self.inapplicable(cand)) is not None:  # before any ranking: true on any machine
             cand.reason = "not applicable to this model: " + why
+        elif self.floored_out(cand):
+            cand.micro, cand.accumulation = (self.batches_for(cand) or self.batches)[0]
+            cand.min_peak, path = self._floor(cand)
+            value = cand.values.get(path, recipe_value(self.cfg, path))
+            cand.reason = (f"does not fit: `{path}: {value}` alone keeps at least "
+                           f"{format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
+                           f"{format_bytes(self.usable)} usable (not traced)")
+            self.floored.append(cand)
         elif fastest is not None and bound > self.time(fastest) * (1 + TIE):
             cand.reason = (f"slower: at least {bound:.3g} {self.unit}, the fastest that fits needs "
                            f"{self.time(fastest):.3g} s")
@@ -272,7 +283,8 @@ class Search:
         for k, other in enumerate(cands):
             if k == i or k in seen or bound_of[k] > reach or not self.dominated(cands[i], other):
                 continue
-            if any(self.dominated(other, t) for t in too_big) or self.inapplicable(other) is not None:
+            if (any(self.dominated(other, t) for t in too_big) or self.inapplicable(other) is not None
+                    or self.floored_out(other)):
                 continue
             if self._outrun_by(other, fits) is not None:  # keeps no more than one that fits: fits
                 continue
@@ -305,7 +317,7 @@ class Search:
                 if k is None or k in judged or k in seen:  # ``seen``: judged by the main loop
                     continue
                 cand = cands[k]
-                if (self.inapplicable(cand) is not None
+                if (self.inapplicable(cand) is not None or self.floored_out(cand)  # cannot fit
                         or any(self.dominated(cand, t) for t in too_big)  # cannot fit
                         or any(self.dominated(cand, t, host=True) for t in host_big)
                         or any(self.dominated(f, cand) for f in fitting)  # fits: no pruning
@@ -444,6 +456,43 @@ class Search:
     def _host_short(self, cand: Candidate) -> bool:
         """``cand`` (evaluated, not fitting) fits the device but not the host budget."""
         return cand.min_peak <= self.usable and self.host is not None and not self.host.fits(cand.host)
+
+    def floor(self, cand: Candidate) -> int:
+        """Device bytes ``cand`` keeps at least at its smallest micro-batch, without a trace
+        (:func:`space.floor`: its knobs' ``floor``); 0 when the search plans for the data at hand
+        (``rows``: its rows may be shorter than ``data.max_length``)."""
+        return self._floor(cand)[0]
+
+    def _floor(self, cand: Candidate) -> tuple[int, str]:
+        key = json.dumps(cand.values, sort_keys=True, default=str)
+        if key not in self._floors:
+            micro = (self.batches_for(cand) or self.batches)[0][0]
+            try:
+                cfg = with_values(self.cfg, cand.values)
+            except (ValueError, MemtrainError):
+                cfg = None
+            none = cfg is None or self.rows is not None
+            self._floors[key] = (0, "") if none else space.floor(cfg, self.shape, micro)  # type: ignore[arg-type]
+        return self._floors[key]
+
+    def floored_out(self, cand: Candidate) -> bool:
+        """``cand``'s floor alone exceeds the usable budget: it does not fit, untraced."""
+        return self.floor(cand) > self.usable
+
+    def _smallest_traced(self) -> None:
+        """Where nothing fits, trace the candidates rejected by their floor that could still have
+        the smallest peak (their floor below every traced one's), so that the smallest peak the
+        planner reports (``NothingFits``) is an estimate, never a floor."""
+        for cand in sorted(self.floored, key=lambda c: c.min_peak):
+            smallest = min((c.min_peak for c in self.done if c.min_peak), default=math.inf)
+            if cand.min_peak >= smallest:
+                break
+            self.pruned.remove(cand)
+            try:
+                self.evaluate(cand)
+            except NoMatchError as err:
+                cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
+                self.pruned.append(cand)
 
     def lower_bound(self, cand: Candidate) -> float:
         """What :meth:`time` ranks ``cand`` by, at least: from the plain trace of its adapter and

@@ -159,6 +159,14 @@ def unordered_time_offloaded_fields() -> tuple[str, ...]:
     return tuple(k.path for k in patches.knobs() if k.unordered_time_offloaded)
 
 
+def floor(cfg: RunConfig, shape: ModelShape, micro: int) -> tuple[int, str]:
+    """Device bytes a step of ``cfg`` (every field decided) keeps at least at ``micro`` rows,
+    without a trace, and the field whose value keeps them: the largest of its knobs' floors
+    (``Knob.floor``; ``(0, "")`` where none has one)."""
+    return max(((k.floor(cfg, shape, recipe_value(cfg, k.path), micro), k.path) for k in patches.knobs()
+                if k.floor is not None), default=(0, ""))
+
+
 def patched_fields() -> tuple[str, ...]:
     """The fields whose techniques patch the model, so whose applicability a fake model shows
     before any trace."""

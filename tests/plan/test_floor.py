@@ -1,0 +1,98 @@
+"""Floors (``Knob.floor``): device bytes a setting keeps at least, known without a trace.
+
+The planner rejects a candidate whose floor exceeds the budget without tracing it
+(:meth:`memtrain.plan.search.Search.floor`), so a floor must never exceed the traced peak: checked
+here for every registered floor on unlike families and dtypes, with the techniques around it on and
+off. The only floor so far is the standard loss's (two float32 copies of every position's logits:
+:func:`memtrain.patches.chunked_loss.standard_loss_floor`).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from conftest import TINY_CONFIGS, causal_recipe
+
+from memtrain import patches
+from memtrain.config import load_recipe
+from memtrain.estimator.estimate import estimate
+from memtrain.plan import planner, space
+from memtrain.plan.search import Search
+
+GEMMA = {"model_type": "gemma", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 30522,
+         "max_position_embeddings": 256}
+
+
+def _cfg(tmp_path: Path, corpus: Path, arch: str, **sections: object) -> object:
+    recipe = causal_recipe(tmp_path, corpus, "llama", **sections)
+    recipe["model"]["from_config"] = copy.deepcopy(GEMMA if arch == "gemma" else TINY_CONFIGS[arch])
+    return load_recipe(recipe)
+
+
+def test_every_floor_is_registered_where_the_planner_reads_it() -> None:
+    floors = [k.path for k in patches.knobs() if k.floor is not None]
+    assert floors == ["memory.loss"]
+
+
+@pytest.mark.parametrize(("arch", "dtype", "memory"), [
+    ("llama", "bf16", {"checkpointing": "none"}),
+    ("llama", "fp32", {"checkpointing": "full", "offload": {"activations": True, "min_tensor_bytes": 1024}}),
+    ("qwen2", "bf16", {"checkpointing": "full", "lean_norm": True, "tiled_mlp": True}),
+    ("gemma", "bf16", {"checkpointing": "none", "offload": {"activations": True, "min_tensor_bytes": 1024}}),
+    ("gpt2", "fp32", {"checkpointing": "full"}),
+])
+def test_the_standard_loss_floor_is_at_most_the_traced_peak(tmp_path: Path, tiny_text_file: Path, arch: str,
+                                                            dtype: str, memory: dict) -> None:
+    """At most the traced tensor peak (on fake CUDA, as a GPU plan traces it), and not vacuous: the
+    logits dominate these models (hidden 64, vocabulary 30,522), and the floor is more than half the
+    peak. Planted: 16 bytes per logit (a third copy counted) -> above the peak in every case."""
+    cfg = _cfg(tmp_path, tiny_text_file, arch, data={"max_length": 256},
+               model={"dtype": dtype},
+               training={"micro_batch_size": 2, "gradient_accumulation": 1},
+               memory={"loss": "standard", **memory})
+    traced = estimate(cfg, device="cuda")
+    floor, path = space.floor(cfg, space.model_shape(cfg), 2)
+    assert path == "memory.loss"
+    assert 0.5 * traced.peak_bytes < floor <= traced.peak_bytes, (floor, traced.peak_bytes)
+    chunked = planner.with_values(cfg, {"memory.loss": "chunked"})
+    assert space.floor(chunked, space.model_shape(chunked), 2)[0] == 0
+
+
+def test_the_planner_rejects_what_its_floor_rules_out_untraced_and_chooses_the_same(
+        tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget the standard loss cannot fit: the standard-loss candidates are rejected with their
+    floor, none traced, and the plan is the one found by tracing them. Where nothing fits at all,
+    the smallest peak reported is a traced one, never a floor. Planted: the floor check skipped in
+    the search -> standard-loss candidates traced; the rejection not naming the field -> fails."""
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", data={"max_length": 256},
+               training={"micro_batch_size": 1, "gradient_accumulation": 1, "effective_batch_size": 1},
+               memory={"loss": "auto", "loss_chunk_tokens": 32, "checkpointing": "auto"})
+    standard = planner.with_values(cfg, {"memory.loss": "standard", "memory.checkpointing": "full"})
+    budget = int(space.floor(standard, space.model_shape(standard), 1)[0] * 0.95 / 0.9)
+    traced: list[dict] = []
+    evaluate = Search.evaluate
+
+    def counted(self: Search, cand: object) -> None:
+        traced.append(dict(cand.values))  # type: ignore[attr-defined]
+        evaluate(self, cand)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Search, "evaluate", counted)
+    decided = planner.plan(cfg, budget, device="cpu")
+    assert decided.chosen.values["memory.loss"] == "chunked"
+    assert not any(v["memory.loss"] == "standard" for v in traced), traced
+    floored = [c for c in decided.rejected if c.values["memory.loss"] == "standard"]
+    assert floored and all("`memory.loss: standard` alone keeps at least" in c.reason for c in floored)
+    monkeypatch.setattr(space, "floor", lambda *args: (0, ""))  # no floors: every candidate traced
+    assert planner.plan(cfg, budget, device="cpu").chosen.values == decided.chosen.values
+
+    fixed = planner.with_values(cfg, {"memory.loss": "standard"})  # the recipe's own loss is floored
+    monkeypatch.undo()
+    with pytest.raises(planner.NothingFits) as err:
+        planner.plan(fixed, budget, device="cpu")
+    smallest = err.value.smallest
+    assert smallest is not None and "not traced" not in smallest.reason
+    traced_peak = estimate(planner.with_values(fixed, smallest.values), device="cpu").total_bytes
+    assert smallest.min_peak == traced_peak
