@@ -252,13 +252,21 @@ def _add(technique: Technique) -> None:
     if clash := paths & {k.path for k in technique.knobs}:
         raise ValueError(f"technique {technique.name!r}: {sorted(clash)} already registered")
     _REGISTRY[technique.name] = technique
+    _KNOBS.clear()
+
+
+_LOADED: list[bool] = []  # the package's modules were all imported once (a listing costs ~1 ms)
+_KNOBS: dict[str, Knob] = {}  # path -> knob, rebuilt after a registration
 
 
 def _load_all() -> None:
     """Import every module of this package: each registers its patch on import."""
+    if _LOADED:
+        return
     for info in pkgutil.iter_modules(__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{__name__}.{info.name}")
+    _LOADED.append(True)
 
 
 def techniques() -> list[Technique]:
@@ -308,9 +316,10 @@ def knob(path: str) -> Knob:
     Raises:
         KeyError: no technique registers ``path``.
     """
-    for k in knobs():
-        if k.path == path:
-            return k
+    if not _KNOBS:
+        _KNOBS.update((k.path, k) for k in knobs())
+    if path in _KNOBS:
+        return _KNOBS[path]
     raise KeyError(f"no registered technique decides {path!r}")
 
 
