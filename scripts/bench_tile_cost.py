@@ -6,7 +6,7 @@
 ``memory.tiled_mlp_tile_tokens: auto`` (issue 27) lets the planner shrink the MLP's tiles to
 ``hidden_size / 4`` or ``/ 16`` tokens when only they fit; each tile dequantizes the 4-bit MLP
 weights again in forward, recompute and backward, which the cost model charges
-(:func:`memtrain.plan.costmodel.tiled_dequantized`). This measures that cost on this CPU: a
+(:func:`memtrain.patches.tiled_mlp.tiled_dequantized`). This measures that cost on this CPU: a
 Llama-shaped QLoRA model (nf4 base, LoRA r 8, full checkpointing, chunked loss, the tiled MLP)
 built as ``memtrain train`` builds it, trained one row at each tile size, median step time over
 interleaved rounds (one intra-op thread; see scripts/bench_lean_norm.py), beside the step time the

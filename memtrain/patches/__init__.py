@@ -69,6 +69,39 @@ Floor = Callable[["RunConfig", ModelShape, Any, int], int]
 
 
 @dataclass(frozen=True)
+class CostInputs:
+    """What a knob's step-time cost hook (``Knob.cost``) reads about one candidate's micro-batch
+    (``memtrain.plan.search``: the planner's prediction of a step, and its lower bound)."""
+
+    cfg: RunConfig  # the recipe with the candidate's values: every field decided
+    shape: ModelShape
+    micro: int  # rows per micro-batch, each ``data.max_length`` tokens
+    parameters: int  # every parameter of the model (4-bit ones at their logical size)
+    trainable: int
+    mlp_weights: Callable[[], int]  # elements of every MLP projection of the model (0: none to tile)
+    layer_forward_flops: float  # the trace's forward FLOPs inside the decoder layers, per micro-batch
+    # a lower bound: the recipe its trace ran, whose techniques' work the trace counts already
+    # (a hook adds the work its technique adds to that trace); None: the candidate's own trace
+    traced: RunConfig | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.micro * int(self.cfg.data.max_length)
+
+    @property
+    def element(self) -> int:
+        """Bytes of a parameter element (the model's dtype)."""
+        return 2 if self.cfg.model.dtype in ("bf16", "fp16") else 4
+
+
+# The step-time terms a value adds (``memtrain.plan.costmodel.step_seconds``' arguments, and
+# ``extra_flops``: matmul FLOPs a lower bound's trace did not run), from a candidate's inputs
+Cost = Callable[[CostInputs, Any], dict[str, float]]
+COST_TERMS = ("extra_flops", "recompute_passes", "quantized_elements", "extra_dequantized",
+              "embedding_bytes", "optimizer_offloaded")
+
+
+@dataclass(frozen=True)
 class Doc:
     """A technique's row in the README's table and docs/RECIPES.md (``scripts/gen_docs.py``)."""
 
@@ -103,8 +136,10 @@ class Knob:
             the plain trace of a candidate.
         technique: a value other than ``off`` counts as one memory technique in the planner's tie
             rule (LoRA vs full fine-tuning does not).
-        cost: its step-time cost hook, by name (``memtrain.plan.costmodel``), or "" when the FLOP
-            count of the trace already says it.
+        cost: its step-time cost hook (:data:`Cost`): the terms its value adds to the cost
+            model's step (:data:`COST_TERMS`), or None where the trace's counts already say it
+            (the optimizer's rate is read by its name; activation offload's transfers are the
+            estimate's host bytes).
         to_host: a value other than ``off`` moves device bytes to the host, so the memory order
             is reversed on the host (an offload). Every other knob's leaner values keep no more on
             the host either (fewer saved activations offload fewer bytes), which lets the planner
@@ -149,7 +184,7 @@ class Knob:
     needs_value: bool = True
     base: bool = False
     technique: bool = True
-    cost: str = ""
+    cost: Cost | None = None
     to_host: bool = False
     lowers_cost: bool = False
     sizes: str = ""

@@ -47,6 +47,7 @@ from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
 from memtrain.patches import (
     CHECKPOINTING,
+    CostInputs,
     Doc,
     Knob,
     ModelShape,
@@ -310,9 +311,28 @@ def _rank(value: Any, shape: ModelShape) -> tuple[int, ...]:
     return {"none": (0, 0), "selective": (1, -1), "full": (1, 1)}.get(value, (0, 1))
 
 
+def recompute_passes(value: Any, depth: int) -> float:
+    """Extra forward passes over the decoder layers' weights per micro-batch that checkpointing
+    ``value`` recomputes (0 to 1: ``n`` layers of ``depth`` recompute n/depth of one pass; the
+    selective checkpoint recomputes only cheap ops, counted by the trace itself)."""
+    if value == "full":
+        return 1.0
+    return min(1.0, value / max(1, depth)) if isinstance(value, int) and not isinstance(value, bool) else 0.0
+
+
+def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
+    """The recompute: each checkpointed layer's forward once more (the passes dequantize 4-bit
+    weights too); a lower bound traced without checkpointing adds its FLOPs."""
+    passes = recompute_passes(value, inputs.shape.depth)
+    terms = {"recompute_passes": passes}
+    if passes and inputs.traced is not None and inputs.traced.memory.checkpointing == "none":
+        terms["extra_flops"] = inputs.layer_forward_flops * passes
+    return terms
+
+
 KNOBS = (Knob("memory.checkpointing",
               lambda cfg, shape: ["none", "selective", max(1, shape.depth // 2), "full"], "none",
-              order=40, rank=_rank, plugin=True, patches_model=True, cost="recompute",
+              order=40, rank=_rank, plugin=True, patches_model=True, cost=_cost,
               # under offload: without checkpointing every saved activation leaves the device, where
               # a selective checkpoint's region boundaries stay on it (Llama-3.1-8B at 131,072
               # tokens: 15.1 GiB without checkpointing, 226.9 GiB selective)

@@ -40,6 +40,7 @@ from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host
 from memtrain.patches import (
     OFFLOAD,
+    CostInputs,
     Doc,
     Knob,
     NoMatchError,
@@ -153,8 +154,13 @@ def undo(model: nn.Module) -> nn.Module:
 # the frozen input table on the host (one process: FSDP2 shards it instead); the looked-up rows
 # cross to the device once per micro-batch. The plugin may choose it: `model.to()` (the Trainer's
 # placement) leaves the table on the host.
+def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
+    """The looked-up rows: gathered on the host, copied to the device, once per micro-batch."""
+    return {"embedding_bytes": inputs.tokens * inputs.shape.hidden * inputs.element} if value else {}
+
+
 KNOBS = (Knob(FIELD, one_process(False, True), False, order=70, plugin=True, patches_model=True,
-              cost="embedding_bytes", to_host=True, slower_when_leaner=True),)
+              cost=_cost, to_host=True, slower_when_leaner=True),)
 DOC = Doc("embedding offload", f"`{FIELD}: true`",
           "the frozen input embedding table in host memory; its looked-up rows cross each micro-batch",
           "[embedding_offload.md](docs/bench/embedding_offload.md)")

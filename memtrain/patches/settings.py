@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtrain.patches import Doc, Knob, ModelShape, fixed, one_process, register_setting
+from memtrain.patches import CostInputs, Doc, Knob, ModelShape, fixed, one_process, register_setting
 
 
 def _sharding_rank(value: Any, shape: ModelShape) -> tuple[int, ...]:
@@ -27,16 +27,29 @@ def _none(cfg: Any, shape: ModelShape) -> list[Any]:
     return []  # decided by auto-fit among the valid pairs (memtrain.plan.space.batches)
 
 
+def _dequantization(inputs: CostInputs, value: Any) -> dict[str, float]:
+    """The frozen weights' 4-bit dequantization on every pass (about 90% of a model's frozen
+    parameters are in the quantized linears: the embeddings, norms and head are not)."""
+    if value in ("none", "auto"):
+        return {}
+    return {"quantized_elements": int((inputs.parameters - inputs.trainable) * 0.9)}
+
+
+def _optimizer_offloaded(inputs: CostInputs, value: Any) -> dict[str, float]:
+    """The optimizer steps on the host: at the host's rates, gradients down and weights up."""
+    return {"optimizer_offloaded": 1.0} if value else {}
+
+
 # plugin=False: a user's model arrives loaded; the plugin describes its quantization, cannot change it
 register_setting("quantization", "model.quantization", (
     Knob("model.quantization", fixed("none", "nf4"), "none", order=10, exact=False, base=True,
-         cost="dequantization"),
+         cost=_dequantization),
 ), Doc("quantized base weights (bitsandbytes; QLoRA with LoRA)", "`model.quantization: nf4`",
        "frozen base weights to 4 (or 8) bits; dequantized per matmul", "[techniques](docs/techniques.md)"))
 
 register_setting("optimizer", "training.optimizer", (
-    Knob("training.optimizer", fixed("adamw", "adamw_8bit"), "adamw", order=30, exact=False, plugin=True,
-         cost="optimizer"),
+    # its cost: the optimizer's own rate per parameter, read by its name (costmodel.step_seconds)
+    Knob("training.optimizer", fixed("adamw", "adamw_8bit"), "adamw", order=30, exact=False, plugin=True),
 ), Doc("8-bit / paged optimizers", "`training.optimizer: adamw_8bit`", "optimizer state to 8 bits",
        "[estimate.md](docs/bench/estimate.md)"))
 
@@ -49,7 +62,7 @@ register_setting("batch", "training.micro_batch_size", (
 # plugin=False: memtrain's Trainer builds the offloaded optimizer (trainer/build.py, create_optimizer);
 # a user's Trainer builds its own from `optim`, which has no such choice
 register_setting("optimizer_offload", "memory.offload.optimizer", (
-    Knob("memory.offload.optimizer", one_process(False, True), False, order=60, cost="optimizer_offloaded",
+    Knob("memory.offload.optimizer", one_process(False, True), False, order=60, cost=_optimizer_offloaded,
          to_host=True),
 ), Doc("optimizer offload", "`memory.offload.optimizer: true`",
        "optimizer state and step on the host; transfers each step (on a CPU-only machine the same RAM)",

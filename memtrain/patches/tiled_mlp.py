@@ -62,9 +62,19 @@ from torch.autograd.function import once_differentiable
 from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
 from memtrain.memory import loops
-from memtrain.patches import TILING, Doc, Knob, ModelShape, NoMatchError, fixed, register, undo_records
+from memtrain.patches import (
+    TILING,
+    CostInputs,
+    Doc,
+    Knob,
+    ModelShape,
+    NoMatchError,
+    fixed,
+    register,
+    undo_records,
+)
 from memtrain.patches._targets import block_lists
-from memtrain.patches.checkpointing import never_saved, wrap_each
+from memtrain.patches.checkpointing import never_saved, recompute_passes, wrap_each
 
 _MARK = "__memtrain_tiled_mlp__"
 _ACTIVATIONS = frozenset({"act", "act_fn", "activation_fn", "activation", "dropout"})
@@ -371,10 +381,45 @@ def undo(model: nn.Module) -> nn.Module:
     return undo_records(model, "tiled_mlp")
 
 
+def tiled_dequantized(weights: int, hidden: int, tokens: int, tiles: int | None, tile_tokens: int | None,
+                      recompute_passes: float) -> int:
+    """4-bit MLP weight elements the tiled MLP dequantizes beyond the untiled passes, for one
+    micro-batch of ``tokens`` tokens: each tile runs the MLP in forward, in the layer's recompute
+    and twice in backward (its recompute with grad, then the backward), where the untiled MLP
+    dequantizes once per pass (``memtrain.plan.costmodel.step_seconds``' ``extra_dequantized``).
+    ``weights``: the elements of every MLP's projections (:func:`mlp_weights`)."""
+    count = tiles or math.ceil(tokens / max(1, int(tile_tokens or hidden or tokens)))
+    return int(weights * max(0.0, count * (3 + recompute_passes) - (2 + recompute_passes)))
+
+
+def tiled_recompute_flops(weights: int, tokens: int) -> float:
+    """Matmul FLOPs the tiled MLP adds to a micro-batch of ``tokens`` tokens, at least: each tile's
+    forward runs once more in backward (its Function keeps only the input), checkpointed or not,
+    so one more forward of every MLP projection (``weights`` elements, 2 FLOPs each per token).
+    A trace without the tiling does not see them; the planner's lower bound adds them."""
+    return 2.0 * weights * tokens
+
+
+def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
+    """The 4-bit weights dequantized once per tile and pass; a lower bound traced without the
+    tiling adds each tile's second forward."""
+    if value is not True:
+        return {}
+    cfg, terms = inputs.cfg, {}
+    if cfg.model.quantization not in ("none", "auto"):
+        passes = recompute_passes(cfg.memory.checkpointing, inputs.shape.depth)
+        terms["extra_dequantized"] = float(tiled_dequantized(
+            inputs.mlp_weights(), inputs.shape.hidden, inputs.tokens, cfg.memory.tiled_mlp_tiles,
+            cfg.memory.tiled_mlp_tile_tokens, passes))
+    if inputs.traced is not None and inputs.traced.memory.tiled_mlp is not True:
+        terms["extra_flops"] = tiled_recompute_flops(inputs.mlp_weights(), inputs.tokens)
+    return terms
+
+
 KNOBS = (
     # keeps only each MLP's input; one more MLP forward (4-bit weights dequantized once per tile)
     Knob("memory.tiled_mlp", fixed(False, True), False, order=130, plugin=True, patches_model=True,
-         cost="tiled_dequantized", slower_when_leaner=True, unordered_time_offloaded=True),
+         cost=_cost, slower_when_leaner=True, unordered_time_offloaded=True),
     # smaller tiles: more launches and dequantizations for the same work
     Knob("memory.tiled_mlp_tile_tokens", lambda cfg, shape: [None, *tile_ladder(shape.hidden)], None,
          order=140, rank=tile_rank, plugin=True, sizes="memory.tiled_mlp", slower_when_leaner=True),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,25 +145,6 @@ def step_seconds(work: Work, *, micro_batches: int, rates: Rates, dtype: str, op
     parts = {k: v * micro_batches for k, v in parts.items()}
     parts["optimizer"] = opt + transfer
     return StepCost(sum(parts.values()), parts)
-
-
-def tiled_dequantized(weights: int, hidden: int, tokens: int, tiles: int | None, tile_tokens: int | None,
-                      recompute_passes: float) -> int:
-    """4-bit MLP weight elements the tiled MLP dequantizes beyond the untiled passes, for one
-    micro-batch of ``tokens`` tokens: each tile runs the MLP in forward, in the layer's recompute
-    and twice in backward (its recompute with grad, then the backward), where the untiled MLP
-    dequantizes once per pass (:func:`step_seconds`' ``extra_dequantized``). ``weights``: the
-    elements of every MLP's projections (:func:`memtrain.patches.tiled_mlp.mlp_weights`)."""
-    count = tiles or math.ceil(tokens / max(1, int(tile_tokens or hidden or tokens)))
-    return int(weights * max(0.0, count * (3 + recompute_passes) - (2 + recompute_passes)))
-
-
-def tiled_recompute_flops(weights: int, tokens: int) -> float:
-    """Matmul FLOPs the tiled MLP adds to a micro-batch of ``tokens`` tokens, at least: each tile's
-    forward runs once more in backward (its Function keeps only the input), checkpointed or not,
-    so one more forward of every MLP projection (``weights`` elements, 2 FLOPs each per token).
-    A trace without the tiling does not see them; the planner's lower bound adds them."""
-    return 2.0 * weights * tokens
 
 
 def work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:

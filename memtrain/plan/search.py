@@ -25,7 +25,7 @@ from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.grpo import generation_phase
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
-from memtrain.patches import ModelShape, NoMatchError, tiled_mlp
+from memtrain.patches import CostInputs, ModelShape, NoMatchError, tiled_mlp
 from memtrain.plan import costmodel, space
 from memtrain.plan.space import IN_BACKWARD, Candidate, auto_fields, batches, options, rank, with_values
 from memtrain.reliability.budget import HostBudget
@@ -138,6 +138,7 @@ class Search:
         self.pruned: list[Candidate] = []
         self._patch_errors: dict[str, str | None] = {}  # applicability of one technique value
         self._floors: dict[str, tuple[int, str]] = {}
+        self._cfgs: dict[str, RunConfig] = {}
         self.floored: list[Candidate] = []  # rejected by their floor, untraced (in `pruned` too)
         # the plan's traces (a trace depends only on the settings in its key, never on the budget)
         self.cache = TraceCache() if cache is None else cache
@@ -384,7 +385,7 @@ class Search:
             if not self.fits(summary):
                 continue
             work = costmodel.work_at(traced.counts2.work, traced.counts3.work, micro)
-            cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary, micro)
+            cost = self._cost(cfg, work, traced.counts2, accumulation, summary, micro)
             out.append(dataclasses.replace(cand, micro=micro, accumulation=accumulation, reason="",
                                            peak=summary.total_bytes, host=summary.host_peak_bytes,
                                            seconds=cost.seconds, parts=cost.parts))
@@ -508,19 +509,12 @@ class Search:
             traced = self._traced(cfg, held)
         except NoMatchError:  # e.g. a lean norm on a model without RMSNorm: `inapplicable` prunes it
             return 0.0
-        get = lambda path: cand.values.get(path, recipe_value(self.cfg, path))  # noqa: E731
-        ckpt = get("memory.checkpointing")
         micro, accumulation = batches[-1]  # a step, or an example, costs least there
         work = costmodel.work_at(traced.counts2.work, traced.counts3.work, micro)
-        flops = work.flops
-        # what the candidate adds to the bound's trace (where the recipe fixes a technique, that
-        # trace has it already)
-        if (ckpt == "full" or isinstance(ckpt, int)) and cfg.memory.checkpointing == "none":
-            flops += work.layer_forward_flops * (1.0 if ckpt == "full" else min(1.0, ckpt / self.depth))
-        if get("memory.tiled_mlp") is True and cfg.memory.tiled_mlp is not True:  # each tile's forward
-            flops += costmodel.tiled_recompute_flops(self.mlp_weights, micro * int(cfg.data.max_length))
-        work = Work(1, flops, work.ops, work.written, work.optimizer_ops)
-        seconds = self._cost(cfg, cand.values, work, traced.counts2, accumulation, None, micro).seconds
+        # what the candidate's techniques add to the bound's trace (each knob's cost hook; where the
+        # recipe fixes a technique, that trace has its work already)
+        cost = self._cost(self._cfg(cand), work, traced.counts2, accumulation, None, micro, traced=cfg)
+        seconds = cost.seconds
         return seconds / (micro * accumulation) if self.per_example else seconds
 
     @functools.cached_property
@@ -639,7 +633,7 @@ class Search:
         smallest = 2 if first == 1 and micro > 1 else first
         cand.min_peak = self._summary(traced, smallest, dict(batches).get(smallest, accumulation)).total_bytes
         work = costmodel.work_at(traced.counts2.work, traced.counts3.work, micro)
-        cost = self._cost(cfg, cand.values, work, traced.counts2, accumulation, summary, micro)
+        cost = self._cost(cfg, work, traced.counts2, accumulation, summary, micro)
         cand.seconds, cand.parts = cost.seconds, cost.parts
         self.done.append(cand)
 
@@ -686,33 +680,35 @@ class Search:
                                    total_bytes=summary.total_bytes + more,
                                    by_phase={**summary.by_phase, "generation": generation.peak_bytes})
 
-    def _cost(self, cfg: RunConfig, values: dict[str, Any], work: Work, counts: est.Counts,
-              accumulation: int, summary: est.Estimate | None, micro: int) -> costmodel.StepCost:
-        """Step time; ``summary`` (None: a lower bound) gives the bytes moved to the host and back
-        per micro-batch: its host peak less what stays there all step (weights, state)."""
-        get = lambda path: values.get(path, recipe_value(self.cfg, path))  # noqa: E731
+    def _cost(self, cfg: RunConfig, work: Work, counts: est.Counts, accumulation: int,
+              summary: est.Estimate | None, micro: int,
+              traced: RunConfig | None = None) -> costmodel.StepCost:
+        """Step time of the candidate recipe ``cfg`` at ``micro`` from ``work`` (its trace's, or with
+        ``traced``, a lower bound's trace of that recipe); each technique adds its terms (its
+        knob's cost hook: :func:`space.cost_terms`). ``summary`` (None: a lower bound) gives the
+        bytes activation offload moves to the host and back per micro-batch: its host peak less
+        what stays there all step (weights, state)."""
         offloaded = summary.host_peak_bytes - summary.host_resident_bytes if summary is not None else 0
-        element = 2 if cfg.model.dtype in ("bf16", "fp16") else 4
-        # offloaded embeddings: the looked-up rows cross to the device once per micro-batch
-        rows = micro * cfg.data.max_length * self.hidden * element if get("memory.offload.embeddings") else 0
-        quantized = get("model.quantization") not in ("none", "auto")
-        ckpt = get("memory.checkpointing")
-        passes = 1.0 if ckpt == "full" else (min(1.0, ckpt / self.depth) if isinstance(ckpt, int) else 0.0)
-        frozen = counts.parameters - counts.trainable
-        opt_off = bool(get("memory.offload.optimizer"))
-        # the tiled MLP dequantizes its 4-bit weights once per tile and pass: the candidate's tiles,
-        # also in a lower bound (from a trace without them), where they can cost more than the rest
-        tiled = (costmodel.tiled_dequantized(self.mlp_weights, self.hidden, micro * int(cfg.data.max_length),
-                                             get("memory.tiled_mlp_tiles"),
-                                             get("memory.tiled_mlp_tile_tokens"), passes)
-                 if quantized and get("memory.tiled_mlp") is True else 0)
+        inputs = CostInputs(cfg, self.shape, micro, counts.parameters, counts.trainable,
+                            lambda: self.mlp_weights, work.layer_forward_flops, traced)
+        terms = space.cost_terms(inputs)
+        if terms["extra_flops"]:
+            work = Work(1, work.flops + terms["extra_flops"], work.ops, work.written, work.optimizer_ops)
+        opt_off = bool(terms["optimizer_offloaded"])
         return costmodel.step_seconds(
             work, micro_batches=accumulation, rates=self.rates, dtype=cfg.model.dtype,
-            optimizer=str(get("training.optimizer")), trainable=counts.trainable,
-            quantized_elements=int(frozen * 0.9) if quantized else 0, recompute_passes=passes,
+            optimizer=str(cfg.training.optimizer), trainable=counts.trainable,
+            quantized_elements=int(terms["quantized_elements"]), recompute_passes=terms["recompute_passes"],
             offloaded_bytes=offloaded, optimizer_offloaded=opt_off,
-            optimizer_rates=self.host_rates if opt_off else None, parameter_bytes=element,
-            embedding_bytes=rows, extra_dequantized=tiled)
+            optimizer_rates=self.host_rates if opt_off else None, parameter_bytes=inputs.element,
+            embedding_bytes=int(terms["embedding_bytes"]), extra_dequantized=int(terms["extra_dequantized"]))
+
+    def _cfg(self, cand: Candidate) -> RunConfig:
+        """The recipe with ``cand``'s values (cached per candidate: a pydantic validation each)."""
+        key = json.dumps(cand.values, sort_keys=True, default=str)
+        if key not in self._cfgs:
+            self._cfgs[key] = with_values(self.cfg, cand.values)
+        return self._cfgs[key]
 
     def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
         """Candidates and counts at micro-batch 2 and 3, or 1 alone when the search allows no other

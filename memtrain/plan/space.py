@@ -167,6 +167,17 @@ def floor(cfg: RunConfig, shape: ModelShape, micro: int) -> tuple[int, str]:
                 if k.floor is not None), default=(0, ""))
 
 
+def cost_terms(inputs: patches.CostInputs) -> dict[str, float]:
+    """The step-time terms the candidate's values add (each knob's ``cost`` hook, summed per term;
+    :data:`memtrain.patches.COST_TERMS`)."""
+    terms = dict.fromkeys(patches.COST_TERMS, 0.0)
+    for k in patches.knobs():
+        if k.cost is not None:
+            for name, value in k.cost(inputs, recipe_value(inputs.cfg, k.path)).items():
+                terms[name] += value
+    return terms
+
+
 def patched_fields() -> tuple[str, ...]:
     """The fields whose techniques patch the model, so whose applicability a fake model shows
     before any trace."""

@@ -105,6 +105,29 @@ def test_the_planner_lists_are_derived_from_the_registry() -> None:
     assert "model.quantization" not in plain and plain["memory.checkpointing"] == "none"
 
 
+def test_each_cost_hook_adds_known_terms_and_nothing_when_off() -> None:
+    """A technique's step-time cost lives in its module (``Knob.cost``): each hook returns only
+    the cost model's terms, none negative, nothing with its technique off (the plain trace's cost
+    is the trace's own), and more with it on where it has a cost. Planted: the embedding offload's
+    hook returning its rows with the table on the device -> fails."""
+    costed = [k for k in patches.knobs() if k.cost is not None]
+    assert {k.path for k in costed} >= {"memory.checkpointing", "memory.tiled_mlp", "model.quantization",
+                                        "memory.offload.embeddings", "memory.offload.optimizer"}
+    shape = ModelShape(depth=4, hidden=1024, vocab=32000)
+    for traced in (None, recipe()):  # the candidate's own trace, then a lower bound's plain one
+        for k in costed:
+            for value in {k.off, *k.options(recipe(), shape)}:
+                cfg = recipe({"adapter.method": "lora", "model.quantization": "nf4", k.path: value})
+                inputs = patches.CostInputs(cfg, shape, 2, 10**9, 10**7, lambda: 3 * 10**8, 1e12, traced)
+                terms = k.cost(inputs, value)
+                assert set(terms) <= set(patches.COST_TERMS), (k.path, terms)
+                assert all(v >= 0 for v in terms.values()), (k.path, value, terms)
+                if value == k.off:
+                    assert not any(terms.values()), (k.path, value, terms)
+                elif value in (True, "full", "nf4"):
+                    assert any(terms.values()), (k.path, value, terms)
+
+
 def test_readme_table_of_techniques_is_generated_from_the_registry() -> None:
     from scripts.gen_docs import readme_md
 

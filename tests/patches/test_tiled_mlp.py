@@ -468,7 +468,7 @@ def test_smaller_4bit_tiles_are_predicted_slower() -> None:
 
 
 def test_the_extra_dequantization_counts_every_tile_of_every_pass() -> None:
-    from memtrain.plan.costmodel import tiled_dequantized
+    from memtrain.patches.tiled_mlp import tiled_dequantized
 
     weights = 32 * 3 * 4096 * 14336
     # one tile: forward, recompute, backward's recompute and backward, against the untiled 3 passes

@@ -15,6 +15,7 @@ import pytest
 from conftest import causal_recipe
 
 from memtrain.config import load_recipe
+from memtrain.patches import tiled_mlp
 from memtrain.plan import costmodel
 from memtrain.plan.search import Search, TraceCache
 
@@ -67,7 +68,7 @@ def test_the_bound_is_at_most_the_prediction(tmp_path: Path, tiny_text_file: Pat
 
 def test_the_tiled_bound_counts_the_mlp_forward_it_repeats() -> None:
     weights = 32 * 3 * 4096 * 14336  # Llama-3.1-8B's MLPs
-    assert costmodel.tiled_recompute_flops(weights, 131_072) == 2 * weights * 131_072
+    assert tiled_mlp.tiled_recompute_flops(weights, 131_072) == 2 * weights * 131_072
 
 
 def test_the_bound_holds_at_the_micro_batch_that_fits() -> None:
