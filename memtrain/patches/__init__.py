@@ -159,7 +159,7 @@ class Knob:
             rows of a micro-batch (0: no floor); the planner rejects a candidate whose floor
             exceeds the budget without tracing it (``memtrain.plan.search.Search.floor``). A floor
             must hold for every model and library version the estimator traces:
-            tests/plan/test_floor.py checks each registered one against traced peaks.
+            tests/plan/test_knob_floors.py checks each registered one against traced peaks.
         slower_when_leaner: its leaner values never make a step faster: each only adds work (a
             transfer, a recompute, more and smaller tiles) and lowers no cost term. A candidate
             that is leaner than one that fits only in such fields, with more memory techniques,

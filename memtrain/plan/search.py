@@ -482,12 +482,17 @@ class Search:
 
     def _smallest_traced(self) -> None:
         """Where nothing fits, trace the candidates rejected by their floor that could still have
-        the smallest peak (their floor below every traced one's), so that the smallest peak the
-        planner reports (``NothingFits``) is an estimate, never a floor."""
-        for cand in sorted(self.floored, key=lambda c: c.min_peak):
-            smallest = min((c.min_peak for c in self.done if c.min_peak), default=math.inf)
-            if cand.min_peak >= smallest:
+        the smallest peak, so that the smallest peak the planner reports (``NothingFits``) is an
+        estimate, never a floor: in floor order (the leanest first among equal floors), while a
+        floor is below the smallest traced peak, each that does not keep at least as much as a
+        traced candidate that does not fit (one that does keeps at least its peak: the search's own
+        dominance pruning)."""
+        for cand in sorted(self.floored, key=lambda c: (c.min_peak, -self.leanness(c))):  # leanest first
+            traced = [c for c in self.done if c.min_peak]
+            if cand.min_peak >= min((c.min_peak for c in traced), default=math.inf):
                 break
+            if any(c.min_peak > self.usable and self.dominated(cand, c) for c in traced):
+                continue
             self.pruned.remove(cand)
             try:
                 self.evaluate(cand)

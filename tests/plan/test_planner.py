@@ -360,6 +360,7 @@ def test_tracing_only_what_can_change_the_choice_keeps_the_choice(tmp_path: Path
 
     monkeypatch.setattr(planner.Search, "evaluate", evaluate)
     monkeypatch.setattr(planner.Search, "lower_bound", lambda self, cand: truth[key(cand)][1])
+    monkeypatch.setattr(planner.Search, "floor", lambda self, cand: 0)  # simulated peaks, no real floor
     monkeypatch.setattr(planner.Search, "inapplicable", lambda self, cand: None)
     probe = planner.Search(cfg, "cpu", 2**40)
     cands = list(probe.candidates())
