@@ -98,8 +98,9 @@ def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
     assert trainer.state.global_step == 2
     assert callback.recovery is not None and callback.recovery.events == []  # the prediction held
     assert not callback.over_budget
-    with pytest.raises(MemtrainError, match=r"(?i)nothing fits.*smallest reachable peak"):
-        prepare_for_budget(tiny_model(), args, "1MiB", max_length=32)
+    few = {"offload.activations": False, "offload.embeddings": False, "tiled_mlp": False, "lean_norm": False}
+    with pytest.raises(MemtrainError, match=r"(?i)nothing fits.*smallest reachable peak"):  # the message
+        prepare_for_budget(tiny_model(), args, "1MiB", max_length=32, memory=few)  # (fewer searched: faster)
 
 
 def test_callback_keeps_accumulated_classifier_gradients_equal_to_one_big_batch(tmp_path: Path) -> None:
