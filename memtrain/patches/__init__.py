@@ -345,6 +345,15 @@ def knobs() -> list[Knob]:
     return sorted((k for t in techniques() for k in t.knobs), key=lambda k: k.order)
 
 
+def sizes_off(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (dotted field -> value) with the size of each technique it turns off set off too
+    (``Knob.sizes``: a tile size means "if tiled"), unless ``values`` sets that size itself."""
+    for k in knobs():
+        if k.sizes in values and k.path not in values and values[k.sizes] == knob(k.sizes).off:
+            values = {**values, k.path: k.off}
+    return values
+
+
 def knob(path: str) -> Knob:
     """The registered knob of a recipe field.
 

@@ -303,7 +303,7 @@ class Search:
         candidates turn out too big (a budget near the limit, as a planned longest context is):
         one trace per field value instead of most of the product of the fields. Returns the
         indices into ``cands`` judged here (added to ``too_big`` or ``fits``)."""
-        index = {json.dumps(c.values, sort_keys=True, default=str): k for k, c in enumerate(cands)}
+        index = {_key(c.values): k for k, c in enumerate(cands)}
         domains = {f: options(self.cfg, f, self.shape) for f in self.fields}
         off = {**cands[0].values, **self._plain(cands[0])}
         # each field's leanest value that applies to this model (a lean norm has no LayerNorm to take)
@@ -314,7 +314,7 @@ class Search:
         fitting: list[Candidate] = []  # a probe that fits: so does every leaner one
         for field_, values in domains.items():
             for value in values:
-                k = index.get(json.dumps({**lean, field_: value}, sort_keys=True, default=str))
+                k = index.get(_key({**lean, field_: value}))
                 if k is None or k in judged or k in seen:  # ``seen``: judged by the main loop
                     continue
                 cand = cands[k]
@@ -465,15 +465,11 @@ class Search:
         return self._floor(cand)[0]
 
     def _floor(self, cand: Candidate) -> tuple[int, str]:
-        key = json.dumps(cand.values, sort_keys=True, default=str)
+        key = _key(cand.values)
         if key not in self._floors:
             micro = (self.batches_for(cand) or self.batches)[0][0]
-            try:
-                cfg = with_values(self.cfg, cand.values)
-            except (ValueError, MemtrainError):
-                cfg = None
-            none = cfg is None or self.rows is not None
-            self._floors[key] = (0, "") if none else space.floor(cfg, self.shape, micro)  # type: ignore[arg-type]
+            at_hand = self.rows is not None
+            self._floors[key] = (0, "") if at_hand else space.floor(self._cfg(cand), self.shape, micro)
         return self._floors[key]
 
     def floored_out(self, cand: Candidate) -> bool:
@@ -565,7 +561,7 @@ class Search:
 
         Built with 2 layers first (cheap); a failure is confirmed at the model's depth.
         """
-        key = json.dumps(values, sort_keys=True, default=str)
+        key = _key(values)
         if key not in self._patch_errors:
             try:
                 cfg = with_values(self.cfg, values)
@@ -710,7 +706,7 @@ class Search:
 
     def _cfg(self, cand: Candidate) -> RunConfig:
         """The recipe with ``cand``'s values (cached per candidate: a pydantic validation each)."""
-        key = json.dumps(cand.values, sort_keys=True, default=str)
+        key = _key(cand.values)
         if key not in self._cfgs:
             self._cfgs[key] = with_values(self.cfg, cand.values)
         return self._cfgs[key]
@@ -768,6 +764,11 @@ def _largest(batches: list[tuple[int, int]], fit_at: Any) -> Any:
         else:
             high = middle
     return found
+
+
+def _key(values: dict[str, Any]) -> str:
+    """A candidate's values as a dictionary key."""
+    return json.dumps(values, sort_keys=True, default=str)
 
 
 def _gathers(cand: Candidate) -> int:

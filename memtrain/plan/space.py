@@ -74,9 +74,7 @@ def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
         ValueError: the combination is invalid (e.g. a quantized base trained in full).
     """
     data = cfg.model_dump(mode="json")
-    for k in patches.knobs():
-        if k.sizes in values and k.path not in values and values[k.sizes] == patches.knob(k.sizes).off:
-            values = {**values, k.path: k.off}
+    values = patches.sizes_off(values)
     for path, value in values.items():
         node = data
         *parents, leaf = path.split(".")

@@ -24,7 +24,7 @@ from transformers import TrainingArguments
 
 from memtrain.config import RunConfig
 from memtrain.memory import hostmem
-from memtrain.patches import knob
+from memtrain.patches import sizes_off
 from memtrain.plugin.describe import BudgetPlan, memory_fields, patch_knobs, patch_names
 from memtrain.units import format_bytes
 
@@ -72,12 +72,8 @@ def planned_fields(memory: dict[str, Any] | None, user_checkpointing: bool, marg
         values["memory.checkpointing"] = "full"
     if adapter_pending:
         values["memory.offload.embeddings"] = False
-    fixed = memory_fields(memory)
-    values.update(fixed)
-    # a technique fixed off takes its size's `auto` with it (a tile size means "if tiled")
-    for k in patch_knobs():
-        if k.sizes in fixed and k.path not in fixed and fixed[k.sizes] == knob(k.sizes).off:
-            values[k.path] = k.off
+    fixed = memory_fields(memory)  # a technique fixed off takes its size's `auto` along
+    values.update(sizes_off(fixed))
     return values
 
 
