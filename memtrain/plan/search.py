@@ -348,7 +348,7 @@ class Search:
         """
         if cand.accumulation != 1 or not any(a > 1 for _, a in self.batches_for(cand)):
             return
-        cfg = with_values(self.cfg, cand.values)
+        cfg = self._cfg(cand)
         summary = self._summary(self._traced(cfg, 1), cand.micro, cand.accumulation)
         cand.peak, cand.host = summary.total_bytes, summary.host_peak_bytes
 
@@ -373,7 +373,7 @@ class Search:
         trace on held gradients; micro-batch 1 is left out unless it is the fitted one (it would
         need a trace of its own).
         """
-        cfg = with_values(self.cfg, cand.values)
+        cfg = self._cfg(cand)
         out = [dataclasses.replace(cand, reason="")]
         for micro, accumulation in reversed(self.batches_for(cand)):
             if len(out) == TUNE_MICROS:
@@ -589,7 +589,7 @@ class Search:
         pair from above; a pair without accumulation is traced on its own only when the gradients it does
         not hold could make the difference.
         """
-        cfg = with_values(self.cfg, cand.values)
+        cfg = self._cfg(cand)
         batches = self.batches_for(cand)
         if not batches:
             cand.micro, cand.accumulation = self.batches[0]
