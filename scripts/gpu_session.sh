@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # One call of a lent GPU machine, prepared beforehand (docs/devices.md, "What a GPU measured"):
 #   here:        python scripts/gpu_kit.py                       # .gpusite/: wheels, bitsandbytes, data, unsloth/
-#                python scripts/bench_gpu.py --plan-long docs/bench/gpu_long_plans.json   # if stale
-#                python scripts/bench_unsloth.py --plan docs/bench/unsloth_plans.json     # if stale
+#                python -m scripts run gpu --plan-long docs/bench/gpu_long_plans.json   # if stale
+#                python -m scripts run unsloth --plan docs/bench/unsloth_plans.json     # if stale
 #   the device:  run(command="UNSLOTH_BUDGET=380 bash scripts/gpu_session.sh unsloth", carry=[".gpusite"],
 #                    timeout_s=460)                                                        # first
 #                run(command="BENCH_BUDGET=280 TEST_TIMEOUT=60 bash scripts/gpu_session.sh", carry=[".gpusite"],
 #                    timeout_s=400)                          # at once: the machine goes back after 30 s idle
 # Sized to 15 minutes of device time from the H200 session (2026-11-27): the start took ~33 s, the
 # install and smoke check 25-35 s per call, a call's budget plus ~40 s of wall time.
-# `unsloth` (issue 39, part 1): after the install and smoke check, scripts/bench_unsloth.py with its
+# `unsloth` (issue 39, part 1): after the install and smoke check, scripts/bench/gpu/unsloth.py with its
 # plans made beforehand, memtrain against Unsloth on the same GPU (Unsloth's site, /tmp/site-unsloth,
 # from .gpusite/unsloth/: the transformers, trl and datasets it accepts); UNSLOTH_BUDGET (seconds,
 # default 470) is its whole run, split by the script into preparing the model (<= 90 s), the
 # baseline's search (half of the rest) and memtrain's steps. Without it:
 # It installs the kit into /tmp/site (afresh: a warm machine keeps /tmp between calls), checks the
-# imports and a 4-bit layer on CUDA, runs scripts/bench_gpu.py (page and raw JSON under $OUT; since
+# imports and a 4-bit layer on CUDA, runs scripts/bench/gpu/gpu.py (page and raw JSON under $OUT; since
 # 2026-11-28 with two GRPO rows after the long-context rows, about 75 s each: issue 38), then
 # the CUDA-only tests. BENCH_BUDGET (seconds, default 420) and TEST_TIMEOUT (default 100) size it
 # to the 10-minute call; extra arguments go to bench_gpu.py (e.g. --skip-calibrate --profile P).
@@ -58,7 +58,7 @@ PY
 grep -q "IMPORT FAIL\|Traceback" "$OUT/smoke.log" && { echo "SMOKE FAILED"; exit 4; }
 echo "smoke done at $((SECONDS - T0)) s"
 if [ "$MODE" = unsloth ]; then
-  BENCH_UNSLOTH_SITE=/tmp/site-unsloth timeout $((${UNSLOTH_BUDGET:-470} + 30)) python3 scripts/bench_unsloth.py \
+  BENCH_UNSLOTH_SITE=/tmp/site-unsloth timeout $((${UNSLOTH_BUDGET:-470} + 30)) python3 scripts/bench/gpu/unsloth.py \
     --budget-s "${UNSLOTH_BUDGET:-470}" --out "$OUT/unsloth.md" --plans docs/bench/unsloth_plans.json "$@" \
     > "$OUT/unsloth.log" 2>&1
   echo "bench_unsloth exit $? at $((SECONDS - T0)) s"
@@ -66,7 +66,7 @@ if [ "$MODE" = unsloth ]; then
   grep "^| " "$OUT/unsloth.log" | cut -c1-400 | tail -c 5000
   exit 0
 fi
-timeout $((${BENCH_BUDGET:-420} + 20)) python3 scripts/bench_gpu.py --budget-s "${BENCH_BUDGET:-420}" \
+timeout $((${BENCH_BUDGET:-420} + 20)) python3 scripts/bench/gpu/gpu.py --budget-s "${BENCH_BUDGET:-420}" \
   --out "$OUT/gpu.md" --long-plans docs/bench/gpu_long_plans.json "$@" > "$OUT/bench.log" 2>&1
 echo "bench exit $? at $((SECONDS - T0)) s"
 grep -v "^|" "$OUT/bench.log" | tail -c 2500

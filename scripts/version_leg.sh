@@ -5,7 +5,7 @@
 #   scripts/version_leg.sh newest           # the newest the index serves (scripts/versions/newest.txt)
 #   scripts/version_leg.sh floor all        # the whole suite instead of the leg's subset
 # CI (.ci/run) runs the floor leg's subset after the main suite; the newest leg's table is
-# docs/bench/versions.md (scripts/version_table.py). Both lists pin every library memtrain
+# docs/bench/versions.md (scripts/tools/version_table.py). Both lists pin every library memtrain
 # imports from, so a leg is reproducible; change them together with pyproject.toml.
 #
 # The index serves a CPU wheel only for torch 2.13.0: every other torch is the CUDA build (about

@@ -12,7 +12,7 @@ from memtrain.config.schema import RunConfig
 
 HEADER = """# Recipe reference
 
-Generated from `memtrain/config/schema.py` by `python scripts/gen_docs.py`; do not edit by hand.
+Generated from `memtrain/config/schema.py` by `python -m scripts.tools.gen_docs`; do not edit by hand.
 
 A recipe is a YAML file with the sections below. Every key is optional unless its default says
 *required*. Any key can be overridden on the command line after the recipe path, as
@@ -24,7 +24,7 @@ A recipe is a YAML file with the sections below. Every key is optional unless it
 
 def render_reference(after: dict[str, str] | None = None) -> str:
     """Markdown: one table per section, with each key's type, default and help; ``after`` adds text
-    after a section (``scripts/gen_docs.py`` adds the registered techniques after ``memory``)."""
+    after a section (``scripts/tools/gen_docs.py`` adds the registered techniques after ``memory``)."""
     parts = [HEADER]
     for name, field in RunConfig.model_fields.items():
         section = section_model(field.annotation)

@@ -69,7 +69,7 @@ def check_grpo(cfg: RunConfig, data: PreparedData | None = None) -> None:
 # Rows x vocabulary fp32 tensors alive at the sampling step's peak of HF ``generate`` (multinomial
 # sampling): the fp32 copy of the last position's logits, the softmax probabilities, and two of
 # torch.multinomial's for one sample (an exponential draw of the same size, the probabilities
-# divided by it). Measured with scripts/memprobe.py's LiveBytes (transformers 5.24, torch 2.13, CPU):
+# divided by it). Measured with scripts/probes/memprobe.py's LiveBytes (transformers 5.24, torch 2.13, CPU):
 # 4.0 beyond the KV cache with no logits processor (the processors: PROCESSOR_EXTRA below).
 # tests/end_to_end/test_grpo.py::test_the_generation_phase_is_predicted_within_10_percent.
 SAMPLING_COPIES = 4
@@ -78,9 +78,9 @@ SAMPLING_COPIES = 4
 # top-k's threshold mask and masked copy; top-p's sort, int64 indices, softmax, cumulative sum and
 # masks; min-p's probabilities and mask; the repetition penalty's gather/scatter), plus one more
 # when it is not the first in the chain (the processed scores it was handed are alive beside the
-# logits). Measured with scripts/memprobe.py's LiveBytes around ``generate`` (transformers 5.24,
+# logits). Measured with scripts/probes/memprobe.py's LiveBytes around ``generate`` (transformers 5.24,
 # torch 2.13, CPU; the same in units at 32 and 64 rows, every combination of the five):
-# docs/bench/generation_processors.md (``python scripts/bench_generation_processors.py``).
+# docs/bench/generation_processors.md (``python -m scripts run generation_processors``).
 PROCESSOR_ORDER = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 PROCESSOR_EXTRA = {"repetition_penalty": 2.0, "temperature": 1.0, "top_k": 1.25, "top_p": 5.5, "min_p": 2.25}
 

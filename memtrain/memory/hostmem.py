@@ -5,7 +5,7 @@ threshold (adaptive, at most 32 MiB on 64-bit systems: mallopt(3)) from fresh ``
 unmaps them on free, and it trims the top of its heap back to the OS once more than twice that is
 free. So a causal LM's logit-sized tensors (micro-batch × sequence × vocabulary × 4 bytes) are
 mapped, faulted in one 4 KiB page at a time, zeroed by the kernel and unmapped again on every step.
-Measured here (``scripts/bench_hostmem.py``, docs/bench/hostmem.md): 1.5 µs per page, four times
+Measured here (``scripts/bench/techniques/hostmem.py``, docs/bench/hostmem.md): 1.5 µs per page, four times
 the cost of writing the page; up to 723 MiB faulted per step, and steps 1.00-1.54x slower than with
 the pages kept. A Llama-shaped model at micro-batch 16 (four 62.5 MiB blocks per step) was slower
 than at micro-batch 8 or 4, which a cost model that ranks micro-batches by their work cannot see.

@@ -9,7 +9,7 @@ patch nothing (the optimizer, the adapter method, quantization, ...) are registe
 hand is derived from here: the planner's space and ranking (:mod:`memtrain.plan.space`), its plain
 values and patched fields (:mod:`memtrain.plan.search`), what an estimate needs decided
 (``memtrain.estimator.setup.NEEDS_VALUE``), and the README's and docs/RECIPES.md's tables of
-techniques (``scripts/gen_docs.py``).
+techniques (``scripts/tools/gen_docs.py``).
 
 :func:`apply_patches` runs the hooks in order: adapter -> loss -> approximate layers -> tiling (lean
 norm, tiled MLP) -> checkpointing -> offload (an adapter changes module names and which weights need
@@ -103,7 +103,7 @@ COST_TERMS = ("extra_flops", "recompute_passes", "quantized_elements", "extra_de
 
 @dataclass(frozen=True)
 class Doc:
-    """A technique's row in the README's table and docs/RECIPES.md (``scripts/gen_docs.py``)."""
+    """A technique's row in the README's table and docs/RECIPES.md (``scripts/tools/gen_docs.py``)."""
 
     title: str
     setting: str  # how a recipe turns it on (markdown)
@@ -164,7 +164,7 @@ class Knob:
             transfer, a recompute, more and smaller tiles) and lowers no cost term. A candidate
             that is leaner than one that fits only in such fields, with more memory techniques,
             is never chosen, so the planner does not trace it (``memtrain.plan.search``;
-            scripts/audit_dominance.py ``--time`` checks the order on every candidate).
+            scripts/bench/planner/dominance.py ``--time`` checks the order on every candidate).
         unordered_time_offloaded: under activation offload its leaner values can make a step
             faster after all: they save fewer bytes for backward, and offload moves fewer (the
             tiled MLP keeps only each MLP's input), so ``slower_when_leaner`` holds only without

@@ -296,7 +296,7 @@ def undo(model: nn.Module) -> nn.Module:
 
 # keeps each norm's input and rstd; element-wise recompute
 # unordered under offload: at 14,336 tokens (Llama-3.1-8B QLoRA) it kept 1 MiB more than the plain
-# norm (scripts/audit_dominance.py)
+# norm (scripts/bench/planner/dominance.py)
 KNOBS = (Knob("memory.lean_norm", fixed(False, True), False, order=150, plugin=True, patches_model=True,
               lowers_cost=True, unordered_offloaded=True),)
 DOC = Doc("lean RMSNorm", "`memory.lean_norm: true`",

@@ -32,7 +32,7 @@ the first runs in (the step's peak), at the cost of one forward and backward.
 
 Compared with ``TrainingArguments(auto_find_batch_size=True)`` (accelerate's
 ``find_executable_batch_size``): that halves the batch after each out-of-memory error, restarts
-the training loop, and changes the effective batch; ``scripts/bench_autofit.py`` measures both.
+the training loop, and changes the effective batch; ``scripts/bench/planner/autofit.py`` measures both.
 """
 
 from __future__ import annotations

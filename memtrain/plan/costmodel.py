@@ -15,7 +15,7 @@ optimizer updates. This model turns those counts into seconds with per-machine r
 The rates come from ``memtrain calibrate`` (:mod:`memtrain.estimator.calibrate`), measured on the
 machine that trains. Without a profile, CPU rates are measured once (about 10 s) and saved; a
 CUDA run planned on a machine without CUDA uses the nominal rates below, named in the plan.
-No library predicts step time from a trace, so this is hand-written; ``scripts/bench_planner.py``
+No library predicts step time from a trace, so this is hand-written; ``scripts/bench/planner/planner.py``
 checks it against measured steps.
 """
 

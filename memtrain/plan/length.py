@@ -18,7 +18,7 @@ the estimate bend), until they are one step apart. An estimate costs about the s
 first solves that model (:func:`_solve`): the budget's crossing of a line through two lengths far
 apart, confirmed by an estimate at the answer and one at the next step. Estimates are kept in
 the plan's :class:`memtrain.plan.search.TraceCache`, so a caller planning the same recipe for
-several budgets with one cache (scripts/bench_long_context.py) starts from every length probed
+several budgets with one cache (scripts/bench/planner/long_context.py) starts from every length probed
 before.
 """
 
@@ -77,7 +77,7 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     """The longest ``data.max_length`` (a multiple of ``step``, default ``LENGTH_STEP``) whose
     leanest settings fit ``usable`` device bytes (and ``host`` bytes of host memory, when given).
     ``exact_length``: every estimate runs every loop iteration (as the estimator did before issue
-    37: scripts/bench_plan_speed.py times the difference). ``cache``: the plan's traces and
+    37: scripts/bench/planner/plan_speed.py times the difference). ``cache``: the plan's traces and
     estimates (default: a new one, this search's own).
 
     Raises:

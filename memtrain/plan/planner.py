@@ -178,7 +178,7 @@ def tune_choice(cfg: RunConfig, search: Search, fits: list[Candidate], count: in
     """Time the ``count`` fastest-predicted settings at the micro-batches that fit; keep the fastest.
 
     The cost model ranks settings well but not finely (rank correlation 0.89 with measured steps
-    over 40 candidates, scripts/bench_planner.py as of commit aa39ed3), so the last word goes to a
+    over 40 candidates, scripts/bench/planner/planner.py as of commit aa39ed3), so the last word goes to a
     measurement: each (settings, micro-batch) pair's model is built, runs one warm-up optimizer
     step and ``steps`` timed ones on a worst-case batch (``data.max_length`` tokens per example),
     and the fastest (best of its steps) wins. Each setting is timed at up to ``TUNE_MICROS``

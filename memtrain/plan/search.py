@@ -32,7 +32,7 @@ from memtrain.reliability.budget import HostBudget
 from memtrain.units import format_bytes
 
 # Predicted step times this close count as equal: the cost model's rank correlation with measured
-# steps was 0.89 over 40 candidates (scripts/bench_planner.py as of commit aa39ed3), not 1. Among
+# steps was 0.89 over 40 candidates (scripts/bench/planner/planner.py as of commit aa39ed3), not 1. Among
 # equals the planner takes the candidate with the fewest memory techniques, then the smallest peak.
 TIE = 0.05
 TUNE_MICROS = 4  # micro-batches per setting that tuning times (the largest that fit)
@@ -401,7 +401,7 @@ class Search:
         if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
             return False
         # Under activation offload some fields' memory orders do not hold (Knob.unordered_offloaded:
-        # checkpointing, the lean norm; found by scripts/audit_dominance.py)
+        # checkpointing, the lean norm; found by scripts/bench/planner/dominance.py)
         offloaded = self._offloaded(cand, small)
         at = functools.partial(rank, depth=self.depth, vocab=self.vocab)
         for f in self.fields:
@@ -434,7 +434,7 @@ class Search:
         """``cand`` differs from ``other`` only in fields whose leaner values never make a step
         faster (``SLOWER_WHEN_LEANER``; under activation offload, not those that save less for
         backward: ``UNORDERED_TIME_OFFLOADED``), and is leaner or equal in each: at the same
-        micro-batch its predicted step is no faster. (scripts/audit_dominance.py ``--time`` checks
+        micro-batch its predicted step is no faster. (scripts/bench/planner/dominance.py ``--time`` checks
         the claim on every pair of a search's candidates.)"""
         if cand.values.get(IN_BACKWARD, False) != other.values.get(IN_BACKWARD, False):
             return False

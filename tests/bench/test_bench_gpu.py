@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py on a CPU: its grid, its pruning, its page and its refusal to run (issue 15),
+"""scripts/bench/gpu/gpu.py on a CPU: its grid, its pruning, its page and its refusal to run (issue 15),
 and its long-context rows (issue 27): planned with ``data.max_length: auto``, trained at that length.
 
 The measurements need a CUDA GPU; everything that decides what to run and how to report it does
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from memtrain.config import load_recipe
-from scripts import bench_gpu as bench
+from scripts.bench.gpu import gpu as bench
 
 GiB = 2**30
 
@@ -155,7 +155,7 @@ def test_page_marks_each_target_pass_or_fail(tmp_path: Path) -> None:
                               "predicted_total": 30 * GiB, "predicted_s": 1.0},
                 "measured": {"reserved": 28 * GiB, "nvml_before": 0, "nvml_after": 29 * GiB, "step_s": 1.25},
                 "skipped": None}]
-    meta = {"command": "python scripts/bench_gpu.py", "device": "NVIDIA H100 80GB HBM3", "driver": "550",
+    meta = {"command": "python -m scripts run gpu", "device": "NVIDIA H100 80GB HBM3", "driver": "550",
             "date": "2026-11-23", "torch": "2.13", "cuda": "12.8", "transformers": "5", "peft": "0.21",
             "bitsandbytes": "0.50", "python": "3.11", "wall_s": 400.0, "budget_s": 510.0,
             "calibrate_s": 40.0, "profile": {"overheads": {"cuda_context_bytes": GiB // 2,
@@ -391,7 +391,7 @@ def test_rows_an_earlier_run_measured_are_kept(tmp_path: Path, monkeypatch: pyte
     (marked †, the earlier run named); a row that failed there is measured again; every row is
     predicted anew."""
     done, failed = bench.GRID[0], bench.GRID[1]
-    earlier = {"meta": {"command": "python scripts/bench_gpu.py", "device": "Old GPU", "date": "2026-11-26"},
+    earlier = {"meta": {"command": "python -m scripts run gpu", "device": "Old GPU", "date": "2026-11-26"},
                "grid": [{"spec": asdict(done), "measured": {"device": "Old GPU", "allocated": GiB,
                                                             "reserved": 2 * GiB, "step_s": 0.25}},
                         {"spec": asdict(failed), "measured": {"error": "exit 1: boom"}}],

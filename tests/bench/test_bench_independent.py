@@ -2,7 +2,7 @@
 
 A benchmark whose "measured" column came from memtrain's own meter compared the estimator with
 itself: a counting mistake both share would never show. The measured side of every
-``scripts/bench_*.py`` is ``scripts/memprobe.py`` (or CUDA's allocator statistics), so these
+``scripts/bench/*/*.py`` is ``scripts/probes/memprobe.py`` (or CUDA's allocator statistics), so these
 tests keep memtrain's counters (every public name of the meter, its trackers and the estimator's
 event recorder, and memtrain's functions that run a step under the meter) and its offload ledgers
 (the books of host bytes in ``activation_offload`` and ``optimizer_offload``) out of the
@@ -21,10 +21,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from scripts.memprobe import LiveBytes, host_resident, probe_step, resident, storage_bytes
+from scripts.probes.memprobe import LiveBytes, host_resident, probe_step, resident, storage_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
+BENCH = SCRIPTS / "bench"  # one module per benchmark: bench/<group>/<name>.py
 MEMTRAIN = ROOT / "memtrain"
 # Where memtrain counts memory: every public name of these modules is a counter.
 COUNTER_MODULES = ("memtrain.memory.meter", "memtrain.memory.trackers", "memtrain.estimator.trace_events")
@@ -130,11 +131,20 @@ def _uses(path: Path) -> set[str]:
     return found
 
 
-# Benchmarks whose subject is the meter itself (they time it; they measure no memory with it).
-METER_IS_THE_SUBJECT = {"bench_meter_cost.py"}
+# Benchmarks that may call memtrain's counters, with the reason: none of them measures with one.
+METER_IS_THE_SUBJECT = {
+    "techniques/meter_cost.py": "the meter is its subject: it times the meter, it measures no memory with it",
+    "accuracy/allocator_replay.py": "memtrain's trace is its predicted side; the measured side is the H200 "
+                                    "run's reserved bytes (docs/bench/gpu_h200.json)",
+}
 # The measured side itself: the probes and the test that judges the estimate with them.
-PROBES = [SCRIPTS / "memprobe.py", SCRIPTS / "_fsdp_probe.py", SCRIPTS / "_bench_steps.py",
+PROBES = [*sorted((SCRIPTS / "probes").glob("*.py")), SCRIPTS / "harness.py",
           ROOT / "tests" / "end_to_end" / "test_independent_count.py"]
+
+
+def _name(path: Path) -> str:
+    """A benchmark's path under scripts/bench/ (``planner/planner.py``), a probe's under the root."""
+    return path.relative_to(BENCH if path.is_relative_to(BENCH) else ROOT).as_posix()
 
 
 def test_the_watched_names_come_from_the_modules() -> None:
@@ -149,12 +159,13 @@ def test_the_watched_names_come_from_the_modules() -> None:
 
 
 def test_no_benchmark_measures_with_memtrains_meter() -> None:
-    benches = sorted(p for p in SCRIPTS.glob("bench_*.py") if p.name not in METER_IS_THE_SUBJECT)
-    assert len(benches) >= 10  # the glob found the benchmarks
-    offenders = {path.name: sorted(used) for path in [*benches, *PROBES] if (used := _uses(path))}
+    benches = sorted(p for p in BENCH.glob("*/*.py")
+                     if p.name != "__init__.py" and _name(p) not in METER_IS_THE_SUBJECT)
+    assert len(benches) >= 20 and len(PROBES) >= 5  # the globs found the benchmarks and the probes
+    offenders = {_name(path): sorted(used) for path in [*benches, *PROBES] if (used := _uses(path))}
     assert offenders == {}, (
         f"benchmarks measure with memtrain's own counters or ledgers: {offenders}. Fix: measure with "
-        "scripts/memprobe.py (probe_step, LiveBytes, resident, host_resident, trainer_steps) or the "
+        "scripts/probes/memprobe.py (probe_step, LiveBytes, resident, host_resident, trainer_steps) or the "
         "CUDA allocator's statistics.")
 
 
@@ -197,15 +208,15 @@ def test_every_watched_name_is_seen_when_imported(module: str, tmp_path: Path) -
 ])
 def test_a_planted_import_in_a_real_benchmark_is_caught(planted: str, tmp_path: Path) -> None:
     """Every benchmark passes today; each with one planted line no longer does."""
-    for name in ("bench_tiled_mlp.py", "bench_memory_modes.py"):
-        bench = tmp_path / name
-        bench.write_text((SCRIPTS / name).read_text(encoding="utf-8") + f"\n{planted}\n", encoding="utf-8")
-        assert _uses(SCRIPTS / name) == set()
+    for name in ("techniques/tiled_mlp.py", "techniques/memory_modes.py"):
+        bench = tmp_path / Path(name).name
+        bench.write_text((BENCH / name).read_text(encoding="utf-8") + f"\n{planted}\n", encoding="utf-8")
+        assert _uses(BENCH / name) == set()
         assert _uses(bench), (name, planted)
 
 
 def test_the_probe_imports_nothing_from_memtrain() -> None:
-    tree = ast.parse((SCRIPTS / "memprobe.py").read_text(encoding="utf-8"))
+    tree = ast.parse((SCRIPTS / "probes" / "memprobe.py").read_text(encoding="utf-8"))
     modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     modules += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert [m for m in modules if m.split(".")[0] == "memtrain"] == []
@@ -296,13 +307,13 @@ def test_resident_tells_an_offloading_optimizers_copies_apart() -> None:
 # Benchmarks that judge whether a method's choice fits a budget (issue 26): the verdict is
 # memprobe's count of the real run (``trainer_steps``), and the budgets are constants written in
 # the script (the named assignment holds literals only: no estimate, no earlier table read in).
-JUDGED = {"bench_planner.py": "CASES", "bench_autofit.py": "BUDGETS_MIB"}
+JUDGED = {"planner/planner.py": "CASES", "planner/autofit.py": "BUDGETS_MIB"}
 # memtrain's simulated budget raises out-of-memory errors when memtrain's own tracker counts more
 # than the limit: never a verdict. A benchmark may run methods in it as their environment (a CPU has
 # no device limit to run out of) only where listed here, with the reason.
 SIMULATED = {"SimulatedBudget", "SimulatedBudgetCallback", "simulate_budget"}
 SIMULATED_ENVIRONMENT = {
-    "bench_autofit.py": "HF's auto_find_batch_size and memtrain's auto-fit react to out-of-memory "
+    "planner/autofit.py": "HF's auto_find_batch_size and memtrain's auto-fit react to out-of-memory "
                         "errors; both run under the same simulated budget, and memprobe judges the result",
 }
 
@@ -336,25 +347,25 @@ def _judged_problems(path: Path, constant: str, environment_ok: bool) -> list[st
 
 def test_budget_benchmarks_judge_with_memprobe_on_fixed_budgets() -> None:
     problems = {name: found for name, constant in JUDGED.items()
-                if (found := _judged_problems(SCRIPTS / name, constant, name in SIMULATED_ENVIRONMENT))}
+                if (found := _judged_problems(BENCH / name, constant, name in SIMULATED_ENVIRONMENT))}
     assert problems == {}, problems
 
 
 @pytest.mark.parametrize(("name", "planted", "caught"), [
-    ("bench_planner.py", ('    Case("roomy", 600,', '    Case("roomy", int(estimate(cfg).total_bytes),'),
+    ("planner/planner.py", ('    Case("roomy", 600,', '    Case("roomy", int(estimate(cfg).total_bytes),'),
      "CASES is not literal"),
-    ("bench_planner.py", ("from memprobe import trainer_steps", "from memprobe import probe_step"),
+    ("planner/planner.py", ("memprobe import trainer_steps", "memprobe import probe_step"),
      "does not count its runs with memprobe"),
-    ("bench_planner.py", ("import torch\n", "import torch\nfrom memtrain.reliability import budget\n"
+    ("planner/planner.py", ("import torch\n", "import torch\nfrom memtrain.reliability import budget\n"
                                             "budget.SimulatedBudget\n"), "simulated budget"),
-    ("bench_autofit.py", ("BUDGETS_MIB = (100,", "BUDGETS_MIB = (PEAK // MiB,"),
+    ("planner/autofit.py", ("BUDGETS_MIB = (100,", "BUDGETS_MIB = (PEAK // MiB,"),
      "BUDGETS_MIB is not literal"),
 ])
 def test_a_planted_judge_or_budget_is_caught(name: str, planted: tuple[str, str], caught: str,
                                              tmp_path: Path) -> None:
-    text = (SCRIPTS / name).read_text(encoding="utf-8")
+    text = (BENCH / name).read_text(encoding="utf-8")
     assert planted[0] in text
-    bench = tmp_path / name
+    bench = tmp_path / Path(name).name
     bench.write_text(text.replace(planted[0], planted[1], 1), encoding="utf-8")
     problems = _judged_problems(bench, JUDGED[name], name in SIMULATED_ENVIRONMENT)
     assert any(caught in p for p in problems), problems

@@ -1,4 +1,4 @@
-"""scripts/bench_unsloth.py's logic on a CPU (issue 39): the search, the phases, the JSON and the page.
+"""scripts/bench/gpu/unsloth.py's logic on a CPU (issue 39): the search, the phases, the JSON and the page.
 
 The GPU run cannot happen here; its backend ``fake`` runs the same phases with a tiny Llama and a
 simulated card whose out-of-memory rule is a formula (``FAKE_MEMORY``), so the longest length each
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_unsloth as bench
+from scripts.bench.gpu import unsloth as bench
 
 GiB = 2**30
 

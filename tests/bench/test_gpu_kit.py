@@ -75,6 +75,6 @@ def test_a_trimmed_wheel_keeps_its_package_and_a_record_of_only_what_is_there(tm
 
 def test_the_unsloth_session_runs_the_comparison_with_plans_made_beforehand() -> None:
     script = (ROOT / "scripts" / "gpu_session.sh").read_text(encoding="utf-8")
-    assert 'bash scripts/gpu_session.sh unsloth' in script and "scripts/bench_unsloth.py" in script
+    assert 'bash scripts/gpu_session.sh unsloth' in script and "scripts/bench/gpu/unsloth.py" in script
     assert "--plans docs/bench/unsloth_plans.json" in script and ".gpusite/unsloth/*.whl" in script
     assert "BENCH_UNSLOTH_SITE=/tmp/site-unsloth" in script

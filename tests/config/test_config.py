@@ -147,7 +147,7 @@ def test_a_budget_without_its_unit_is_refused_naming_the_fix(field: str, tmp_pat
 
 
 def test_recipe_reference_is_generated_from_the_schema() -> None:
-    from scripts.gen_docs import recipes_md  # the schema's tables and the registry's techniques
+    from scripts.tools.gen_docs import recipes_md  # the schema's tables and the registry's techniques
 
     committed = (Path(__file__).parents[2] / "docs" / "RECIPES.md").read_text(encoding="utf-8")
-    assert committed == recipes_md(), "run `python scripts/gen_docs.py` and commit docs/RECIPES.md"
+    assert committed == recipes_md(), "run `python -m scripts.tools.gen_docs` and commit docs/RECIPES.md"

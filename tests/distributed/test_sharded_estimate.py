@@ -4,7 +4,8 @@ Fast: every estimate here traces a tiny Llama in a fake process group, no proces
 they check is what sharding must and must not change, against the single-process estimate of
 the same recipe (each setting's effect on what forward saves is the single-process one) and
 against exact arithmetic (shards are halves, DDP adds one copy of the trained gradients). The
-measured side, with real processes, is in tests/distributed/test_distributed.py and scripts/bench_fsdp.py.
+measured side, with real processes, is in tests/distributed/test_distributed.py and
+scripts/bench/accuracy/fsdp.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ independently, recovered.
 
 - The estimate of the DPO step (policy forward and backward on the 2B rows ``[chosen; rejected]``,
   the reference forward under ``no_grad`` with the LoRA adapter disabled, TRL's tiled log-prob
-  head) equals what ``scripts/memprobe.py`` counts in the real Trainer steps, up to two known
+  head) equals what ``scripts/probes/memprobe.py`` counts in the real Trainer steps, up to two known
   terms: the counter adopts the tensors the model's forward is handed, and ``completion_mask``
   (one int64 per token, 2B x T) is not among them (the estimate counts the whole batch).
   Accelerate's ``loss / gradient_accumulation_steps`` (4 bytes) beside the loss is held by both,
@@ -35,7 +35,7 @@ from memtrain.config import load_recipe
 from memtrain.data.prepare import prepare_data
 from memtrain.estimator.estimate import estimate
 from memtrain.run.train import train
-from scripts.memprobe import trainer_steps
+from scripts.probes.memprobe import trainer_steps
 
 pytestmark = pytest.mark.slow
 

@@ -73,7 +73,7 @@ def test_grpo_training_step_is_predicted_within_5_percent(tmp_path: Path) -> Non
     the worst-case generation output: 16 completions of 2 tokens after the longest prompt; beta 0, so
     no reference log-probs), and so does ``memtrain train`` before its first step (on the built
     Trainer); the memory report compares with the estimate. Prompts of one length make every step
-    the worst case; each step's peak, by memtrain's meter and by scripts/memprobe.py (no memtrain
+    the worst case; each step's peak, by memtrain's meter and by scripts/probes/memprobe.py (no memtrain
     code), is within 5% of both predictions. On a CPU TRL's fused head scores every position (prompt
     too) in fp32 with entropy, ~8 tensors of rows x tokens x 30,522 fp32 values at the peak, which
     the causal-LM trace ``memtrain estimate`` used before does not hold (301.8 MiB against 636-761
@@ -87,7 +87,7 @@ def test_grpo_training_step_is_predicted_within_5_percent(tmp_path: Path) -> Non
     from memtrain.estimator.estimate import estimate
     from memtrain.estimator.grpo_step import grpo_notes
     from memtrain.run.train import train
-    from scripts.memprobe import trainer_steps
+    from scripts.probes.memprobe import trainer_steps
 
     words = ["thou", "art", "my", "lord", "and", "the", "night", "is", "long"]
     rows = [{"prompt": "Which play is this line from? " + " ".join(words[(i + k) % 9] for k in range(24)),
@@ -114,7 +114,7 @@ def test_grpo_training_step_is_predicted_within_5_percent(tmp_path: Path) -> Non
 
 
 class _Generations:
-    """A callback that counts every ``generate`` call of a run with scripts/memprobe.py (no memtrain
+    """A callback that counts every ``generate`` call of a run with scripts/probes/memprobe.py (no memtrain
     code): what exists when it starts (:func:`resident`: weights, buffers, optimizer state) plus the
     live bytes its own tensors reach (:class:`LiveBytes`)."""
 
@@ -129,7 +129,7 @@ class _Generations:
                                optimizer: Any = None, **_: Any) -> None:
                 import types
 
-                from scripts.memprobe import LiveBytes, resident
+                from scripts.probes.memprobe import LiveBytes, resident
 
                 stock = model.generate
 
@@ -161,7 +161,7 @@ def test_the_generation_phase_is_predicted_within_10_percent(tmp_path: Path, ove
     """The generation phase (memtrain.estimator.grpo.generation_memory: HF ``generate`` of a whole
     generation batch, micro-batch x steps_per_generation completions, at full length: the KV cache,
     the prompts' prefill, the sampling step's fp32 tensors) against every ``generate`` call of a real
-    ``memtrain train`` run, counted by scripts/memprobe.py: predicted >= measured and <= 1.10 x
+    ``memtrain train`` run, counted by scripts/probes/memprobe.py: predicted >= measured and <= 1.10 x
     measured. Completions always reach ``max_completion_length`` here (a random model's chance of the
     end-of-sequence token is 1 in 30,522), so each call is the worst case. When written: 24.69 /
     24.41, 16.87 / 16.63, and with temperature 0.7 and top_p 0.9 (32-token completions) 48.56 / 48.36

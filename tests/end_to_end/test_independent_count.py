@@ -3,8 +3,9 @@ step is the live tensor bytes a real ``memtrain train`` step holds, byte for byt
 
 Every case runs a real :func:`memtrain.run.train.train` (the Trainer's own steps: its
 ``training_step``, loss bookkeeping, clipping, optimizer and scheduler steps, ``zero_grad``) with
-``scripts/memprobe.py``'s :func:`~scripts.memprobe.trainer_steps` attached: a dispatch-mode count of
-every storage created, freed or resized, plus the parameters, buffers, quantization constants,
+``scripts/probes/memprobe.py``'s :func:`~scripts.probes.memprobe.trainer_steps` attached: a
+dispatch-mode count of every storage created, freed or resized, plus the parameters, buffers,
+quantization constants,
 optimizer state and batch a step finds (``memprobe.resident``); host bytes are what saved-tensor
 pack hooks create. It imports nothing from memtrain, so it shares no code with the meter, the
 trackers, the estimator's events, the offload ledgers, ``example_batch`` or ``training_step``.
@@ -69,7 +70,7 @@ from memtrain.config import load_recipe
 from memtrain.data.prepare import prepare_data
 from memtrain.estimator.estimate import estimate
 from memtrain.run.train import train
-from scripts.memprobe import trainer_steps
+from scripts.probes.memprobe import trainer_steps
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 On an H200 (docs/bench/gpu_h200.md, expandable segments) the reserved memory exceeded the allocated
 peak by 7% to 40% of a step's transient bytes where a fixed fraction said 3%: the holes best fit
-leaves mapped. Replayed over the traced allocations (scripts/replay_allocator.py), the gap held
+leaves mapped. Replayed over the traced allocations (scripts/bench/accuracy/allocator_replay.py), the gap held
 reserved memory within 8% on 16 of 17 rows (docs/bench/allocator_replay.md); these tests check the
 rules one by one, and the recording the replay reads.
 """

@@ -1,5 +1,5 @@
 """The generation phase's sampling step with the logits processors GRPO users set (issue 38):
-memtrain.estimator.grpo's per-processor counts against scripts/memprobe.py (no memtrain code) around
+memtrain.estimator.grpo's per-processor counts against scripts/probes/memprobe.py (no memtrain code) around
 HF ``generate``, on a model and shape unlike the ones the counts were measured on (a 3-layer Qwen2 with
 an 8,000-token vocabulary, 24 rows, 12-token prompts, 20 new tokens; the counts came from a 2-layer
 Llama with 30,522 tokens at 32 and 64 rows, docs/bench/generation_processors.md).
@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from memtrain.estimator.grpo import generation_memory, sampling_processors
-from scripts.memprobe import LiveBytes
+from scripts.probes.memprobe import LiveBytes
 
 ROWS, PROMPT, NEW = 24, 12, 20
 

@@ -3,7 +3,7 @@ only where a batch can be (memtrain/data/rows.py), traced on the attention path 
 layout takes.
 
 The measured side is independent of the estimator's example batch: real rows collated by the
-collator training uses (``DataCollatorForSeq2Seq``), one step counted by ``scripts/memprobe.py``.
+collator training uses (``DataCollatorForSeq2Seq``), one step counted by ``scripts/probes/memprobe.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from memtrain.data.rows import Rows, rows_of, worst_case
 from memtrain.estimator.estimate import estimate
 from memtrain.trainer.build import build_model, build_optimizer
 from memtrain.trainer.step import training_step
-from scripts.memprobe import probe_step
+from scripts.probes.memprobe import probe_step
 
 
 def _cfg(tmp_path: Path, text_file: Path, micro: int = 2, **sections) -> object:

@@ -15,7 +15,7 @@ from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.patches import NoMatchError, apply_patches, records
 from memtrain.patches import checkpointing as ckpt
-from scripts.memprobe import LiveBytes
+from scripts.probes.memprobe import LiveBytes
 from tests.conftest import TINY_CONFIGS, causal_recipe
 
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ from conftest import TINY_CONFIGS, causal_recipe, tiny_model
 from memtrain.config import RecipeError, load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.patches import chunked_loss, records
-from scripts.memprobe import LiveBytes
+from scripts.probes.memprobe import LiveBytes
 
 RTOL = 1e-5
 

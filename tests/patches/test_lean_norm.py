@@ -27,7 +27,7 @@ from memtrain.patches import NoMatchError, lean_norm, records
 from memtrain.patches import checkpointing as ckpt
 from memtrain.patches import lora as lora_patch
 from memtrain.trainer import build
-from scripts.memprobe import LiveBytes, probe_step
+from scripts.probes.memprobe import LiveBytes, probe_step
 
 FP32 = 1e-6  # relative to the largest gradient entry: fp32 rounding in another order (measured < 5e-7)
 BF16 = 2**-6  # against the fp32 reference: a few bf16 roundings (2^-9 each) of the bf16 model's math
@@ -205,7 +205,7 @@ WIDE = {"hidden_size": HIDDEN, "intermediate_size": 512, "num_hidden_layers": 2,
 
 
 def _peak(model: nn.Module) -> int:
-    """Peak live bytes of a forward + backward (scripts/memprobe.py: no memtrain code)."""
+    """Peak live bytes of a forward + backward (scripts/probes/memprobe.py: no memtrain code)."""
     ids = torch.randint(0, 512, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     model.zero_grad(set_to_none=True)
     with LiveBytes() as probe:

@@ -15,7 +15,7 @@ from memtrain.patches import activation_offload as offload
 from memtrain.patches import apply_patches, records
 from memtrain.patches import checkpointing as ckpt
 from memtrain.trainer.optimizer_offload import OffloadOptimizer, build, host_bytes_needed
-from scripts.memprobe import LiveBytes
+from scripts.probes.memprobe import LiveBytes
 from tests.conftest import TINY_CONFIGS, causal_recipe
 from tests.patches.test_checkpointing import BATCH, SEQ, assert_same_grads, build_model, inputs
 

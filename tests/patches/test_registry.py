@@ -129,10 +129,10 @@ def test_each_cost_hook_adds_known_terms_and_nothing_when_off() -> None:
 
 
 def test_readme_table_of_techniques_is_generated_from_the_registry() -> None:
-    from scripts.gen_docs import readme_md
+    from scripts.tools.gen_docs import readme_md
 
     committed = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert committed == readme_md(committed), "run `python scripts/gen_docs.py` and commit README.md"
+    assert committed == readme_md(committed), "run `python -m scripts.tools.gen_docs` and commit README.md"
     for t in patches.techniques():
         if t.doc is not None:
             assert f"| {t.doc.title} |" in committed

@@ -22,7 +22,7 @@ from memtrain.patches import NoMatchError, records, tiled_mlp
 from memtrain.patches import checkpointing as ckpt
 from memtrain.patches import lora as lora_patch
 from memtrain.trainer import build
-from scripts.memprobe import LiveBytes, probe_step
+from scripts.probes.memprobe import LiveBytes, probe_step
 
 FP32 = 1e-5  # relative to the largest gradient entry; summation order differs between tiles
 BF16 = 2e-2  # a few bf16 roundings (2^-8 each) of the per-tile partial sums
@@ -186,7 +186,8 @@ TOKENS = 256
 
 
 def _peak_and_flops(model: nn.Module) -> tuple[int, int]:
-    """Peak live bytes of a forward + backward (scripts/memprobe.py, no memtrain code) and its FLOPs."""
+    """Peak live bytes of a forward + backward (scripts/probes/memprobe.py, no memtrain code) and its
+    FLOPs."""
     ids = torch.randint(0, 512, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     model.zero_grad(set_to_none=True)
     with LiveBytes() as probe, FlopCounterMode(display=False) as flops:

@@ -56,7 +56,7 @@ def test_the_plan_is_the_longest_length_that_fits_and_the_next_does_not(
 
 def test_exact_length_runs_every_loop_iteration_of_every_trace_and_finds_the_same_length(
         tmp_path: Path, tiny_text_file: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``longest_length(..., exact_length=True)`` (scripts/bench_plan_speed.py's "every iteration"
+    """``longest_length(..., exact_length=True)`` (scripts/bench/planner/plan_speed.py's "every iteration"
     row) reaches every trace of the search, the leanest settings' too, and answers as the elided
     search does. Planted: Search not passing it on -> the calls fail."""
     from memtrain.estimator import estimate as est

@@ -254,7 +254,7 @@ def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
     candidate that keeps at least as much in every field but an offload, and offloads at least as
     much, keeps at least as many host bytes. Checkpointing, activation offload, the tiled MLP
     and the chunked loss, every combination (the lean norm too cost 94 s of the suite; it is in
-    scripts/audit_dominance.py's product). (Planted: the offload's order not reversed on the host
+    scripts/bench/planner/dominance.py's product). (Planted: the offload's order not reversed on the host
     -> a pair breaks it, fails.)"""
     import itertools
 

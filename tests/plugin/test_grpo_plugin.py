@@ -7,7 +7,7 @@ training step (its ``compute_loss`` on the worst-case generation output: every c
 refits the micro-batch of completions while keeping the completions generated at once, and states
 the generation phase (analytic) and what it does not model in the plan's notes.
 
-Measured by memtrain's meter and by ``scripts/memprobe.py`` (no memtrain code): each step's peak
+Measured by memtrain's meter and by ``scripts/probes/memprobe.py`` (no memtrain code): each step's peak
 within [0.95, 1.10] of the prediction (when written: predicted 70,933,056 bytes; measured
 68,873,626 and 70,937,732 by the meter, 68,873,618 and 70,937,724 by memprobe: 1.030 and 0.99993).
 Planted: completions traced at half ``max_completion_length`` predicts 54.7 MiB for 68.9-70.9 measured,
@@ -27,7 +27,7 @@ from plain_trainer import tiny_model
 
 import memtrain
 from memtrain.estimator.trainer_loss import trainer_step_estimate
-from scripts.memprobe import trainer_steps
+from scripts.probes.memprobe import trainer_steps
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl")
@@ -103,7 +103,7 @@ def test_a_grpo_script_with_the_two_lines_is_refitted_planned_and_measured(
     trainer.train()
     assert trainer.state.global_step == 2
     measured = [m.peak_bytes for m in callback.steps.values()]
-    counted = [s["peak"] for s in counter.steps]  # scripts/memprobe.py
+    counted = [s["peak"] for s in counter.steps]  # scripts/probes/memprobe.py
     assert len(counted) == 2 and all(0.95 <= callback.predicted / c <= 1.10 for c in measured + counted), (
         callback.predicted, measured, counted)
     # each phase logged apart, measured (the meter's generation phase: inside the model's generate)

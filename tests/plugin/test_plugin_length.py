@@ -3,7 +3,7 @@ Trainer is handed (its longest batch through its collator, read at ``attach``), 
 model's positions, and says what it assumed until then; every Trainer option of
 :mod:`memtrain.plugin.options` is modelled or said not to be; importing it prints nothing.
 
-Measured by ``scripts/memprobe.py`` (no memtrain code), on a tiny Mistral (256 positions) with a
+Measured by ``scripts/probes/memprobe.py`` (no memtrain code), on a tiny Mistral (256 positions) with a
 small vocabulary, so that the planner runs in seconds."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer
 import memtrain
 from memtrain.errors import MemtrainError
 from memtrain.plugin.options import RULES, Seen, option_notes
-from scripts.memprobe import trainer_steps
+from scripts.probes.memprobe import trainer_steps
 
 VOCAB = 512
 
@@ -57,7 +57,8 @@ def test_without_max_length_a_trainer_script_is_planned_for_its_data_and_measure
     said = " ".join(capsys.readouterr().err.split())
     assert f"predicted peak {memtrain_bytes(plan.predicted_peak)}" in said and "rows of 38 tokens" in said
     trainer.train()
-    # scripts/memprobe.py; the first step holds no optimizer state yet (docs/plugin.md): from the second
+    # scripts/probes/memprobe.py; the first step holds no optimizer state yet (docs/plugin.md): from the
+    # second
     measured = [s["peak"] for s in counter.steps][1:]
     assert measured and all(0.9 <= callback.predicted / m <= 1.1 for m in measured), (callback.predicted,
                                                                                      measured)

@@ -4,7 +4,7 @@ model through the same ``apply_patches`` as ``memtrain train``, in the registry'
 the peak predicted for that model is the one a real ``transformers.Trainer`` step holds.
 
 The model is a tiny Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``), a family neither the CLI nor
-the end-to-end tests build; measured by ``scripts/memprobe.py`` (no memtrain code).
+the end-to-end tests build; measured by ``scripts/probes/memprobe.py`` (no memtrain code).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from memtrain import patches
 from memtrain.errors import MemtrainError
 from memtrain.plugin.apply import planned_fields
 from memtrain.plugin.describe import patch_knobs, patch_names
-from scripts.memprobe import trainer_steps
+from scripts.probes.memprobe import trainer_steps
 
 VOCAB = 512
 FORCED = {"tiled_mlp": True, "lean_norm": True,

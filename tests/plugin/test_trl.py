@@ -8,7 +8,7 @@ user's terms.
 The prediction: ``attach`` traces the trainer's own step (TRL's fused log-prob head, DPO's
 ``[chosen; rejected]`` rows and reference forward, the adapter TRL's ``peft_config=`` adds), so
 every logged predicted peak is within [0.95, 1.15] of the measured one, by memtrain's meter and by
-``scripts/memprobe.py`` (no memtrain code); a step it cannot trace is said to be not modelled.
+``scripts/probes/memprobe.py`` (no memtrain code); a step it cannot trace is said to be not modelled.
 
 Offline: tiny Llama from its config, the MiniLM tokenizer, preference pairs and texts generated
 here. Every TRL config sets ``bf16=False``: TRL defaults to bf16 autocast, which on a CPU rounds
@@ -30,7 +30,7 @@ from plain_trainer import tiny_model
 import memtrain
 from memtrain.estimator.trainer_loss import trainer_step_estimate
 from memtrain.reliability.recovery import UnsplittableBatch
-from scripts.memprobe import trainer_steps
+from scripts.probes.memprobe import trainer_steps
 
 pytestmark = pytest.mark.slow
 trl = pytest.importorskip("trl")
@@ -214,7 +214,7 @@ def test_dpo_with_peft_config_over_budget_is_refitted_and_predicted(tmp_path: Pa
     trainer.train()
     assert all(0.95 <= r <= 1.15 for r in ratios(trainer)), ratios(trainer)
     assert max(m.peak_bytes for m in callback.steps.values()) <= callback.usable
-    counted = [s["peak"] for s in counter.steps]  # scripts/memprobe.py: no memtrain code
+    counted = [s["peak"] for s in counter.steps]  # scripts/probes/memprobe.py: no memtrain code
     assert len(counted) == 3 and all(0.95 <= callback.predicted / c <= 1.15 for c in counted), counted
 
 
@@ -267,6 +267,7 @@ def test_sft_packed_with_peft_config_the_printed_plan_is_the_traced_step(
     assert micro == (found.micro_batch, found.accumulation) == (
         plan.settings["per_device_train_batch_size"], plan.settings["gradient_accumulation_steps"])
     trainer.train()
-    counted = [s["peak"] for s in counter.steps][1:]  # scripts/memprobe.py, once optimizer state exists
+    # scripts/probes/memprobe.py, once optimizer state exists
+    counted = [s["peak"] for s in counter.steps][1:]
     assert counted and all(0.9 <= callback.predicted / c <= 1.1 for c in counted), (
         callback.predicted, counted)

@@ -2,7 +2,7 @@
 
 Memory: after an out-of-memory error inside memtrain's trackers (the meter, the simulated budget),
 the live tensor bytes return to what they were before the attempt, counted by an independent
-counter (``scripts/memprobe.py``'s ``LiveBytes``, which shares no code with ``memtrain.memory``).
+counter (``scripts/probes/memprobe.py``'s ``LiveBytes``, which shares no code with ``memtrain.memory``).
 Side effects: a trainer that counts tokens and appends metrics in ``compute_loss`` (as TRL's do)
 counts each micro-batch of a recovered step once, and recovery's own log entry is stamped with
 the step it redid.
@@ -22,7 +22,7 @@ from transformers import Trainer
 from memtrain.memory.meter import MemoryMeter
 from memtrain.reliability.budget import SimulatedBudget
 from memtrain.reliability.recovery import release_failed_attempt
-from scripts.memprobe import LiveBytes, resident
+from scripts.probes.memprobe import LiveBytes, resident
 from tests.reliability.test_recovery import LENGTHS, oom_when
 
 

@@ -15,7 +15,7 @@ from conftest import causal_recipe, tiny_model
 from memtrain.config import RecipeError, load_recipe
 from memtrain.run.train import train
 from memtrain.trainer import optimizer_in_backward as optim_backward
-from scripts.memprobe import LiveBytes
+from scripts.probes.memprobe import LiveBytes
 
 FULL = {"adapter": {"method": "full"},
         "training": {"max_grad_norm": None, "learning_rate": 1e-3, "weight_decay": 0.01}}

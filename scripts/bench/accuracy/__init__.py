@@ -1,0 +1,1 @@
+"""Does the estimate hold the measured step? memtrain's prediction against an independent count."""

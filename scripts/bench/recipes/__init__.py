@@ -1,0 +1,1 @@
+"""The offline recipes run as a user runs them."""

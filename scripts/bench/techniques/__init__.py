@@ -1,0 +1,1 @@
+"""What each memory technique saves and what it costs, measured."""

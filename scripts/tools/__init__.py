@@ -1,0 +1,1 @@
+"""Maintainers' tools: generated docs and the version table."""
