@@ -78,7 +78,8 @@ class CostInputs:
     micro: int  # rows per micro-batch, each ``data.max_length`` tokens
     parameters: int  # every parameter of the model (4-bit ones at their logical size)
     trainable: int
-    mlp_weights: Callable[[], int]  # elements of every MLP projection of the model (0: none to tile)
+    # a fake model of the recipe with its techniques off, at up to two layers (its shapes; None: none)
+    model: Callable[[], nn.Module | None]
     layer_forward_flops: float  # the trace's forward FLOPs inside the decoder layers, per micro-batch
     # a lower bound: the recipe its trace ran, whose techniques' work the trace counts already
     # (a hook adds the work its technique adds to that trace); None: the candidate's own trace

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -400,6 +401,24 @@ def tiled_recompute_flops(weights: int, tokens: int) -> float:
     return 2.0 * weights * tokens
 
 
+def model_mlp_weights(inputs: CostInputs) -> int:
+    """Elements of every MLP projection of the candidate's model, at least: the lightest of the cost
+    model's layers' MLPs times the depth; 0 where no MLP can be tiled."""
+    model = inputs.model()
+    if model is None:
+        return 0
+    if (known := _MLP_WEIGHTS.get(model)) is None:
+        try:
+            per_layer = mlp_weights(model)
+        except NoMatchError:
+            per_layer = []
+        known = _MLP_WEIGHTS[model] = min(per_layer) if per_layer else 0
+    return known * inputs.shape.depth
+
+
+_MLP_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # per cost model
+
+
 def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
     """The 4-bit weights dequantized once per tile and pass; a lower bound traced without the
     tiling adds each tile's second forward."""
@@ -409,10 +428,10 @@ def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
     if cfg.model.quantization not in ("none", "auto"):
         passes = recompute_passes(cfg.memory.checkpointing, inputs.shape.depth)
         terms["extra_dequantized"] = float(tiled_dequantized(
-            inputs.mlp_weights(), inputs.shape.hidden, inputs.tokens, cfg.memory.tiled_mlp_tiles,
+            model_mlp_weights(inputs), inputs.shape.hidden, inputs.tokens, cfg.memory.tiled_mlp_tiles,
             cfg.memory.tiled_mlp_tile_tokens, passes))
     if inputs.traced is not None and inputs.traced.memory.tiled_mlp is not True:
-        terms["extra_flops"] = tiled_recompute_flops(inputs.mlp_weights(), inputs.tokens)
+        terms["extra_flops"] = tiled_recompute_flops(model_mlp_weights(inputs), inputs.tokens)
     return terms
 
 

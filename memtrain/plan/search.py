@@ -14,7 +14,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtrain.config import RunConfig
 from memtrain.data.rows import Rows
@@ -25,11 +25,14 @@ from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.grpo import generation_phase
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
-from memtrain.patches import CostInputs, ModelShape, NoMatchError, tiled_mlp
+from memtrain.patches import CostInputs, ModelShape, NoMatchError
 from memtrain.plan import costmodel, space
 from memtrain.plan.space import IN_BACKWARD, Candidate, auto_fields, batches, options, rank, with_values
 from memtrain.reliability.budget import HostBudget
 from memtrain.units import format_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 # Predicted step times this close count as equal: the cost model's rank correlation with measured
 # steps was 0.89 over 40 candidates (scripts/bench/planner/planner.py as of commit aa39ed3), not 1. Among
@@ -519,22 +522,19 @@ class Search:
         return seconds / (micro * accumulation) if self.per_example else seconds
 
     @functools.cached_property
-    def mlp_weights(self) -> int:
-        """Elements of every MLP projection's weight in the model, at least (the lightest of two
-        traced layers' MLPs times the depth): from a fake model of the recipe as written with its
-        techniques off; 0 where no MLP can be tiled."""
+    def cost_model(self) -> torch.nn.Module | None:
+        """A fake model of the recipe as written with its techniques off, at up to two layers: the
+        shapes a knob's cost hook reads (``CostInputs.model``); None where no candidate or no model."""
         first = next(self.candidates(), None)  # the projections' shapes are the same in any
         if first is None:  # quantization and adapter: the first candidate's, its techniques off
-            return 0
+            return None
         cfg = with_values(self.cfg, {**first.values, **self._plain(first)})
         config, _ = resolve_config(cfg.model)
         try:
             with fake_tensor_mode(packed=cfg.data.packing), quiet_libraries():
-                model = build_fake_model(cfg, with_depth(config, min(2, self.depth)))
-                per_layer = tiled_mlp.mlp_weights(model)
+                return build_fake_model(cfg, with_depth(config, min(2, self.depth)))
         except NoMatchError:
-            return 0
-        return min(per_layer) * self.depth if per_layer else 0
+            return None
 
     def inapplicable(self, cand: Candidate) -> str | None:
         """Why one of ``cand``'s techniques cannot be applied to this model, or None.
@@ -691,7 +691,7 @@ class Search:
         what stays there all step (weights, state)."""
         offloaded = summary.host_peak_bytes - summary.host_resident_bytes if summary is not None else 0
         inputs = CostInputs(cfg, self.shape, micro, counts.parameters, counts.trainable,
-                            lambda: self.mlp_weights, work.layer_forward_flops, traced)
+                            lambda: self.cost_model, work.layer_forward_flops, traced)
         terms = space.cost_terms(inputs)
         if terms["extra_flops"]:
             work = Work(1, work.flops + terms["extra_flops"], work.ops, work.written, work.optimizer_ops)

@@ -114,11 +114,15 @@ def test_each_cost_hook_adds_known_terms_and_nothing_when_off() -> None:
     assert {k.path for k in costed} >= {"memory.checkpointing", "memory.tiled_mlp", "model.quantization",
                                         "memory.offload.embeddings", "memory.offload.optimizer"}
     shape = ModelShape(depth=4, hidden=1024, vocab=32000)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256))
     for traced in (None, recipe()):  # the candidate's own trace, then a lower bound's plain one
         for k in costed:
             for value in {k.off, *k.options(recipe(), shape)}:
                 cfg = recipe({"adapter.method": "lora", "model.quantization": "nf4", k.path: value})
-                inputs = patches.CostInputs(cfg, shape, 2, 10**9, 10**7, lambda: 3 * 10**8, 1e12, traced)
+                inputs = patches.CostInputs(cfg, shape, 2, 10**9, 10**7, lambda: model, 1e12, traced)
                 terms = k.cost(inputs, value)
                 assert set(terms) <= set(patches.COST_TERMS), (k.path, terms)
                 assert all(v >= 0 for v in terms.values()), (k.path, value, terms)
