@@ -18,7 +18,7 @@
 # imports and a 4-bit layer on CUDA, runs scripts/bench/gpu/gpu.py (page and raw JSON under $OUT; since
 # 2026-11-28 with two GRPO rows after the long-context rows, about 75 s each: issue 38), then
 # the CUDA-only tests. BENCH_BUDGET (seconds, default 420) and TEST_TIMEOUT (default 100) size it
-# to the 10-minute call; extra arguments go to bench_gpu.py (e.g. --skip-calibrate --profile P).
+# to the 10-minute call; extra arguments go to scripts/bench/gpu/gpu.py (e.g. --skip-calibrate --profile P).
 set -u
 T0=$SECONDS
 MODE=gpu

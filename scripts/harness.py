@@ -100,11 +100,12 @@ def quick() -> bool:
     return os.environ.get(QUICK_ENV) == "1"
 
 
-def write(name: str, lines: Iterable[str], out: Path | str | None = None) -> Path:
+def write(name: str, lines: Iterable[str], out: Path | str | None = None, *, trial: bool = False) -> Path:
     """Write a page (``docs/bench/NAME.md`` unless ``out`` says elsewhere) and say where. A quick run
-    writes to a temporary folder instead: a CI-sized run never replaces a committed table."""
+    (or a ``trial``: a benchmark's own reduced mode) writes to a temporary folder instead: a CI-sized
+    run never replaces a committed table."""
     path = Path(out) if out is not None else BENCH / f"{name}.md"
-    if quick() and path.resolve().is_relative_to(BENCH.resolve()):
+    if (quick() or trial) and path.resolve().is_relative_to(BENCH.resolve()):
         path = Path(tempfile.gettempdir()) / "memtrain-bench" / path.name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")

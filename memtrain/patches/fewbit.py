@@ -40,6 +40,7 @@ from memtrain.patches import (
     set_submodule,
 )
 from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, fewbit_table
+from memtrain.patches._fewbit_tables import derivative as derivative  # public here (docs' tables)
 from memtrain.patches._targets import check_every_pattern, default_modules
 
 Config = FewBitConfig

@@ -1,16 +1,13 @@
 """What the technique benchmarks share: a Llama-shaped model from a config (and the same shape as a
-memtrain recipe), one full training step, interleaved timing rounds, the bytes a model and its
-optimizer hold, and the machine's CPU name.
+memtrain recipe), one full training step, and the bytes a model and its optimizer hold. Timing
+rounds, medians and the machine's name are :mod:`scripts.harness`'s.
 
-Measurement side only: no memtrain import (scripts/bench/techniques/lean_norm.py, bench_tiled_mlp.py,
-bench_embedding_offload.py, bench_memory_modes.py and bench_quickstart.py use it beside
-``memprobe``).
+Measurement side only: no memtrain import (scripts/bench/techniques/lean_norm.py, tiled_mlp.py,
+embedding_offload.py, loss_chunk.py and tile_cost.py use it beside ``memprobe``).
 """
 
 from __future__ import annotations
 
-import platform
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,33 +51,9 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> Non
     model.zero_grad(set_to_none=True)
 
 
-def time_rounds(runs: dict[Any, dict[str, Any]], ids: torch.Tensor, rounds: int, say: bool = True) -> None:
-    """Append one step's seconds to each run's ``times`` per round, the runs interleaved (machine
-    noise hits all alike). Each run holds its ``model`` and ``opt``."""
-    import time
-
-    for rep in range(rounds):
-        if say:
-            print(f"timing round {rep + 1}/{rounds} ...", flush=True)
-        for run in runs.values():
-            start = time.perf_counter()
-            step(run["model"], run["opt"], ids)
-            run["times"].append(time.perf_counter() - start)
-
-
 def weights_and_state(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     """Bytes of the model's parameters and the optimizer's state tensors."""
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     return held + sum(v.numel() * v.element_size() for s in opt.state.values()
                       for v in s.values() if isinstance(v, torch.Tensor))
 
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"

@@ -2,8 +2,8 @@
 
     python -m scripts.tools.fewbit_tables [--out docs/fewbit_tables.md]
 
-Every number comes from ``memtrain.patches._fewbit_tables.fewbit_table`` (the function the patch
-itself calls), so the docs show exactly what training uses.
+Every number comes from ``memtrain.patches.fewbit.fewbit_table`` (the function the patch itself
+calls), so the docs show exactly what training uses.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from memtrain.patches._fewbit_tables import FUNCTIONS, FewBitTable, derivative, fewbit_table
+from memtrain.patches.fewbit import FUNCTIONS, FewBitTable, derivative, fewbit_table
 
 MODULES = {
     "gelu": "`nn.GELU()`, transformers `GELUActivation` (`gelu`: BERT, RoBERTa, MiniLM)",

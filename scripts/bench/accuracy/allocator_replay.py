@@ -16,7 +16,6 @@ transient bytes). No number here is fitted to the measured side.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
@@ -26,6 +25,7 @@ from scripts import harness
 
 ROOT = harness.ROOT
 GiB = 2**30
+QUICK = ["--only", "1"]  # the grid's first row (a tiny Llama): one trace and its replay
 
 
 def replay_row(recipe: dict) -> dict:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copyfile(ROOT / "docs" / "bench" / "gpu_calibration_h200.json", copy)
     os.environ["MEMTRAIN_CALIBRATION"] = str(copy)
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    import bench_gpu as bg
+    from scripts.bench.gpu import gpu as bg
 
     raw = json.loads(args.raw.read_text(encoding="utf-8"))
     rows = []
@@ -83,16 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{record['model'][:14]:14} {record['run'][:36]:36} measured gap {gap_measured / GiB:5.2f} "
               f"replay {gap_replay / GiB:5.2f} GiB (alloc {got['peak_allocated'] / GiB:.2f} vs "
               f"{measured['allocated'] / GiB:.2f}) {got['seconds']:.0f} s", flush=True)
-    args.out.write_text(page(rows, raw, argv or sys.argv[1:]), encoding="utf-8")
+    harness.write("allocator_replay", page(rows, raw, argv), out=args.out)
     return 0
 
 
-def page(rows: list[dict], raw: dict, argv: list[str]) -> str:
+def page(rows: list[dict], raw: dict, argv: list[str] | None) -> list[str]:
     meta = raw["meta"]
-    lines = ["# The caching allocator replayed over traced steps, against an H200", "",
-             f"`python -m scripts run allocator_replay {' '.join(argv)}` on {datetime.date.today()}; "
-             "measured: "
-             f"{meta.get('device')} ({meta.get('date')}, torch {meta.get('torch')}, "
+    lines = [*harness.header("The caching allocator replayed over traced steps, against an H200", argv=argv),
+             f"Measured: {meta.get('device')} ({meta.get('date')}, torch {meta.get('torch')}, "
              f"`{meta.get('allocator')}`), docs/bench/gpu_h200.json.", "",
              "Predicted with the H200's calibration profile (docs/bench/gpu_calibration_h200.json) under "
              "`expandable_segments:True`. *Replayed*: a trace of every layer, every loop iteration, "
@@ -122,7 +120,7 @@ def page(rows: list[dict], raw: dict, argv: list[str]) -> str:
     lines += ["", "Reserved within 8% (measured allocated plus the predicted gap): "
               f"replay {hits[0]}/{len(rows)}, estimate {hits[1]}/{len(rows)}, fixed fraction "
               f"{hits[2]}/{len(rows)}.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

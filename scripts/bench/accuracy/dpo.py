@@ -1,6 +1,7 @@
 """The offline DPO recipe: does the reward margin rise, and does the estimate hold the real step?
 
-    python -m scripts run dpo
+    python -m scripts run dpo                       # writes docs/bench/dpo.md
+    python -m scripts run dpo training.max_steps=8  # recipe overrides: a shorter run
 
 Trains ``recipes/tiny-llama-dpo.yaml`` through :func:`memtrain.run.train.train` (TRL's DPOTrainer
 behind memtrain's) with ``scripts/probes/memprobe.py``'s Trainer-step counter attached (live tensor bytes,
@@ -12,13 +13,11 @@ a step of shorter rows holds less), wall time. Writes docs/bench/dpo.md.
 
 from __future__ import annotations
 
-import platform
+import argparse
 import tempfile
 import time
 
 import torch
-import transformers
-import trl
 from rich.console import Console
 
 from scripts import harness
@@ -34,12 +33,18 @@ from scripts.probes.memprobe import trainer_steps  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny-llama-dpo.yaml"
 MIB = 2**20
+# 6 optimizer steps of the same recipe (64 pairs, 4 of them held out): logged at steps 1 and 5
+QUICK = ["data.max_examples=64", "training.max_steps=6"]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="overrides of the recipe (none: the recipe as shipped)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_recipe(RECIPE, [f"output.dir={tmp}/run", "output.report=false"])
+        cfg = load_recipe(RECIPE, [*args.overrides, f"output.dir={tmp}/run", "output.report=false"])
         rows = prepare_data(cfg, load_tokenizer(cfg.model)).rows(cfg)
         predicted = estimate(cfg, rows=rows, device="cpu")
         counter = trainer_steps()
@@ -71,18 +76,16 @@ def main() -> None:
     trend = ["| step | rewards/margins | rewards/accuracies | loss |", "| --- | --- | --- | --- |"]
     trend += [f"| {h['step']} | {h['rewards/margins']:.4f} | {h['rewards/accuracies']:.3f} | "
               f"{h.get('loss', float('nan')):.4f} |" for h in logged]
-    text = "\n".join([
-        "# DPO: the offline recipe", "",
-        f"`python -m scripts run dpo`; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}, {platform.machine()} CPU, one thread.", "",
+    page = [
+        *harness.header("DPO: the offline recipe"), "One CPU thread (`torch.set_num_threads(1)`).", "",
         "`recipes/tiny-llama-dpo.yaml`: a tiny Llama from config (random weights) with LoRA r 16; "
         "pairs from `builtin:shakespeare-preference` (a line as the prompt, the next line chosen, the "
         "same words shuffled rejected). Memory is live tensor bytes on the CPU, counted by "
         "`scripts/probes/memprobe.py` in the real Trainer steps; the estimate is for the longest batch the "
         "data makes (steps of shorter rows hold less; tests/end_to_end/test_dpo.py holds a batch of "
         "one shape to the byte).", "", *lines, "", "Logged every "
-        f"{cfg.training.logging_steps} steps (each entry the mean over those steps):", "", *trend, ""])
-    (ROOT / "docs" / "bench" / "dpo.md").write_text(text, encoding="utf-8")
+        f"{cfg.training.logging_steps} steps (each entry the mean over those steps):", "", *trend, ""]
+    harness.write("dpo", page)
 
 
 if __name__ == "__main__":

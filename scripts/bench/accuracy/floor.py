@@ -1,6 +1,7 @@
 """The memory floor: memtrain's predicted peak for the runs torchtune publishes, side by side.
 
-    python -m scripts run floor          # writes docs/bench/floor.md
+    python -m scripts run floor            # writes docs/bench/floor.md
+    python -m scripts run floor --only 1   # the first row of each table
 
 Each row is a run from torchtune's published tables (README "Memory and training speed", RTX 4090,
 batch 2 x 2048 packed, torch.compile on; docs "Memory optimization overview", Llama-3.2-3B at
@@ -17,12 +18,12 @@ counts: live tensors rounded by the allocator plus the cuBLAS workspaces (the es
 
 from __future__ import annotations
 
-import platform
-import time
+import argparse
 
 from scripts import harness
 
 ROOT = harness.ROOT
+QUICK = ["--only", "1"]  # one estimate (8B QLoRA) and one plan
 
 RECIPE = ROOT / "recipes" / "llama-3.1-8b-qlora.yaml"
 GIB = 2**30
@@ -69,8 +70,9 @@ PLANS: list[tuple[str, str, list[str]]] = [
 ]
 
 
-def plans() -> list[str]:
-    """The PLANS rows: the chosen plan's predicted peak, or the smallest peak when nothing fits."""
+def plans(only: int | None = None) -> list[str]:
+    """The PLANS rows (the first ``only``): the chosen plan's predicted peak, or the smallest peak
+    when nothing fits."""
     from memtrain.config import load_recipe
     from memtrain.plan.planner import NothingFits, plan
     from memtrain.reliability.budget import usable_bytes
@@ -81,7 +83,7 @@ def plans() -> list[str]:
              "the shipped recipe's other settings as they are (default 10% margin, nominal CUDA "
              "overheads unless `memtrain calibrate` measured them on this machine).", "",
              "| run | budget | usable | predicted peak | fits | overrides |", "|---|---|---|---|---|---|"]
-    for label, budget, overrides in PLANS:
+    for label, budget, overrides in PLANS[:only]:
         cfg = load_recipe(RECIPE, overrides)
         usable = usable_bytes(parse_size(budget), cfg.memory.margin_fraction)
         try:
@@ -95,16 +97,15 @@ def plans() -> list[str]:
 
 
 def main() -> None:
-    import torch
-    import transformers
-
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", type=int, default=None, help="the first N rows of each table")
+    args = parser.parse_args()
     from memtrain.estimator.estimate import estimate
 
-    lines = ["# The memory floor: memtrain's prediction vs torchtune's published peaks", "",
-             f"`python -m scripts run floor` on {platform.node()} ({platform.machine()}, torch "
-             f"{torch.__version__}, transformers {transformers.__version__}), "
-             f"{time.strftime('%Y-%m-%d')}. Every row is `memtrain estimate "
-             f"{RECIPE.relative_to(ROOT)} --device cuda` with the overrides shown (common to all: "
+    rows = ROWS[: args.only]
+    lines = [*harness.header("The memory floor: memtrain's prediction vs torchtune's published peaks"),
+             f"Every row is `memtrain estimate {RECIPE.relative_to(ROOT)} --device cuda` with the "
+             "overrides shown (common to all: "
              f"`{' '.join(COMMON)}`). Tensors: predicted live tensor bytes at the step's peak; "
              "allocated: tensors plus what `max_memory_allocated` also counts, the allocator's "
              "512-byte rounding and the cuBLAS workspaces (`cuda_workspaces`, 64 MiB as measured on "
@@ -115,7 +116,7 @@ def main() -> None:
              "| run | torchtune (source) | memtrain tensors | memtrain allocated | ratio | memtrain total | "
              "overrides |", "|---|---|---|---|---|---|---|"]
     within, below = 0, 0
-    for label, published, source, overrides in ROWS:
+    for label, published, source, overrides in rows:
         est = estimate(RECIPE, [*COMMON, *overrides], device="cuda")
         allocated = est.peak_bytes + est.overheads.get("cuda_workspaces", 0) \
             + est.overheads.get("allocator_rounding", 0)
@@ -126,13 +127,11 @@ def main() -> None:
                      f"{allocated / GIB:.2f} GiB | {ratio:.2f} | {est.total_bytes / GIB:.2f} GiB | "
                      f"`{' '.join(overrides)}` |")
         print(lines[-1], flush=True)
-    lines += ["", f"Within 1.10x of torchtune: **{within}/{len(ROWS)}** rows; at or below: "
-              f"**{below}/{len(ROWS)}** (target: all within, at least half at or below).", ""]
-    lines += plans()
+    lines += ["", f"Within 1.10x of torchtune: **{within}/{len(rows)}** rows; at or below: "
+              f"**{below}/{len(rows)}** (target: all within, at least half at or below).", ""]
+    lines += plans(args.only)
     lines += NOTES
-    out = ROOT / "docs" / "bench" / "floor.md"
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {out}")
+    harness.write("floor", lines)
 
 
 NOTES = [

@@ -1,7 +1,7 @@
 """Per-process memory with several processes: predicted (``memtrain.estimate``) vs measured.
 
     python -m scripts run fsdp            # writes docs/bench/fsdp.md (about 9 minutes on 2 cores)
-    python -m scripts run fsdp --quick    # 2 processes only, fp32 and QLoRA: a smoke run
+    python -m scripts run fsdp --quick    # 2 processes only, fp32 and QLoRA: a smoke run, its page not kept
 
 For full fine-tuning, LoRA and QLoRA, in fp32 and bf16 (QLoRA: bf16 only, its 4-bit weights
 compute in bf16), at 1, 2 and 4 processes and every ``distributed.sharding`` (``none``: DDP
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from typing import Any
 from scripts import harness
 
 ROOT = harness.ROOT
+QUICK = ["--quick"]  # the script's own: 2 processes, fp32 full and QLoRA only
 
 OUT = ROOT / "docs" / "bench" / "fsdp.md"
 RECIPE = ROOT / "recipes" / "tiny-llama-shakespeare.yaml"
@@ -88,7 +88,8 @@ def corpus(folder: Path) -> Path:
     """Examples of exactly ``SEQ / 2`` token ids: packed, every training row holds two, none padded."""
     path = folder / "halves.jsonl"
     rows = [{"input_ids": [1000 + (i * 7 + j) % 5000 for j in range(SEQ // 2)]} for i in range(128)]
-    path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    with path.open("w", encoding="utf-8") as file:  # training data in a temporary folder, not a page
+        file.write("\n".join(json.dumps(r) for r in rows))
     return path
 
 
@@ -147,21 +148,11 @@ def mib(n: int) -> str:
 
 
 def render(table: list[Row], measured: dict[Row, list[int]], predicted: dict[Row, int],
-           seconds: float) -> str:
-    import accelerate
-    import bitsandbytes
-    import torch
-    import transformers
-
+           seconds: float) -> list[str]:
     lines = [
-        "# Several processes: predicted vs measured per-process peak",
-        "",
-        "Command: `python -m scripts run fsdp` "
-        f"({seconds / 60:.0f} minutes on this machine; `--quick` for a smoke run).",
-        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, accelerate "
-        f"{accelerate.__version__}, bitsandbytes {bitsandbytes.__version__}, "
-        f"Python {platform.python_version()}.",
-        f"Machine: {platform.machine()} CPU, {os.cpu_count()} cores shared by the processes, gloo.",
+        *harness.header("Several processes: predicted vs measured per-process peak"),
+        f"{seconds / 60:.0f} minutes on this machine, its cores shared by the processes (gloo); `--quick` "
+        "for a smoke run.",
         "",
         f"Model: tiny Llama from a config (hidden 128, 2 layers, untied 30,522-token embeddings; "
         f"`recipes/{RECIPE.name}` with overrides), AdamW, micro-batch {MICRO} × {SEQ} tokens per "
@@ -188,7 +179,7 @@ def render(table: list[Row], measured: dict[Row, list[int]], predicted: dict[Row
     lines += ["", f"Largest error: {worst:.3%} over {len(table)} rows (target: 2%). Every process of a "
               f"run measured the same peak in {same} of the {len(several)} runs with several processes.",
               "", READING.format(**_quoted(measured))]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _quoted(measured: dict[Row, list[int]]) -> dict[str, str]:
@@ -199,9 +190,12 @@ def _quoted(measured: dict[Row, list[int]]) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="2 processes, fp32 full and QLoRA only")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 processes, fp32 full and QLoRA only; the page written to a temporary folder")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
+    if args.quick:
+        os.environ[harness.QUICK_ENV] = "1"  # a smoke run: harness.write keeps its page out of docs/bench
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from memtrain import estimate
@@ -213,11 +207,9 @@ def main() -> None:
         data = corpus(folder)
         predicted = {r: estimate(recipe(folder, data, r)).total_bytes for r in table}
         measured = measure(folder, data, table)
-    text = render(table, measured, predicted, time.perf_counter() - start)
-    sys.stdout.write(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
+    lines = render(table, measured, predicted, time.perf_counter() - start)
+    print("\n".join(lines))
+    harness.write("fsdp", lines, out=args.out)
 
 
 if __name__ == "__main__":

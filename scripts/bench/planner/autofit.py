@@ -51,8 +51,6 @@ import csv
 import gc
 import logging
 import os
-import platform
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -65,7 +63,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import accelerate
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -83,7 +80,6 @@ from memtrain.trainer.trainer import build_trainer, optimizer_arguments
 from scripts.probes.memprobe import trainer_steps
 
 ROOT = harness.ROOT
-OUT = ROOT / "docs" / "bench" / "autofit.md"
 EFFECTIVE = 12
 # Fixed budgets, the same for both models (see the module docstring); --quick takes 2.
 BUDGETS_MIB = (100, 120, 140, 165)
@@ -394,10 +390,10 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         over = sum(1 for r in rows if r[key]["counted"] is not None and r[key]["counted"] > r["budget"])
         enough = sum(s >= 0.95 for s in share)
         refused = sum(1 for m in runs if m.get("refused"))
-        speed = (f"median {statistics.median(ratios):.2f}×, min {min(ratios):.2f}×"
+        speed = (f"median {harness.median(ratios):.2f}×, min {min(ratios):.2f}×"
                  if key != "hf" and ratios else "—")
         cells[key] = [f"{no_fail:.0%} of cases", speed,
-                      f"min {min(share):.0%}, median {statistics.median(share):.0%} ({enough}/{len(share)} "
+                      f"min {min(share):.0%}, median {harness.median(share):.0%} ({enough}/{len(share)} "
                       "cases ≥ 95%)" if share else "—",
                       f"{'always' if kept else 'not always'} ({len(trained)} runs that trained)",
                       f"{len(trained) - over} of {len(trained)}",
@@ -410,6 +406,9 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     for i, label in enumerate(labels):
         out.append(f"| {label} | {cells['mt'][i]} | {cells['mt1'][i]} | {cells['hf'][i]} |")
     return out
+
+
+QUICK = ["--quick"]  # CI-sized: one model, two budgets
 
 
 def main() -> None:
@@ -427,16 +426,10 @@ def main() -> None:
         for s in setups(Path(tmp), args.quick):
             peaks[s.name] = {}
             rows += bench(s, Path(tmp), BUDGETS_MIB[1::3] if args.quick else BUDGETS_MIB, peaks[s.name])
-    load = os.getloadavg()
-    command = "python -m scripts run autofit" + (" --quick" if args.quick else "")
     lines = [
-        "# Auto-fit micro-batch vs `auto_find_batch_size`", "",
-        f"Command: `{command}`  ",
-        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, accelerate "
-        f"{accelerate.__version__}, Python {platform.python_version()}  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU, torch threads {args.threads}; "
-        f"load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (cores shared with other "
-        f"jobs); total run {time.perf_counter() - start:.0f} s.", "",
+        *harness.header("Auto-fit micro-batch vs `auto_find_batch_size`"),
+        f"Torch threads {args.threads}, the cores shared with other jobs; total run "
+        f"{time.perf_counter() - start:.0f} s.", "",
         __doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0], "",
         "Budgets are simulated on CPU (live tensor bytes, no allocator caching). *Failed attempts*: "
         "out-of-memory errors before optimizer step 1 completed (HF: loop restarts; memtrain: probe steps "
@@ -459,10 +452,8 @@ def main() -> None:
                                       for m in sorted({m for q in peaks.values() for m in q})) + " |"
           for name, p in peaks.items()], "",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.quick:
-        OUT.write_text(text, encoding="utf-8")
+    print("\n".join(lines))
+    harness.write("autofit", lines, trial=args.quick)
 
 
 if __name__ == "__main__":

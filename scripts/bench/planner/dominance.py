@@ -28,6 +28,10 @@ import time
 from memtrain.config import load_recipe
 from memtrain.plan.search import Search
 
+# CI-sized: the quickstart's 4 candidates at 128 tokens.
+QUICK = ["--recipe", "recipes/quickstart.yaml", "--length", "128", "--device", "cpu",
+         "--set", "memory.checkpointing=auto", "--set", "memory.offload.activations=auto"]
+
 LONG_CONTEXT = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
                 "training.effective_batch_size=1", "training.gradient_accumulation=1",
                 "memory.host_budget=256GiB", "memory.checkpointing=auto", "memory.loss=auto",

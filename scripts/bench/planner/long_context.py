@@ -26,13 +26,8 @@ found, and the bytes each added token costs between rows. Writes docs/bench/long
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import sys
 import time
-
-import torch
-import transformers
 
 from memtrain.config import MemoryConfig, load_recipe
 from memtrain.errors import MemtrainError
@@ -43,10 +38,11 @@ from memtrain.reliability.budget import usable_bytes
 from scripts import harness
 
 GiB = 2**30
-OUT = harness.ROOT / "docs" / "bench" / "long_context.md"
 RECIPE = "recipes/llama-3.1-8b-qlora.yaml"
 HOST_BUDGET = 256 * GiB  # a GPU server's RAM (issue 27: memory.host_budget=256GiB)
 # Unsloth's published longest context (tokens), Llama-3.1-8B QLoRA r32, batch 1, by GPU memory (GB).
+# CI-sized: one searched row (8 GiB), nothing extrapolated.
+QUICK = ["--sizes", "8"]
 UNSLOTH = {8: 2_972, 12: 21_848, 16: 40_724, 24: 78_475, 40: 153_977, 48: 191_728, 80: 342_733}
 # Beyond the model's 131,072 positions (the longest rows plan 212,736 tokens and more): YaRN
 EXTEND = ("model.config_overrides={rope_scaling: {rope_type: yarn, factor: 8, "
@@ -142,11 +138,7 @@ OVERHEADS = ("cuda_context", "fragmentation")
 
 def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: float) -> None:
     lines = [
-        "# Longest context: Llama-3.1-8B QLoRA r32, batch 1 (issue 27)",
-        "",
-        f"`python -m scripts run long_context {' '.join(sys.argv[1:])}` on "
-        f"{datetime.date.today()}, "
-        f"{platform.machine()}, torch {torch.__version__}, transformers {transformers.__version__}; "
+        *harness.header("Longest context: Llama-3.1-8B QLoRA r32, batch 1 (issue 27)"),
         f"{seconds:.0f} s. **Planned, not trained**: every figure is memtrain's estimate for a CUDA "
         "GPU (`memtrain estimate --device cuda`: fake-tensor traces of the real training step, plus "
         "the CUDA context, cuBLAS workspaces and allocator fragmentation as `memtrain calibrate`'s "
@@ -214,8 +206,8 @@ def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: floa
                if previous and tokens > previous[0] else "-")
         lines.append(f"| {gb} GiB | {tokens:,} | " + " | ".join(cells) + f" | {per} |")
         previous = (tokens, est.total_bytes)
-    OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
+    harness.write("long_context", lines)
 
 
 if __name__ == "__main__":

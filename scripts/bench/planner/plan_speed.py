@@ -24,11 +24,8 @@ Writes docs/bench/plan_speed.md with the machine's load when it started.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +33,6 @@ import tempfile
 from scripts import harness
 
 ROOT = harness.ROOT
-OUT = ROOT / "docs" / "bench" / "plan_speed.md"
 RECIPE = "recipes/llama-3.1-8b-qlora.yaml"
 EXTEND = ("model.config_overrides={rope_scaling: {rope_type: yarn, factor: 8, "
           "original_max_position_embeddings: 131072}}")
@@ -46,6 +42,8 @@ SETTINGS = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
             "memory.tiled_mlp=true", "memory.offload.embeddings=true", "memory.host_budget=256GiB",
             "memory.lean_norm=true", EXTEND]
 GiB = 2**30
+# CI-sized: the estimates at 4,096 and 1,024 tokens and the quickstart plan; no 8B plan.
+QUICK = ["--tokens", "4096", "--whole-tokens", "1024", "--sizes", "--whole-sizes", "--timeout", "300"]
 AUTO = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1", "training.effective_batch_size=1",
         "training.gradient_accumulation=1", "data.max_length=auto", "memory.host_budget=256GiB",
         "memory.checkpointing=auto", "memory.loss=auto", "memory.tiled_mlp=auto",
@@ -99,7 +97,7 @@ def median(argv: list[str], repeat: int, timeout: float) -> tuple[float | None, 
     runs = [timed(argv, timeout) for _ in range(repeat)]
     seconds = [s for s, _ in runs if s is not None]
     result = next((r for _, r in runs if r is not None), None)
-    return (statistics.median(seconds) if len(seconds) == len(runs) else None), result
+    return (harness.median(seconds) if len(seconds) == len(runs) else None), result
 
 
 def cli(*args: str) -> list[str]:
@@ -163,15 +161,9 @@ def _plan(result: dict) -> str:
 
 
 def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float, float]) -> None:
-    import torch
-    import transformers
-
     lines = [
-        "# Planning speed: estimates and plans at long contexts (issue 37)",
-        "",
-        f"`python -m scripts run plan_speed {' '.join(sys.argv[1:])}` on "
-        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}; load average {load[0]:.1f} / {load[1]:.1f} / "
+        *harness.header("Planning speed: estimates and plans at long contexts (issue 37)"),
+        f"Load average {load[0]:.1f} / {load[1]:.1f} / "
         f"{load[2]:.1f} when it started. **The machine was shared and loaded: absolute times are "
         "inflated; compare rows of this run.** Seconds are `/usr/bin/time` wall time of a fresh "
         f"process (imports included), median of {args.repeat}.",
@@ -190,8 +182,7 @@ def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float,
     ]
     for what, at, how, seconds, result in rows:
         lines.append(f"| {what} | {at} | {how} | {'-' if seconds is None else f'{seconds:.1f}'} | {result} |")
-    OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {OUT}")
+    harness.write("plan_speed", lines)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ import contextlib
 import io
 import logging
 import os
-import platform
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -94,6 +93,8 @@ class Case:
     lora: bool = False  # adapter.method left `auto` too (LoRA allowed)
 
 
+# CI-sized: one case (the runs without a technique and the roomy budget's pick).
+QUICK = ["--cases", "roomy"]
 CASES = [
     Case("roomy", 600, "everything fits: no technique is needed"),
     Case("accumulate", 330, "micro-batch 2 fits without a technique, 4 only with the chunked loss"),
@@ -228,9 +229,11 @@ def label(key: tuple | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "planner.md"))
+    parser.add_argument("--out", default=str(harness.BENCH / "planner.md"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier timings)")
+    parser.add_argument("--cases", nargs="*", help="only these cases (by name); default: every one")
     args = parser.parse_args()
+    cases = [c for c in CASES if args.cases is None or c.name in args.cases]
     torch.set_num_threads(args.threads)
     logging.disable(logging.WARNING)
     transformers.logging.set_verbosity_error()
@@ -239,7 +242,7 @@ def main() -> None:
         bench = Bench(Path(tmp))
         plain = {m: bench.run(bench.settings({}, m)) for m in (4, 2, 1)}
         results = []
-        for case in CASES:
+        for case in cases:
             budget = case.budget_mib * MiB
             picked, second, plan_s = bench.plan(case)
             for key in (picked, second):
@@ -250,8 +253,8 @@ def main() -> None:
             print(f"{case.name}: planner {label(picked)}; trivial {label(trivial)}", flush=True)
         bench.retime()
         text = report(bench, plain, results, args.threads, time.perf_counter() - began)
-    Path(args.out).write_text(text, encoding="utf-8")
     print(text)
+    harness.write("planner", text.splitlines(), out=args.out)
 
 
 def report(bench: Bench, plain: dict[int, Measured], results: list, threads: int, seconds: float) -> str:
@@ -284,16 +287,9 @@ def report(bench: Bench, plain: dict[int, Measured], results: list, threads: int
             f"{_mib(t.peak) if t else '—'} | {failed} | {f'{t.step:.3f}' if t else '—'} | {verdict} | "
             f"{label(second)} | {f'{runs[second].step:.3f}' if second else '—'} | "
             f"{label(fastest)} | {f'{runs[fastest].step:.3f}' if fastest else '—'} |")
-    load = os.getloadavg()
     lines = [
-        "# Planner benchmark: the pick judged on real runs", "",
-        "Command: `python -m scripts run planner"
-        + (f" --threads {threads}" if threads != 1 else "") + "`  ",
-        f"Versions: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"Python {platform.python_version()}  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), no GPU, "
-        f"torch threads {threads}; load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; "
-        f"total run {seconds:.0f} s", "",
+        *harness.header("Planner benchmark: the pick judged on real runs"),
+        f"Torch threads {threads}; the machine shared with other jobs; total run {seconds:.0f} s.", "",
         __doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0].replace("Writes docs/bench/planner.md.", ""), "",
         f"**The planner's pick fits the budget (memprobe's count of the real step) in {fits} of "
         f"{len(results)} cases. Against the trivial rule: better in {len(beats)} "

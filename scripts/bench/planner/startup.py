@@ -17,14 +17,10 @@ commands. The 70B estimate also runs with its two traces one after the other
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
-from importlib.metadata import version
 
 from scripts import harness
 
@@ -56,10 +52,13 @@ def wall_time(command: list[str], extra: dict[str, str]) -> float:
     return took
 
 
+QUICK = ["--quick", "--repeats", "2"]  # CI-sized: the two light commands, twice
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="the two light commands only, nothing written")
+    parser.add_argument("--quick", action="store_true", help="the two light commands only")
     args = parser.parse_args()
     commands = COMMANDS[:2] if args.quick else COMMANDS
     times: list[list[float]] = [[] for _ in commands]
@@ -69,16 +68,13 @@ def main() -> None:
         print(f"round {round_ + 1}: " + ", ".join(f"{t[-1]:.2f}" for t in times), flush=True)
     rows = ["| command | best s | median s |", "|---|---:|---:|"]
     for (name, _, _), took in zip(commands, times, strict=True):
-        rows.append(f"| `{name}` | {min(took):.2f} | {statistics.median(took):.2f} |")
+        rows.append(f"| `{name}` | {min(took):.2f} | {harness.median(took):.2f} |")
     print("\n".join(rows))
-    if args.quick:
-        return
-    text = "\n".join([
-        "# CLI start-up and the 70B estimate", "",
-        f"`python -m scripts run startup` on {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, {datetime.date.today().isoformat()}, Python {platform.python_version()}, "
-        f"{_versions()}; each command {args.repeats} times in a fresh process, in rounds (wall time, "
-        "imports included).", "", *rows, "",
+    harness.write("startup", [
+        *harness.header("CLI start-up and the 70B estimate",
+                        libraries=("torch", "transformers", "peft", "bitsandbytes", "torchao")),
+        f"Each command {args.repeats} times in a fresh process, in rounds (wall time, imports included).",
+        "", *rows, "",
         "The library rows are what loading the libraries an estimate of a QLoRA recipe loads (torch, "
         "transformers' model classes and Trainer, peft, bitsandbytes) costs on this machine before any "
         "of memtrain's work, leaving as `memtrain` does (`os._exit` once its work and exit handlers are "
@@ -86,17 +82,7 @@ def main() -> None:
         "`memtrain` command does, with bitsandbytes' import-time `torch.compile` calls deferred and "
         "`datasets` loaded on first use (memtrain/lazy_setup.py). The 70B estimate's own work is its "
         "time above the floor; its last row traces depths 2 and 3 one after the other instead of side "
-        "by side (memtrain/estimator/pool.py).", ""])
-    out = ROOT / "docs" / "bench" / "startup.md"
-    out.write_text(text, encoding="utf-8")
-    print(f"wrote {out}")
-
-
-def _versions() -> str:
-    """The libraries the estimate loads, by their installed metadata (without importing them)."""
-    return ", ".join(f"{name} {version(name)}" for name in
-                     ("torch", "transformers", "peft", "bitsandbytes", "torchao"))
-
+        "by side (memtrain/estimator/pool.py)."], trial=args.quick)
 
 if __name__ == "__main__":
     main()

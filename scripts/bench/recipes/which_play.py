@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import platform
-import sys
 import time
 
 import torch
-import transformers
 
 from memtrain.data.prepare import load_splits
 from memtrain.run.inference import generate, load_run
 from scripts import harness
+
+QUICK = None
+QUICK_WHY = "it scores a trained run (give its folder); training the recipe takes minutes"
 
 
 def _norm(tok, text: str) -> str:
@@ -51,10 +51,9 @@ def main() -> None:
     seconds = time.perf_counter() - start
     n = sum(totals.values())
     lines = [
-        f"Command: `python -m scripts run which_play {args.run_dir}` after "
-        f"`memtrain train recipes/tiny-llama-which-play.yaml`; torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, {platform.machine()} CPU "
-        f"({torch.get_num_threads()} threads); {n} held-out lines, greedy answers, {seconds:.0f} s.",
+        *harness.header("Which play? (recipes/tiny-llama-which-play.yaml)"),
+        f"After `memtrain train recipes/tiny-llama-which-play.yaml`; {torch.get_num_threads()} torch "
+        f"threads; {n} held-out lines, greedy answers, {seconds:.0f} s.",
         "",
         "| play | held-out lines | answered exactly |",
         "| --- | --- | --- |",
@@ -64,13 +63,9 @@ def main() -> None:
         f"Answers that are one of the {len(titles)} titles: {valid / n:.3f}. Majority-class "
         f"baseline: {max(totals.values()) / n:.3f}; chance: {1 / len(totals):.3f}.",
     ]
-    text = "\n".join(lines)
-    print(text)
+    print("\n".join(lines))
     if args.write:
-        out = harness.ROOT / "docs" / "bench" / "which_play.md"
-        out.write_text("# Which play? (recipes/tiny-llama-which-play.yaml)\n\n" + text + "\n",
-                       encoding="utf-8")
-        print(f"wrote {out}", file=sys.stderr)
+        harness.write("which_play", lines)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import platform
-import statistics
 from typing import Any
 
 import torch
-import transformers
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
@@ -38,10 +34,10 @@ from memtrain.estimator.estimate import estimate
 from memtrain.patches import embedding_offload
 from scripts import harness
 from scripts.probes.memprobe import LiveBytes, resident
-from scripts.probes.steps import llama, step, time_rounds
+from scripts.probes.steps import llama, step
 
 MiB, GiB = 2**20, 2**30
-OUT = harness.ROOT / "docs" / "bench" / "embedding_offload.md"
+QUICK = ["--quick"]
 RECIPE = "recipes/llama-3.1-8b-qlora.yaml"
 LONG_CONTEXT = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
                 "training.effective_batch_size=1", "training.gradient_accumulation=1",
@@ -120,10 +116,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(0))
     runs = measure(args, ids)
-    time_rounds(runs, ids, args.rounds, say=False)
-    plain_time = statistics.median(runs["plain"]["times"])
+    times = harness.rounds({name: (lambda run=run: step(run["model"], run["opt"], ids))
+                            for name, run in runs.items()}, args.rounds, say=False)
+    for name, run in runs.items():
+        run["times"] = times[name]
+    plain_time = harness.median(runs["plain"]["times"])
     lines = [
-        "# Embedding offload (`memory.offload.embeddings`): memory and step time", "",
+        *harness.header("Embedding offload (`memory.offload.embeddings`): memory and step time"),
         f"Measured: Llama-shaped, {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab:,}, "
         "untied; LoRA r16 on every linear layer of the blocks (peft), fp32, AdamW, one row of "
         f"{args.seq} tokens. Bytes: exact live tensor bytes of a steady-state step on CPU "
@@ -136,19 +135,16 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, run in runs.items():
-        median = statistics.median(run["times"])
+        median = harness.median(run["times"])
         lines.append(f"| {name} | {run['all'] / MiB:.1f} | {run['host'] / MiB:.1f} | "
-                     f"{(run['all'] - run['host']) / MiB:.1f} | {median:.3f} | {median / plain_time:.2f} |")
+                     f"{(run['all'] - run['host']) / MiB:.1f} | {median:.3f} | "
+                     f"{harness.ratio(median, plain_time):.2f} |")
     print("\n".join(lines), flush=True)
     lines += ["", "Planned for a GPU (`memtrain estimate --device cuda`; no GPU measured it): "
               f"`{RECIPE}` with {', '.join(f'`{s}`' for s in LONG_CONTEXT)}; 8 GiB GPU: 7.2 GiB usable.", ""]
     lines += planned(args.quick)
-    lines += ["", "Command: `python -m scripts run embedding_offload`  ",
-              f"{datetime.date.today()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-              f"Python {platform.python_version()}, {platform.machine()}"]
-    if not args.quick:
-        OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
+    harness.write("embedding_offload", lines, trial=args.quick)
 
 
 if __name__ == "__main__":

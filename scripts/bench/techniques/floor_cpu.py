@@ -1,6 +1,7 @@
 """The floor techniques on this CPU: saving and cost of each, measured by an independent counter.
 
     python -m scripts run floor_cpu          # writes docs/bench/floor_cpu.md
+    python -m scripts run floor_cpu --quick  # the third section only (short batch, ~2 s a row)
 
 Two models: the `tiny-llama-shakespeare` recipe's model (vocabulary 30,522, full training, micro-
 batch 16 x 128 tokens) and a Qwen-shaped tiny model with Qwen2's 151,936-token vocabulary (same
@@ -22,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
-import statistics
-import time
 from pathlib import Path
 
 from scripts import harness
 
 ROOT = harness.ROOT
+QUICK = ["--sections", "3"]  # the short batch: its four rows take seconds, the other sections minutes
 
 MIB = 2**20
 RECIPE = ROOT / "recipes" / "tiny-llama-shakespeare.yaml"
@@ -76,13 +75,9 @@ def measure(overrides: list[str]) -> dict[str, float]:
             probe.reset_peak()
             step()
         measured = before + probe.device_peak
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        times = harness.rounds({"step": step}, 3, say=False)["step"]
     predicted = estimate(copy.deepcopy(cfg), device="cpu").peak_bytes
-    return {"measured": measured / MIB, "predicted": predicted / MIB, "seconds": statistics.median(times)}
+    return {"measured": measured / MIB, "predicted": predicted / MIB, "seconds": harness.median(times)}
 
 
 def _bf16_support() -> str:
@@ -98,25 +93,27 @@ def _bf16_support() -> str:
 
 def main() -> None:
     import torch
-    import transformers
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sections", type=int, nargs="+", choices=range(1, len(SECTIONS) + 1), default=None,
+                        help="only these sections, numbered as on the page (default: all); a part of "
+                        "the page goes to a temporary folder")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from memtrain.memory import hostmem
 
     hostmem.keep_freed_pages()  # as `memtrain train` on a CPU
-    lines = ["# The floor techniques on a CPU: measured saving and cost", "",
-             f"`python -m scripts run floor_cpu --threads {args.threads}` on {platform.node()} "
-             f"({platform.machine()}, {_bf16_support()}, torch {torch.__version__}, "
-             f"transformers {transformers.__version__}), {time.strftime('%Y-%m-%d')}. "
+    lines = [*harness.header("The floor techniques on a CPU: measured saving and cost"),
+             f"{args.threads} intra-op thread(s); this CPU: {_bf16_support()}. "
              "Measured: exact live tensor bytes on CPU from `scripts/probes/memprobe.py` (independent of "
              "memtrain's meter). Predicted: `memtrain.estimate` (`--device cpu`). "
              f"Recipe `{RECIPE.relative_to(ROOT)}` with `{' '.join(BASE)}`. "
              "Step seconds are the median of 3 steps on 1 thread: the cost of each technique on "
              "this CPU, noisy when the machine is shared.", ""]
-    for model_label, extra, settings in SECTIONS:
+    for number, (model_label, extra, settings) in enumerate(SECTIONS, 1):
+        if args.sections and number not in args.sections:
+            continue
         lines += [f"## {model_label}", "",
                   "| setting | measured peak | predicted | predicted − measured | vs first row | step s |",
                   "|---|---|---|---|---|---|"]
@@ -126,12 +123,10 @@ def main() -> None:
             first = first or row
             lines.append(f"| {label} | {row['measured']:.1f} MiB | {row['predicted']:.1f} MiB | "
                          f"{row['predicted'] - row['measured']:+.2f} MiB | "
-                         f"{row['measured'] / first['measured']:.2f}x | {row['seconds']:.3f} |")
+                         f"{harness.times(row['measured'], first['measured'])} | {row['seconds']:.3f} |")
             print(lines[-1], flush=True)
         lines.append("")
-    out = ROOT / "docs" / "bench" / "floor_cpu.md"
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {out}")
+    harness.write("floor_cpu", lines, trial=bool(args.sections))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """What keeping freed CPU memory (``memtrain.memory.hostmem``) changes: page faults and seconds per step.
 
-    python -m scripts run hostmem   # ~6 min on 2 CPU cores
+    python -m scripts run hostmem           # ~6 min on 2 CPU cores
+    python -m scripts run hostmem --quick   # one process a side, the planner bench's model, one round
 
 The setting is process-wide and one-way, so each side runs in its own process: glibc's default
-allocator, then with :func:`memtrain.memory.hostmem.keep_freed_pages`, twice each in alternation (slow
-phases of a shared machine then hit both sides). Each process builds full fine-tuning steps of two
-Llama-shaped models from config at several micro-batches (same effective batch, so the same work
-per optimizer step), runs one warm-up step each, then ``--rounds`` rounds of one timed step per
-micro-batch in a new order each round, counting the minor page faults of every step
-(``getrusage``). Reported: the median over both processes of a side. Also: the fault cost of one
+allocator, then with :func:`memtrain.memory.hostmem.keep_freed_pages`, twice each (``--processes``) in
+alternation (slow phases of a shared machine then hit both sides). Each process builds full fine-tuning
+steps of two Llama-shaped models (``--models``) from config at several micro-batches (same effective
+batch, so the same work per optimizer step), runs one warm-up step each, then ``--rounds`` rounds of
+one timed step per micro-batch in a new order each round, counting the minor page faults of every
+step (``getrusage``). Reported: the median over both processes of a side. Also: the fault cost of one
 64 MiB tensor allocated and written, against writing a kept one. Writes docs/bench/hostmem.md.
 """
 
@@ -16,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from scripts import harness
+
+# CI-sized: one process a side, the smaller model only, one timed round
+QUICK = ["--processes", "1", "--models", "planner", "--rounds", "1"]
 
 # The earlier planner benchmark's model (scripts/bench/planner/planner.py before issue 26): full fine-tuning
 # of a 6-layer Llama from config, sequence 128.
@@ -77,7 +81,7 @@ class Runner:
         return time.perf_counter() - start
 
 
-def child(keep: bool, rounds: int, threads: int) -> dict:
+def child(keep: bool, rounds: int, threads: int, models: list[str]) -> dict:
     import torch
     import yaml
 
@@ -101,6 +105,8 @@ def child(keep: bool, rounds: int, threads: int) -> dict:
     write_s = (time.perf_counter() - start) / 10
     runners = {}
     for name, (kind, effective, micros) in MODELS.items():
+        if kind not in models:
+            continue
         if kind == "planner":
             base = load_recipe(PLANNER_RECIPE)
         else:
@@ -129,49 +135,52 @@ def child(keep: bool, rounds: int, threads: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/bench/hostmem.md")
+    parser.add_argument("--out", default=None, help="the page to write (default docs/bench/hostmem.md)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--processes", type=int, default=2, help="processes a side, alternating")
+    kinds = sorted({kind for kind, _, _ in MODELS.values()})
+    parser.add_argument("--models", nargs="+", choices=kinds, default=kinds,
+                        help="the models to step (planner: the earlier planner benchmark's, tiny: "
+                        "tiny-llama-shakespeare; fewer write the page to a temporary folder)")
     parser.add_argument("--child", choices=["default", "kept"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child == "kept", args.rounds, args.threads)))
+        print(json.dumps(child(args.child == "kept", args.rounds, args.threads, args.models)))
         return
     results: dict[str, list[dict]] = {"default": [], "kept": []}
-    for _ in range(2):
+    for _ in range(args.processes):
         for side in results:
-            out = subprocess.run([sys.executable, __file__, "--child", side, "--rounds", str(args.rounds),
-                                  "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, "-m", "scripts.bench.techniques.hostmem", "--child", side,
+                                  "--rounds", str(args.rounds), "--threads", str(args.threads),
+                                  "--models", *args.models],
+                                 capture_output=True, text=True, check=True, cwd=harness.ROOT)
             results[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    import torch
 
     def pooled(side: str, index: int) -> tuple[float, float]:
         steps = [r["steps"][index] for r in results[side]]
-        return (statistics.median(t for s in steps for t in s[2]),
-                statistics.median(f for s in steps for f in s[3]))
+        return (harness.median(t for s in steps for t in s[2]),
+                harness.median(f for s in steps for f in s[3]))
 
     rows = []
     for i, (name, micro, *_) in enumerate(results["default"][0]["steps"]):
         (d_s, d_f), (k_s, k_f) = pooled("default", i), pooled("kept", i)
         rows.append(f"| {name} | {micro} | {d_f * 4096 / 2**20:,.0f} | {k_f * 4096 / 2**20:,.0f} "
-                    f"| {d_s:.3f} | {k_s:.3f} | {d_s / k_s:.2f}x |")
+                    f"| {d_s:.3f} | {k_s:.3f} | {harness.times(d_s, k_s)} |")
     first = {side: results[side][0] for side in results}
     page_us = {side: (r["fresh_s"] - r["write_s"]) / max(r["fresh_faults"], 1) * 1e6
                for side, r in first.items()}
+    pooled_over = "both processes" if args.processes == 2 else f"{args.processes} process(es)"
     lines = [
-        "# Keeping freed CPU memory (`memtrain.memory.hostmem`)", "",
-        f"Command: `python -m scripts run hostmem` (--rounds {args.rounds}, "
-        f"--threads {args.threads})  ",
-        f"Versions: torch {torch.__version__}, glibc {platform.libc_ver()[1]}, "
-        f"Python {platform.python_version()}  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU; load average at the end "
-        f"{os.getloadavg()[0]:.1f}", "",
+        *harness.header("Keeping freed CPU memory (`memtrain.memory.hostmem`)"),
+        f"glibc {platform.libc_ver()[1]}; {args.threads} intra-op thread(s) in each process.", "",
         "Full fine-tuning steps (fp32, AdamW, sequence 128, no checkpointing) at several micro-batches of "
         "the same effective batch. *default*: glibc as it comes; *kept*: after "
         "`memtrain.memory.hostmem.keep_freed_pages()` (what `memtrain train` does on a CPU). "
         "Each side ran in "
-        f"2 processes, alternating; each process timed {args.rounds} interleaved rounds after a warm-up "
-        "step. Medians over both processes; faulted memory = minor page faults per optimizer step x 4 KiB.",
+        f"{args.processes} processes, alternating; each process timed {args.rounds} interleaved rounds after "
+        f"a warm-up step. Medians over {pooled_over}; faulted memory = minor page faults per optimizer step "
+        "x 4 KiB.",
         "",
         "| model | micro | faulted MiB/step, default | kept | s/step, default | kept | speed-up |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -181,10 +190,8 @@ def main() -> None:
         f"than writing a kept tensor, {first['default']['write_s'] * 1e3:.1f} ms); kept: "
         f"{first['kept']['fresh_faults']:,.0f} faults, {first['kept']['fresh_s'] * 1e3:.1f} ms.",
     ]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text, encoding="utf-8")
-    print(text)
+    print("\n".join(lines))
+    harness.write("hostmem", lines, out=args.out, trial=set(args.models) != set(kinds))
 
 
 if __name__ == "__main__":

@@ -17,26 +17,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
-import platform
-import statistics
-import sys
-import time
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from memtrain.patches import checkpointing, lean_norm
 from scripts import harness
 from scripts.probes.memprobe import LiveBytes
-from scripts.probes.steps import llama, step, time_rounds, weights_and_state
+from scripts.probes.steps import llama, step, weights_and_state
 
 MiB = 2**20
-OUT = harness.ROOT / "docs" / "bench" / "lean_norm.md"
+QUICK = ["--quick"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROUNDS = 15  # of the norm alone
 SETTINGS = [(dtype, ckpt, lean) for dtype in DTYPES for ckpt in ("none", "full") for lean in (False, True)]
@@ -84,19 +78,16 @@ def norm_alone(shapes: list[tuple[int, int]], rounds: int) -> list[str]:
             x = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
             x.requires_grad_(True)
             grad = torch.ones_like(x)
-            peaks, times = [], {0: [], 1: []}
+            peaks = []
             for norm in (plain, lean):
                 with LiveBytes() as probe:
                     _fwd_bwd(norm, x, grad)
                 peaks.append(probe.device_peak)
-            for _ in range(rounds):
-                for k, norm in enumerate((plain, lean)):
-                    start = time.perf_counter()
-                    _fwd_bwd(norm, x, grad, 5)
-                    times[k].append((time.perf_counter() - start) / 5)
-            a, b = statistics.median(times[0]), statistics.median(times[1])
+            times = harness.rounds({k: (lambda norm=norm, x=x, grad=grad: _fwd_bwd(norm, x, grad, 5))
+                                    for k, norm in enumerate((plain, lean))}, rounds, say=False)
+            a, b = harness.median(t / 5 for t in times[0]), harness.median(t / 5 for t in times[1])
             lines.append(f"| {name} | {tokens} × {hidden} | {peaks[0] / MiB:.1f} | {peaks[1] / MiB:.1f} | "
-                         f"{a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f} |")
+                         f"{a * 1e3:.2f} | {b * 1e3:.2f} | {harness.ratio(b, a):.2f} |")
     return lines
 
 
@@ -106,11 +97,11 @@ def table(runs: dict[tuple[str, str, bool], dict[str, Any]], args: argparse.Name
              "step ×plain |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for dtype, ckpt, lean in SETTINGS:
         run, plain = runs[(dtype, ckpt, lean)], runs[(dtype, ckpt, False)]
-        median, plain_median = statistics.median(run["times"]), statistics.median(plain["times"])
+        median, plain_median = harness.median(run["times"]), harness.median(plain["times"])
         delta = run["peak"] - plain["peak"]
         saved = f"{delta / MiB:+.1f} ({delta / one:+.2f} N)" if lean else ""
         lines.append(f"| {dtype} | {ckpt} | {'lean' if lean else 'plain'} | {run['peak'] / MiB:.1f} | "
-                     f"{saved} | {median:.3f} | {median / plain_median:.2f} |")
+                     f"{saved} | {median:.3f} | {harness.ratio(median, plain_median):.2f} |")
     norms = 2 * args.layers + 1
     lines += ["", f"*N* = one fp32 tokens × hidden tensor ({one / MiB:.1f} MiB). Norms: {norms} "
               f"({args.layers} layers × 2 and the final one); tiles of {args.hidden} tokens."]
@@ -129,7 +120,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads; 1 by default: on a shared 2-core machine two threads time "
                         "the wait for a descheduled thread at every op, not the op")
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke run; writes nothing")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (page to a temp folder)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -137,31 +128,26 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(0))
     runs = measure(args, ids)
     load_before = os.getloadavg()[0]
-    time_rounds(runs, ids, args.repeats)
+    times = harness.rounds({key: (lambda run=run: step(run["model"], run["opt"], ids))
+                            for key, run in runs.items()}, args.repeats)
+    for key, run in runs.items():
+        run["times"] = times[key]
     shapes = [(args.seq, args.hidden), (8 * args.seq // (2 if args.quick else 1), 1024)]
     alone = norm_alone(shapes, 3 if args.quick else ROUNDS)
     load = f"load average {load_before:.1f} before the timing rounds, {os.getloadavg()[0]:.1f} after"
-
-    command = "python -m scripts run lean_norm " + " ".join(sys.argv[1:])
-    lines = ["# Lean RMSNorm: memory and step time", "",
+    lines = [*harness.header("Lean RMSNorm: memory and step time"),
              f"Llama-shaped, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
              f"{args.heads} heads, vocabulary {args.vocab}; full fine-tuning, AdamW, one row of {args.seq} "
              "tokens. Peak: exact live tensor bytes of a steady-state step on CPU (parameters, gradients, "
              "optimizer state and activations; `scripts/probes/memprobe.py`). Step time: median of "
-             f"{args.repeats} interleaved rounds.", "",
+             f"{args.repeats} interleaved rounds, {torch.get_num_threads()} threads; {load}.", "",
              *table(runs, args), "",
              "One norm alone (`LlamaRMSNorm`, weight trained, forward + backward with tiles of hidden "
              "tokens): the peak counts the output, what forward saves and what backward makes (the input "
              f"gradient included, the input not); time: median of {ROUNDS} interleaved rounds of 5 calls.",
-             "", *alone, "",
-             f"Command: `{command.strip()}`, run {datetime.date.today().isoformat()}  ",
-             f"torch {torch.__version__}, transformers {transformers.__version__}, Python "
-             f"{platform.python_version()}, {platform.machine()} {platform.processor() or ''}, "
-             f"{torch.get_num_threads()} threads, {os.cpu_count()} cores, {load}", ""]
+             "", *alone, ""]
     print("\n".join(lines))
-    if not args.quick:
-        OUT.write_text("\n".join(lines), encoding="utf-8")
-        print(f"wrote {OUT}")
+    harness.write("lean_norm", lines, trial=args.quick)
 
 
 if __name__ == "__main__":

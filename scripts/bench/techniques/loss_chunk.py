@@ -2,7 +2,7 @@
 the planner chooses at fixed budgets.
 
     python -m scripts run loss_chunk            # writes docs/bench/loss_chunk.md
-    python -m scripts run loss_chunk --quick    # a tiny smoke run; writes nothing
+    python -m scripts run loss_chunk --quick    # a tiny smoke run (its page to a temporary folder)
 
 A Llama-shaped model whose loss is its peak (SmolLM-135M's width and vocabulary scale: hidden 576,
 vocabulary 32,768, 2 layers, one row of 1,024 tokens, fp32, LoRA r 8 on every linear layer but the
@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import platform
-import statistics
 import time
 from typing import Any
 
@@ -35,10 +32,10 @@ from memtrain.plan import planner, space
 from memtrain.plan.planner import NothingFits
 from scripts import harness
 from scripts.probes.memprobe import LiveBytes
-from scripts.probes.steps import cpu_name, llama, llama_recipe, step, time_rounds, weights_and_state
+from scripts.probes.steps import llama, llama_recipe, step, weights_and_state
 
 MiB = 2**20
-OUT = harness.ROOT / "docs" / "bench" / "loss_chunk.md"
+QUICK = ["--quick"]
 SHAPE = {"hidden": 576, "intermediate": 1536, "layers": 2, "heads": 9, "vocab": 32768, "seq": 1024}
 BUDGETS = ("1GiB", "450MiB", "350MiB", "300MiB")  # fixed by hand: roomy, medium, tight, too small
 
@@ -56,14 +53,17 @@ def measure(shape: dict[str, int], sizes: list[int | None], rounds: int) -> dict
         with LiveBytes() as probe:
             step(model, opt, ids)
         runs[size] = {"model": model, "opt": opt, "peak": resident + probe.device_peak, "times": []}
-    time_rounds(runs, ids, rounds)
+    times = harness.rounds({size: (lambda run=run: step(run["model"], run["opt"], ids))
+                            for size, run in runs.items()}, rounds)
+    for size, run in runs.items():
+        run["times"] = times[size]
     return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke run; writes nothing")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (page to a temp folder)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shape = dict(SHAPE)
@@ -78,11 +78,9 @@ def main() -> None:
     rule = chunked_loss.chunk_tokens(shape["seq"], shape["hidden"], shape["vocab"])
     names = {size: (f"{size:,} (1 GiB of fp32 logits)" if i == 0 else f"{size:,} (8 MiB)")
              if size is not None else f"rule: {rule:,}" for i, size in enumerate(sizes)}
-    plain = statistics.median(runs[None]["times"])
-    lines = ["# The loss chunk sized from the budget (issue 27)", "",
-             f"`python -m scripts run loss_chunk` on {datetime.date.today()}, {cpu_name()} "
-             f"({platform.machine()}), torch {torch.__version__}, one intra-op thread, {args.rounds} "
-             "interleaved rounds.", "",
+    plain = harness.median(runs[None]["times"])
+    lines = [*harness.header("The loss chunk sized from the budget (issue 27)"),
+             f"One intra-op thread, {args.rounds} interleaved rounds.", "",
              f"Llama-shaped, hidden {shape['hidden']}, vocabulary {shape['vocab']:,}, "
              f"{shape['layers']} layers, "
              f"one row of {shape['seq']:,} tokens, fp32, LoRA r 8 (peft, every linear layer but the head), "
@@ -94,9 +92,9 @@ def main() -> None:
     for size in sizes:
         run = runs[size]
         chunk = size or rule
-        median = statistics.median(run["times"])
+        median = harness.median(run["times"])
         lines.append(f"| {names[size]} | {-(-shape['seq'] // chunk)} | {run['peak'] / MiB:,.1f} | "
-                     f"{median:.3f} | {median / plain:.2f} |")
+                     f"{median:.3f} | {harness.ratio(median, plain):.2f} |")
     lines += ["", "`memtrain.plan` of the same model as a recipe (`memory.loss_chunk_tokens: auto`, "
               "device cpu, 10% margin), at budgets fixed by hand:", "",
               "| budget | chosen chunk | predicted peak (MiB) | why not the others |", "|---|---|---:|---|"]
@@ -116,10 +114,8 @@ def main() -> None:
               "assumes); within its 5% tie rule the planner keeps the rule's chunk, and takes another "
               "size only when the rule's does not fit (or, measured with `memtrain plan --tune`, is "
               "slower)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.quick:
-        OUT.write_text(text, encoding="utf-8")
+    print("\n".join(lines))
+    harness.write("loss_chunk", lines, trial=args.quick)
 
 
 if __name__ == "__main__":

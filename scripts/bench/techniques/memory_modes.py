@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -33,10 +29,9 @@ from memtrain.patches import checkpointing
 from memtrain.trainer.optimizer_offload import OffloadOptimizer
 from scripts import harness
 from scripts.probes.memprobe import LiveBytes, host_resident, resident
-from scripts.probes.steps import cpu_name
 
 MiB = 2**20
-OUT = harness.ROOT / "docs" / "bench" / "memory_modes.md"
+QUICK = ["--quick"]
 
 
 @dataclass
@@ -124,14 +119,11 @@ def run_modes(base: nn.Module, modes: list[Mode], ids: torch.Tensor, min_bytes: 
         opt = make_optimizer(model, mode)
         warm_up(model, opt, mode, ids)  # the measured step is then a steady-state one
         measure(model, opt, mode, ids)
-        mode.results["times"] = []
         runs.append((mode, model, opt))
-    for rep in range(repeats):
-        print(f"timing round {rep + 1}/{repeats} ...", flush=True)
-        for mode, model, opt in runs:
-            start = time.perf_counter()
-            train_step(model, opt, ids)
-            mode.results["times"].append(time.perf_counter() - start)
+    times = harness.rounds({i: (lambda model=model, opt=opt: train_step(model, opt, ids))
+                            for i, (_, model, opt) in enumerate(runs)}, repeats)
+    for i, (mode, _, _) in enumerate(runs):
+        mode.results["times"] = times[i]
 
 
 def table(modes: list[Mode], layers: int) -> list[str]:
@@ -139,7 +131,7 @@ def table(modes: list[Mode], layers: int) -> list[str]:
     full = next(m for m in modes if m.name == "full").results
     full_saving = none["saved"] - full["saved"]
     full_recompute = full["backward_flops"] - none["backward_flops"]
-    base_time = statistics.median(none["times"])
+    base_time = harness.median(none["times"])
     rows = ["| mode | peak device | × none | saved activations (device) | × none | share of full's "
             "saving | host peak | device + host (this CPU's RAM) | × none | recompute (GFLOP) | "
             "share of full's recompute | step time (s, median) | × none |", "|" + "---|" * 13]
@@ -148,14 +140,14 @@ def table(modes: list[Mode], layers: int) -> list[str]:
         if "times" not in r:
             continue
         recompute = r["backward_flops"] - none["backward_flops"]
-        median = statistics.median(r["times"])
+        median = harness.median(r["times"])
         rows.append(
             f"| {m.name} | {r['peak'] / MiB:,.0f} MiB | {r['peak'] / none['peak']:.2f} | "
             f"{r['saved'] / MiB:,.1f} MiB | {r['saved'] / none['saved']:.3f} | "
             f"{(none['saved'] - r['saved']) / full_saving:.0%} | {r['host_peak'] / MiB:,.0f} MiB | "
             f"{r['ram_peak'] / MiB:,.0f} MiB | {r['ram_peak'] / none['ram_peak']:.2f} | "
             f"{recompute / 1e9:,.1f} | {recompute / full_recompute:.0%} | {median:.2f} | "
-            f"{median / base_time:.2f} |")
+            f"{harness.ratio(median, base_time):.2f} |")
     return rows
 
 
@@ -182,7 +174,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-bytes", type=int, default=2**20)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, no file written")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (the page to a temporary folder)")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.hidden, args.intermediate, args.heads = 2, 64, 172, 4
@@ -199,12 +191,9 @@ def main() -> None:
     run_modes(base, modes, ids, args.min_bytes, args.repeats)
     del base
     pairs = depth_check(args, ids)
-    text = report(args, modes, pairs)
-    print(text)
-    if not args.quick:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(text, encoding="utf-8")
-        print(f"wrote {OUT}")
+    lines = report(args, modes, pairs)
+    print("\n".join(lines))
+    harness.write("memory_modes", lines, trial=args.quick)
 
 
 def depth_check(args: argparse.Namespace, ids: torch.Tensor) -> list[tuple[Mode, Mode]]:
@@ -233,24 +222,18 @@ def depth_check(args: argparse.Namespace, ids: torch.Tensor) -> list[tuple[Mode,
     return pairs
 
 
-def report(args: argparse.Namespace, modes: list[Mode], pairs: list[tuple[Mode, Mode]]) -> str:
+def report(args: argparse.Namespace, modes: list[Mode], pairs: list[tuple[Mode, Mode]]) -> list[str]:
     none = modes[0].results
     losses = {m.name: m.results["loss"] for m in modes}
     same_loss = all(abs(v - none["loss"]) < 1e-5 for v in losses.values())
-    cpu = cpu_name()
     lines = [
-        "# Memory modes: checkpointing and offload", "",
+        *harness.header("Memory modes: checkpointing and offload"),
         "Generated by `scripts/bench/techniques/memory_modes.py`; do not edit by hand.", "",
-        f"Command: `python -m scripts run memory_modes --layers {args.layers} "
-        f"--hidden {args.hidden} --seq {args.seq} --batch {args.batch} --repeats {args.repeats}`",
-        "",
         f"Model: Llama-shaped, {args.layers} layers, hidden {args.hidden}, intermediate "
         f"{args.intermediate}, {args.heads} heads, vocab {args.vocab}, SDPA attention, fp32, full "
         f"fine-tuning with AdamW. Micro-batch {args.batch} × {args.seq} tokens. Offload threshold "
         f"{args.min_bytes:,} bytes.", "",
-        f"Machine: {cpu}, {torch.get_num_threads()} torch threads, CPU only (shared with other "
-        f"jobs). torch {torch.__version__}, transformers {transformers.__version__}, Python "
-        f"{platform.python_version()}.", "",
+        f"{torch.get_num_threads()} torch threads, CPU only (shared with other jobs).", "",
         "Memory figures are exact live tensor bytes of one steady-state training step on CPU, "
         "counted by `scripts/probes/memprobe.py` (no memtrain code; memtrain's offload ledgers are not "
         "read). *Device* is the tensors the step computes with; *host* is what saved-tensor pack "
@@ -276,7 +259,7 @@ def report(args: argparse.Namespace, modes: list[Mode], pairs: list[tuple[Mode, 
         *depth_table(pairs), "",
         *_conclusions(modes, pairs), "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def _conclusions(modes: list[Mode], pairs: list[tuple[Mode, Mode]]) -> list[str]:
@@ -285,7 +268,7 @@ def _conclusions(modes: list[Mode], pairs: list[tuple[Mode, Mode]]) -> list[str]
     saving = (none["saved"] - sel["saved"]) / (none["saved"] - full["saved"])
     recompute = (sel["backward_flops"] - none["backward_flops"]) / (
         full["backward_flops"] - none["backward_flops"])
-    off_ratio = statistics.median(r["offload"]["times"]) / statistics.median(none["times"])
+    off_ratio = harness.ratio(harness.median(r["offload"]["times"]), harness.median(none["times"]))
     off, off_opt = r["offload"], r["optimizer offload"]
     (_, _), (flat_l, flat_2l) = pairs
     return [

@@ -9,27 +9,24 @@ meter's own bookkeeping, torch's ModTracker, keeps some tensors alive longer), a
 docs/bench/meter_cost.md (or docs/bench/meter_cost_cuda.md on a GPU).
 
     python -m scripts run meter_cost            # the table in docs/
-    python -m scripts run meter_cost --quick    # one shape, printed only
+    python -m scripts run meter_cost --quick    # one shape (its page to a temporary folder)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from memtrain.device import compute_device, synchronize
+from memtrain.memory.meter import MemoryMeter
+from memtrain.trainer.step import training_step
 from scripts import harness
+from scripts.probes import memprobe
 
-ROOT = harness.ROOT
-
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
-
-from memtrain.device import compute_device, synchronize  # noqa: E402
-from memtrain.memory.meter import MemoryMeter  # noqa: E402
-from memtrain.trainer.step import training_step  # noqa: E402
-from scripts.probes import memprobe  # noqa: E402
+QUICK = ["--quick"]
 
 # (name, hidden, layers, micro-batch, tokens): from a toy to a small model; the meter's cost is
 # per operation, so it shrinks as each operation does more work
@@ -71,7 +68,7 @@ def measure(hidden: int, layers: int, micro: int, tokens: int, metered: bool,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one shape, nothing written")
+    parser.add_argument("--quick", action="store_true", help="one shape; the page goes to a temporary folder")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     device = compute_device()
@@ -86,20 +83,15 @@ def main() -> None:
         rows.append(f"| {name}, {micro} x {tokens} | {bare:.3f} | {metered:.3f} | "
                     f"{100 * (metered / bare - 1):+.0f}% | {memory} |")
         print(rows[-1], flush=True)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
-    text = "\n".join([
-        "# What measuring a step costs", "",
-        f"`python -m scripts run meter_cost` on {where} (torch {torch.__version__}); best of "
-        f"{args.repeats} steps after a warm-up, fp32 on CPU, bf16 on CUDA; peaks by the independent "
-        f"counter (CPU only); load average {os.getloadavg()[0]:.1f} at the end (timings mean something "
-        "only on a quiet machine).", "", *rows, "",
+    lines = [
+        *harness.header("What measuring a step costs"),
+        f"Best of {args.repeats} steps after a warm-up, fp32 on CPU ({torch.get_num_threads()} threads), "
+        "bf16 on CUDA; peaks by the independent "
+        "counter (CPU only); timings mean something only on a quiet machine (the load average above, "
+        "taken at the end).", "", *rows, "",
         "The plugin's `MemoryBudgetCallback(every=...)` measures the first two steps and then one step "
-        "in `every`; its default follows from this table (docs/plugin.md).", ""])
-    if not args.quick:
-        out = ROOT / "docs" / "bench" / ("meter_cost_cuda.md" if device.type == "cuda" else "meter_cost.md")
-        out.write_text(text, encoding="utf-8")
-        print(f"wrote {out}")
+        "in `every`; its default follows from this table (docs/plugin.md).", ""]
+    harness.write("meter_cost_cuda" if device.type == "cuda" else "meter_cost", lines, trial=args.quick)
 
 
 if __name__ == "__main__":

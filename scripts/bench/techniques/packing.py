@@ -11,11 +11,9 @@ Writes docs/bench/packing.md.
 
 from __future__ import annotations
 
-import platform
 import random
 
 import datasets
-import transformers
 
 from memtrain.config import load_recipe
 from memtrain.data.prepare import prepare_data
@@ -23,6 +21,7 @@ from memtrain.model import load_tokenizer
 from scripts import harness
 
 ROOT = harness.ROOT
+QUICK: list[str] = []  # data only: the whole run is CI-sized
 RECIPES = ["tiny-llama-shakespeare", "tiny-llama-which-play"]
 
 
@@ -52,16 +51,14 @@ def main() -> None:
             rows.append(f"| {name} | {packing} | {len(lengths):,} | {-(-len(lengths) // micro):,} | "
                         f"{real:,} | {padded:,} | {real / padded:.1%} |")
             print(rows[-1], flush=True)
-    text = "\n".join([
-        "# Packing: padding waste", "",
-        "`python -m scripts run packing` (data only, no model); transformers "
-        f"{transformers.__version__}, datasets {datasets.__version__}, {platform.machine()}.", "",
+    lines = [
+        *harness.header("Packing: padding waste", libraries=(*harness.LIBRARIES, "datasets")),
+        "Data only, no model.", "",
         "Training split of each offline causal recipe, micro-batches of the recipe's size in a "
         "seeded random order, each padded to its longest row. Packing keeps examples apart "
         "(positions restart, no attention across examples; see memtrain/data/packing.py).", "",
-        *rows, ""])
-    (ROOT / "docs" / "bench" / "packing.md").write_text(text, encoding="utf-8")
-    print(f"wrote {ROOT / 'docs' / 'bench' / 'packing.md'}")
+        *rows, ""]
+    harness.write("packing", lines)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What smaller tiled-MLP tiles cost in step time on a 4-bit (QLoRA) model, measured and predicted.
 
     python -m scripts run tile_cost            # writes docs/bench/tile_cost.md
-    python -m scripts run tile_cost --quick    # a tiny smoke run; writes nothing
+    python -m scripts run tile_cost --quick    # a tiny smoke run (its page to a temporary folder)
 
 ``memory.tiled_mlp_tile_tokens: auto`` (issue 27) lets the planner shrink the MLP's tiles to
 ``hidden_size / 4`` or ``/ 16`` tokens when only they fit; each tile dequantizes the 4-bit MLP
@@ -17,9 +17,6 @@ the memory side of the tile sizes is docs/bench/tile_size.md and tests/patches/t
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import statistics
 import time
 from typing import Any
 
@@ -32,9 +29,9 @@ from memtrain.plan.space import Candidate, with_values
 from memtrain.trainer.build import build_model, build_optimizer, example_batch, step_settings
 from memtrain.trainer.step import training_step
 from scripts import harness
-from scripts.probes.steps import cpu_name, llama_recipe
+from scripts.probes.steps import llama_recipe
 
-OUT = harness.ROOT / "docs" / "bench" / "tile_cost.md"
+QUICK = ["--quick"]
 TILE = "memory.tiled_mlp_tile_tokens"
 SHAPE = {"hidden": 512, "intermediate": 1792, "layers": 2, "heads": 8, "vocab": 4096, "seq": 2048}
 
@@ -42,7 +39,7 @@ SHAPE = {"hidden": 512, "intermediate": 1792, "layers": 2, "heads": 8, "vocab": 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke run; writes nothing")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (page to a temp folder)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shape = dict(SHAPE)
@@ -71,19 +68,14 @@ def main() -> None:
             training_step(model, batch, optimizer, settings["accumulation"], settings["max_grad_norm"])
 
         step()  # the optimizer state exists from here on
-        runs[size] = {"step": step, "times": [], "predicted": cand.seconds, "parts": cand.parts}
-    for rep in range(args.rounds):
-        print(f"timing round {rep + 1}/{args.rounds} ...", flush=True)
-        for run in runs.values():
-            begin = time.perf_counter()
-            run["step"]()
-            run["times"].append(time.perf_counter() - begin)
+        runs[size] = {"step": step, "predicted": cand.seconds, "parts": cand.parts}
+    times = harness.rounds({size: run["step"] for size, run in runs.items()}, args.rounds)
+    for size, run in runs.items():
+        run["times"] = times[size]
     base = runs[None]
-    measured0, predicted0 = statistics.median(base["times"]), base["predicted"]
-    lines = ["# What smaller MLP tiles cost in step time on a 4-bit model (issue 27)", "",
-             f"`python -m scripts run tile_cost` on {datetime.date.today()}, {cpu_name()} "
-             f"({platform.machine()}), torch {torch.__version__}, one intra-op thread, {args.rounds} "
-             "interleaved rounds.", "",
+    measured0, predicted0 = harness.median(base["times"]), base["predicted"]
+    lines = [*harness.header("What smaller MLP tiles cost in step time on a 4-bit model (issue 27)"),
+             f"One intra-op thread, {args.rounds} interleaved rounds.", "",
              f"Llama-shaped, hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
              f"{shape['layers']} layers, vocabulary {shape['vocab']:,}; nf4 base (bitsandbytes), fp32 "
              f"compute, LoRA r 8, full checkpointing, chunked loss, tiled MLP; one row of {shape['seq']:,} "
@@ -95,20 +87,19 @@ def main() -> None:
              "x hidden_size tiles | predicted dequantization (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for size, run in runs.items():
         tokens = size or shape["hidden"]
-        median = statistics.median(run["times"])
+        median = harness.median(run["times"])
         label = f"{tokens:,}{' (hidden_size)' if size is None else ''}"
         lines.append(f"| {label} | {-(-shape['seq'] // tokens)} | "
-                     f"{median:.3f} | {median / measured0:.2f} | {run['predicted']:.3f} | "
-                     f"{run['predicted'] / predicted0:.2f} | {run['parts'].get('dequantize', 0.0):.3f} |")
+                     f"{median:.3f} | {harness.ratio(median, measured0):.2f} | {run['predicted']:.3f} | "
+                     f"{harness.ratio(run['predicted'], predicted0):.2f} | "
+                     f"{run['parts'].get('dequantize', 0.0):.3f} |")
     lines += ["", f"{time.perf_counter() - start:.0f} s. The planner ranks settings by these ratios; its "
               "absolute seconds come from rates `memtrain calibrate` measured with every core, while "
               "these steps run on one thread. On a CPU bitsandbytes dequantizes on the CPU and the "
               "matmuls are slow, so the ratios are not a GPU's, where the matmuls are far faster and "
               "the dequantization's share larger. No GPU has measured it yet."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if not args.quick:
-        OUT.write_text(text, encoding="utf-8")
+    print("\n".join(lines))
+    harness.write("tile_cost", lines, trial=args.quick)
 
 
 if __name__ == "__main__":

@@ -15,23 +15,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
-import statistics
-import sys
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from memtrain.patches import checkpointing, tiled_mlp
 from scripts import harness
 from scripts.probes.memprobe import LiveBytes
-from scripts.probes.steps import llama, step, time_rounds, weights_and_state
+from scripts.probes.steps import llama, step, weights_and_state
 
 MiB = 2**20
-OUT = harness.ROOT / "docs" / "bench" / "tiled_mlp.md"
+QUICK = ["--quick"]
 SETTINGS = [(ckpt, tiled) for ckpt in ("none", "full", "selective") for tiled in (False, True)]
 
 
@@ -64,11 +60,12 @@ def table(runs: dict[tuple[str, bool], dict[str, Any]], args: argparse.Namespace
              "median step (s) | step ×untiled |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for ckpt, tiled in SETTINGS:
         run, plain = runs[(ckpt, tiled)], runs[(ckpt, False)]
-        median, plain_median = statistics.median(run["times"]), statistics.median(plain["times"])
+        median, plain_median = harness.median(run["times"]), harness.median(plain["times"])
         saved = f"{(run['peak'] - plain['peak']) / MiB:+.1f} ({(run['peak'] - plain['peak']) / one:+.1f} I)" \
             if tiled else ""
         lines.append(f"| {ckpt} | {'tiled' if tiled else 'untiled'} | {run['peak'] / MiB:.1f} | {saved} | "
-                     f"{run['flops'] / plain['flops']:.3f} | {median:.3f} | {median / plain_median:.2f} |")
+                     f"{harness.ratio(run['flops'], plain['flops']):.3f} | {median:.3f} | "
+                     f"{harness.ratio(median, plain_median):.2f} |")
     lines.append("")
     lines.append(f"*I* = one tokens × intermediate fp32 tensor ({one / MiB:.1f} MiB); tiles: {tiles} "
                  "(ALST's rule, ceil(tokens / hidden)) unless `--tiles` is given.")
@@ -85,7 +82,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--tiles", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke run; writes nothing")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (page to a temp folder)")
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.intermediate, args.layers, args.seq, args.repeats = 64, 224, 2, 256, 1
@@ -93,23 +90,19 @@ def main() -> None:
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(0))
     tiles = args.tiles or tiled_mlp.default_tiles(args.seq, args.hidden)
     runs = measure(base, ids, args.tiles)
-    time_rounds(runs, ids, args.repeats)
-    command = "python -m scripts run tiled_mlp " + " ".join(sys.argv[1:])
-    lines = ["# Tiled MLP: memory and step time", "",
+    times = harness.rounds({key: (lambda run=run: step(run["model"], run["opt"], ids))
+                            for key, run in runs.items()}, args.repeats)
+    for key, run in runs.items():
+        run["times"] = times[key]
+    lines = [*harness.header("Tiled MLP: memory and step time"),
              f"Llama-shaped, {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}, "
              f"{args.heads} heads, vocabulary {args.vocab}; full fine-tuning in fp32, AdamW, one row of "
              f"{args.seq} tokens. Peak: exact live tensor bytes of a steady-state step on CPU "
              "(parameters, gradients, optimizer state and activations; `scripts/probes/memprobe.py`). Step "
-             f"time: median of {args.repeats} interleaved rounds.", "",
-             *table(runs, args, tiles), "",
-             f"Command: `{command.strip()}`  ",
-             f"torch {torch.__version__}, transformers {transformers.__version__}, Python "
-             f"{platform.python_version()}, {platform.machine()} {platform.processor() or ''}, "
-             f"{torch.get_num_threads()} threads", ""]
+             f"time: median of {args.repeats} interleaved rounds, {torch.get_num_threads()} threads.", "",
+             *table(runs, args, tiles), ""]
     print("\n".join(lines))
-    if not args.quick:
-        OUT.write_text("\n".join(lines), encoding="utf-8")
-        print(f"wrote {OUT}")
+    harness.write("tiled_mlp", lines, trial=args.quick)
 
 
 if __name__ == "__main__":
