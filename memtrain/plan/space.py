@@ -21,8 +21,6 @@ from memtrain.estimator.setup import NEEDS_VALUE, recipe_value, resolve_config
 from memtrain.patches import ModelShape
 
 IN_BACKWARD = "training.optimizer_in_backward"
-TILE_TOKENS = "memory.tiled_mlp_tile_tokens"
-CHUNK_TOKENS = "memory.loss_chunk_tokens"
 
 
 @dataclass
@@ -93,16 +91,10 @@ def options(cfg: RunConfig, path: str, shape: ModelShape) -> list[Any]:
     return patches.knob(path).options(cfg, shape)
 
 
-def tile_ladder(cfg: RunConfig) -> list[int]:
-    """The MLP tile sizes below the default the planner tries for ``cfg``'s model
-    (:func:`memtrain.patches.tiled_mlp.tile_ladder`)."""
-    return options(cfg, TILE_TOKENS, model_shape(cfg))[1:]
-
-
-def chunk_ladder(cfg: RunConfig) -> list[int | None]:
-    """The loss chunk sizes the planner tries for ``cfg``'s model, most memory first
-    (:func:`memtrain.patches.chunked_loss.chunk_ladder`)."""
-    return options(cfg, CHUNK_TOKENS, model_shape(cfg))
+def ladder(cfg: RunConfig, path: str) -> list[Any]:
+    """The values the planner tries for the `auto` field ``path`` of ``cfg``'s model, most memory
+    first (its knob's options for the model's shape: a tile or chunk size ladder, for example)."""
+    return options(cfg, path, model_shape(cfg))
 
 
 def rank(path: str, value: Any, depth: int, vocab: int = 0) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from memtrain.patches import chunked_loss, records
 from scripts.probes.memprobe import LiveBytes
 
 RTOL = 1e-5
+CHUNK_TOKENS = "memory.loss_chunk_tokens"
 
 
 def _batch(vocab: int = 512, rows: int = 3, tokens: int = 24) -> dict[str, torch.Tensor]:
@@ -370,7 +371,7 @@ def test_the_planner_sizes_the_loss_chunk_from_the_budget(tmp_path: Path, tiny_t
                                                            "max_position_embeddings": 1024}},
                                     training={"micro_batch_size": 2},
                                     memory={"loss": "chunked", "loss_chunk_tokens": "auto"}))
-    assert space.chunk_ladder(cfg) == [8192, None, 64]
+    assert space.ladder(cfg, CHUNK_TOKENS) == [8192, None, 64]
     totals = {size: estimate(planner.with_values(cfg, {"memory.loss_chunk_tokens": size}),
                              device="cpu").total_bytes for size in (8192, None, 64)}
     assert totals[8192] - totals[None] > 256 * 2**20 and totals[None] - totals[64] > 32 * 2**20
@@ -388,7 +389,7 @@ def test_the_planner_sizes_the_loss_chunk_from_the_budget(tmp_path: Path, tiny_t
 def test_chunk_sizes_rank_around_the_rule() -> None:
     """The dominance pruning's order: chunks above the rule's cap keep more than the rule, chunks
     below its floor less (a mutant that ranks by tokens alone, without the vocabulary, fails)."""
-    from memtrain.plan.space import CHUNK_TOKENS, rank
+    from memtrain.plan.space import rank
 
     vocab = 32768
     big, rule, small = (rank(CHUNK_TOKENS, size, 1, vocab) for size in (8192, None, 64))

@@ -442,7 +442,7 @@ def test_the_planner_sizes_tiles_from_the_budget(tmp_path: Path, tiny_text_file:
                                     training={"micro_batch_size": 2},
                                     memory={"tiled_mlp": True, "tiled_mlp_tile_tokens": "auto",
                                             "checkpointing": "full", "loss": "chunked"}))
-    assert space.tile_ladder(cfg) == [128, 32]
+    assert space.ladder(cfg, "memory.tiled_mlp_tile_tokens") == [None, 128, 32]  # None: hidden_size
     totals = {size: estimate(planner.with_values(cfg, {"memory.tiled_mlp_tile_tokens": size}),
                              device="cpu").total_bytes for size in (None, 128, 32)}
     assert totals[None] - totals[128] > 8 * 2**20 and totals[128] >= totals[32]

@@ -8,7 +8,7 @@ A Llama-shaped model whose loss is its peak (SmolLM-135M's width and vocabulary 
 vocabulary 32,768, 2 layers, one row of 1,024 tokens, fp32, LoRA r 8 on every linear layer but the
 head, through peft) trains with the
 chunked loss at the three sizes ``memory.loss_chunk_tokens: auto`` chooses among
-(:func:`memtrain.plan.space.chunk_ladder`: chunks of 1 GiB of fp32 logits, the rule's 32-256 MiB,
+(:func:`memtrain.plan.space.ladder`: chunks of 1 GiB of fp32 logits, the rule's 32-256 MiB,
 8 MiB). Measured side (no memtrain meter or estimate): the exact peak of live tensor bytes of a
 steady-state step (``memprobe.LiveBytes`` plus weights and AdamW state) and the median step time
 over interleaved rounds on one intra-op thread (see scripts/bench/techniques/lean_norm.py for why one).
@@ -73,7 +73,7 @@ def main() -> None:
     start = time.perf_counter()
     memory = {"loss": "chunked", "loss_chunk_tokens": "auto", "margin": 0.1}
     cfg = load_recipe(llama_recipe(shape, {}, memory))
-    sizes = space.chunk_ladder(cfg)
+    sizes = space.ladder(cfg, "memory.loss_chunk_tokens")
     runs = measure(shape, sizes, args.rounds)
     rule = chunked_loss.chunk_tokens(shape["seq"], shape["hidden"], shape["vocab"])
     names = {size: (f"{size:,} (1 GiB of fp32 logits)" if i == 0 else f"{size:,} (8 MiB)")
