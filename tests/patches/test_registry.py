@@ -140,3 +140,29 @@ def test_readme_table_of_techniques_is_generated_from_the_registry() -> None:
     for t in patches.techniques():
         if t.doc is not None:
             assert f"| {t.doc.title} |" in committed
+
+
+def _field(path: str) -> Any:
+    """The recipe schema's pydantic field at a dotted path (``memory.offload.embeddings``)."""
+    from memtrain.config.schema import RunConfig
+
+    model: Any = RunConfig
+    for part in path.split("."):
+        info = model.model_fields[part]
+        model = info.annotation
+    return info
+
+
+def test_every_knob_is_a_described_recipe_field_that_accepts_auto() -> None:
+    """A technique's recipe field lives in the schema (validated before torch loads, so it cannot
+    live in the technique's module): every knob names one, described, and a plannable one accepts
+    `auto`. Planted: a knob on a field the schema lacks -> KeyError."""
+    from pydantic import TypeAdapter
+
+    for knob in patches.knobs():
+        info = _field(knob.path)
+        assert info.description, f"{knob.path}: no description in the recipe schema"
+        if knob.plannable:
+            TypeAdapter(info.annotation).validate_python("auto")  # raises if `auto` is not allowed
+    with pytest.raises(KeyError):
+        _field("memory.tiled_mlp_tile_size")
