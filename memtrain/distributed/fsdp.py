@@ -53,7 +53,7 @@ def layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The repeated block classes of a transformers model (its ``_no_split_modules``)."""
     from memtrain._compat.transformers_model import no_split_modules
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = patches.base_model(model)
     names = no_split_modules(base)
     # the MRO, because FSDP2 swaps a sharded module's class for a subclass named FSDP<Name>
     found = {c for m in base.modules() for c in type(m).__mro__ if c.__name__ in names}

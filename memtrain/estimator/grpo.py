@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.errors import MemtrainError
 from memtrain.estimator.setup import position_limit, resolve_config
@@ -300,7 +301,7 @@ def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> Genera
 
     args = trainer.args
     model = trainer.model
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = patches.base_model(model)
     text = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
     weight = next((p for p in inner.parameters() if p.is_floating_point()), None)
     dtype = weight.dtype if weight is not None else torch.float32

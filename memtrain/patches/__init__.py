@@ -388,6 +388,11 @@ def technique_table(reference: bool = False) -> str:
     return "\n".join(rows) + "\n"
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or ``model`` itself): the one unwrap."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def apply_patches(model: nn.Module, cfg: RunConfig, only: Iterable[str] | None = None) -> nn.Module:
     """Apply every patch the recipe asks for, in stage order; returns the (possibly new) model."""
     wanted = {ALIASES.get(n, n) for n in only} if only is not None else None

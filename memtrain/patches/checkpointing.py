@@ -54,6 +54,7 @@ from memtrain.patches import (
     NoMatchError,
     PatchRecord,
     add_records,
+    base_model,
     register,
     undo_records,
 )
@@ -116,11 +117,6 @@ def _selective_context() -> tuple[Any, Any]:
 
 
 # ----------------------------------------------------------------------------- finding layers
-
-
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft wrapper (or ``model`` itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def num_layers(model: nn.Module) -> int | None:

@@ -48,7 +48,7 @@ from memtrain.config import RunConfig
 from memtrain.config.base import decided
 from memtrain.errors import MemtrainError
 from memtrain.memory import loops
-from memtrain.patches import LOSS, Doc, Knob, ModelShape, PatchRecord, add_records, register
+from memtrain.patches import LOSS, Doc, Knob, ModelShape, PatchRecord, add_records, base_model, register
 
 IGNORE_INDEX = -100
 _MARK = "_memtrain_chunked_loss"
@@ -176,7 +176,7 @@ def chunk_rank(value: int | None, shape: ModelShape) -> tuple[int, ...]:
 
 def causal_lm(model: nn.Module) -> nn.Module:
     """The transformers ``*ForCausalLM`` inside ``model`` (also through a peft wrapper)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     return inner
 
 

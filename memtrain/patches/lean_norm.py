@@ -62,7 +62,7 @@ from torch.autograd.function import once_differentiable
 from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
 from memtrain.memory import loops
-from memtrain.patches import TILING, Doc, Knob, NoMatchError, fixed, register, undo_records
+from memtrain.patches import TILING, Doc, Knob, NoMatchError, base_model, fixed, register, undo_records
 from memtrain.patches.checkpointing import never_saved, wrap_each
 
 _MARK = "__memtrain_lean_norm__"
@@ -224,7 +224,7 @@ def find_norms(model: nn.Module) -> list[tuple[str, nn.Module, Kind]]:
     """
     found = [(n, m, k) for n, m in model.named_modules() if (k := kind_of(m)) is not None]
     if not found:
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner = base_model(model)
         norms = sorted({type(m).__name__ for m in model.modules() if "norm" in type(m).__name__.lower()})
         raise NoMatchError(
             f"`memory.lean_norm`: got true, but {type(inner).__name__} has no norm this patch knows "

@@ -70,6 +70,7 @@ from memtrain.patches import (
     Knob,
     ModelShape,
     NoMatchError,
+    base_model,
     fixed,
     register,
     undo_records,
@@ -269,7 +270,7 @@ def find_mlps(model: nn.Module) -> list[tuple[str, nn.Module, Kind]]:
         if kind is not None:
             found.append((name, module, kind))
     if not found:
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner = base_model(model)
         where = ", ".join(p[:-1] for p in prefixes) or "none: the model has no nn.ModuleList of layers"
         shapes = "; ".join("/".join(k.projections) for k in KINDS)
         raise NoMatchError(

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 from transformers import TrainingArguments
 
+from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.memory import hostmem
 from memtrain.patches import sizes_off
@@ -90,7 +91,7 @@ def apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: 
         if record.undo is not None:
             record.undo()
     model.__dict__.pop("_memtrain_patch_records", None)
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = patches.base_model(model)
     if getattr(inner, "is_gradient_checkpointing", False):
         inner.gradient_checkpointing_disable()  # memtrain's patch checkpoints; never both
     # the user's adapter (not memtrain's `lora` patch) keeps its input in its own dtype, as memtrain's

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from memtrain import patches
 from memtrain.estimator.vllm_colocate import ColocateShare, colocate_share
 
 
@@ -62,7 +63,7 @@ def colocated_vllm(model: nn.Module, args: Any, budget: int, length: int, *,
     ``built``: vLLM was built already (``attach``), its utilization is the one in ``args``."""
     if not is_colocated(args):
         return None
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = patches.base_model(model)
     config = inner.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     parameters, quantized = vllm_weights(inner)

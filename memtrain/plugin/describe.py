@@ -171,7 +171,7 @@ def recipe_for(model: nn.Module, args: TrainingArguments, max_length: int,
     """
     from memtrain.config import load_recipe
 
-    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base_model = patches.base_model(model)
     config = base_model.config
     task = task_of(base_model)
     precision = _precision(base_model)
@@ -418,7 +418,7 @@ def planned_length(model: nn.Module, args: TrainingArguments, max_length: int | 
     """
     from memtrain.estimator.setup import position_limit
 
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = patches.base_model(model)
     limit = position_limit(inner.config)
     positions = f"the model's {limit} positions" if limit is not None else "no position limit in its config"
     if max_length:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from memtrain import patches
 from memtrain._compat.transformers_config import attn_implementation
 
 # TrainingArguments.optim -> memtrain's training.optimizer (the inverse of
@@ -79,7 +80,7 @@ def _checkpointing_kwargs(seen: Seen) -> Any:
 
 def _attention(modelled: bool) -> Callable[[Seen], Any]:
     def value(seen: Seen) -> Any:
-        inner = getattr(seen.model, "get_base_model", lambda: seen.model)()
+        inner = patches.base_model(seen.model)
         found = attn_implementation(inner.config)
         if found is None or found == "sdpa":  # the estimator's default: nothing to say
             return None
@@ -200,6 +201,6 @@ def planned_optimizer(args: Any) -> str:
 
 def planned_attention(model: Any) -> str | None:
     """memtrain's ``model.attn_implementation`` for the user's model (None: the estimator's default)."""
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = patches.base_model(model)
     found = attn_implementation(inner.config)
     return found if found in MODELLED_ATTENTION else None

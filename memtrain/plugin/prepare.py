@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from memtrain import patches
 from memtrain._compat.transformers_trainer import set_loss_scaled_for_ga
 from memtrain._compat.versions import check_versions
 from memtrain.data.rows import Rows
@@ -287,7 +288,7 @@ def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **opt
     check_versions()
     if budget is None:
         model = trainer.model
-        budget = getattr(getattr(model, "get_base_model", lambda: model)(), "memtrain_plan",
+        budget = getattr(patches.base_model(model), "memtrain_plan",
                          getattr(model, "memtrain_plan", None))
     return MemoryBudgetCallback(budget, **options).attach(trainer)
 
@@ -296,7 +297,7 @@ def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **opt
 
 
 def _is_classifier(model: nn.Module) -> bool:
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = patches.base_model(model)
     return type(inner).__name__.endswith("ForSequenceClassification")
 
 
@@ -357,7 +358,7 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     packed = bool(getattr(args, "packing", False) or getattr(args, "padding_free", False))
     base = recipe_for(model, args, length, allow_approximate, peft_config=peft_config,
                       packing=packed or bool(rows and rows.packed))
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = patches.base_model(model)
     user_checkpointing = any(bool(getattr(owner, name, False)) for owner, name in (
         (args, "activation_checkpointing"), (args, "gradient_checkpointing"),
         (inner, "is_activation_checkpointing"), (inner, "is_gradient_checkpointing")))

@@ -29,6 +29,7 @@ from typing import Any
 
 from transformers import Trainer
 
+from memtrain import patches
 from memtrain._compat.transformers_trainer import set_train_batch_size
 from memtrain.data.rows import Rows
 from memtrain.estimator.grpo import generation_beside, phase_peaks
@@ -181,7 +182,7 @@ def _replan(trainer: Trainer, plan: BudgetPlan, rows: Rows, prepare: Callable[..
 
     request = plan.request
     model = request["model"]
-    limit = position_limit(getattr(model, "get_base_model", lambda: model)().config)
+    limit = position_limit(patches.base_model(model).config)
     notes = [f"the Trainer's longest batch has rows of {rows.longest} tokens, more than the model's {limit} "
              f"positions: planned for {limit} (cut longer rows)"] if limit and rows.longest > limit else []
     if notes:

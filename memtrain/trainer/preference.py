@@ -34,6 +34,7 @@ from memtrain._compat.trl import DPOTrainerHooks, add_fused_head, dpo_loss
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.errors import TRL_MISSING, MemtrainError
+from memtrain.patches import base_model
 from memtrain.trainer.trainer import MemtrainTrainer, argument_values, trainer_inputs
 
 try:
@@ -115,7 +116,7 @@ def reference_step(cfg: RunConfig, model: nn.Module) -> Callable[[nn.Module, Any
     (:func:`memtrain._compat.trl.dpo_loss`). Its metrics read numbers (``.item()``): traced on fake
     tensors, the estimator's ``fake_tensor_mode(scalars=True)`` answers them.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     add_fused_head(base, outputs=HEAD_OUTPUTS)
     settings = dpo_settings(cfg)
     return dpo_loss(model, beta=settings["beta"], loss_types=settings["loss_type"],
