@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class MemtrainError(Exception):
     """A problem with the user's input or environment; the message says what and how to fix it."""
 
     exit_code = 2
+
+
+class BuildError(MemtrainError):
+    """Building what a recipe describes failed; the message names the recipe field involved."""
+
+
+@contextmanager
+def recipe_stage(field: str, what: str) -> Iterator[None]:
+    """Turn a library exception raised while doing ``what`` into a :class:`BuildError` naming ``field``."""
+    try:
+        yield
+    except MemtrainError:
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise BuildError(f"`{field}`: {what} failed: {type(err).__name__}: {first}. Fix: check `{field}` "
+                         "(and that the model supports it).") from err
 
 
 def first_line(err: BaseException) -> str:

@@ -69,8 +69,10 @@ from memtrain._compat.torch_distributed import dtensor_propagation_without_fake_
 from memtrain._compat.torch_tools import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from memtrain.config import RunConfig
 from memtrain.distributed.sharding import quant_storage
+from memtrain.errors import recipe_stage
 from memtrain.model import keep_4bit_trainable_on_cpu, model_class, model_kwargs
-from memtrain.trainer.build import apply_patches, recipe_stage
+from memtrain.patches import apply_patches
+from memtrain.trainer.build import no_kv_cache
 
 
 @contextmanager
@@ -179,4 +181,4 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
         if cfg.model.quantization != "int8":
             keep_4bit_trainable_on_cpu(model)
     model.eval()  # as from_pretrained leaves it; the step switches to train mode
-    return apply_patches(model, cfg)
+    return apply_patches(no_kv_cache(model), cfg)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, recipe_stage
 
 if TYPE_CHECKING:
     from memtrain.config import RunConfig
@@ -394,12 +394,15 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 def apply_patches(model: nn.Module, cfg: RunConfig, only: Iterable[str] | None = None) -> nn.Module:
-    """Apply every patch the recipe asks for, in stage order; returns the (possibly new) model."""
+    """Apply every patch the recipe asks for, in stage order; returns the (possibly new) model.
+    ``memtrain train``, the estimator's fake model and the plugin all patch through here; a library
+    error inside a patch becomes a :class:`~memtrain.errors.BuildError` naming its recipe field."""
     wanted = {ALIASES.get(n, n) for n in only} if only is not None else None
     for entry in techniques():
         if entry.hook is None or (wanted is not None and entry.name not in wanted):
             continue
-        patched = entry.hook(model, cfg)
+        with recipe_stage(entry.field, f"applying the {entry.name} patch"):
+            patched = entry.hook(model, cfg)
         if patched is not None:
             if patched is not model:
                 add_records(patched, records(model))

@@ -5,7 +5,7 @@ Training (:mod:`memtrain.run.train`), measurement (the benchmarks) and estimatio
 
 - :func:`build_model` loads the real model (:func:`memtrain.model.load_model`) and applies the
   recipe's patches (:func:`memtrain.estimator.fake.build_fake_model` builds the same architecture
-  on fake tensors through the same :func:`apply_patches`).
+  on fake tensors through the same :func:`memtrain.patches.apply_patches`).
 - :func:`build_optimizer` is the Trainer's own ``create_optimizer`` (parameter groups, optimizer
   class from ``training.optimizer``, bitsandbytes embedding overrides), called without a Trainer.
 - :func:`example_batch` is the worst-case batch every estimate, measurement and probe steps on,
@@ -15,8 +15,6 @@ Training (:mod:`memtrain.run.train`), measurement (the benchmarks) and estimatio
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,45 +24,22 @@ from transformers import PretrainedConfig, TrainingArguments
 from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.distributed.sharding import quant_storage
-from memtrain.errors import MemtrainError
+from memtrain.errors import BuildError, recipe_stage
 from memtrain.model import load_model
 
-__all__ = ["BuildError", "apply_patches", "build_model", "build_optimizer", "example_batch",
-           "optimizer_arguments_for", "recipe_stage", "step_loss", "step_settings"]
+__all__ = ["BuildError", "build_model", "build_optimizer", "example_batch",
+           "no_kv_cache", "optimizer_arguments_for", "recipe_stage", "step_loss", "step_settings"]
 
 
 
-class BuildError(MemtrainError):
-    """Building what a recipe describes failed; the message names the recipe field involved."""
-
-
-@contextmanager
-def recipe_stage(field: str, what: str) -> Iterator[None]:
-    """Turn a library exception raised while doing ``what`` into a :class:`BuildError` naming ``field``."""
-    try:
-        yield
-    except MemtrainError:
-        raise
-    except Exception as err:
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        raise BuildError(f"`{field}`: {what} failed: {type(err).__name__}: {first}. Fix: check `{field}` "
-                         "(and that the model supports it).") from err
-
-
-def apply_patches(model: nn.Module, cfg: RunConfig) -> nn.Module:
-    """:func:`memtrain.patches.apply_patches`, one patch at a time so a failure names its field.
-
-    The model is first set up as the Trainer trains it: without a KV cache
-    (``config.use_cache = TrainingArguments.use_cache``, False). With a cache, transformers builds
-    one in every forward and then never reads packed rows' example boundaries from the position
-    ids, so a step outside the Trainer (an estimate, a measurement) would attend across packed
-    examples without a mask, holding less than the training step does.
-    """
+def no_kv_cache(model: nn.Module) -> nn.Module:
+    """``model`` set up as the Trainer trains it: without a KV cache (``config.use_cache =
+    TrainingArguments.use_cache``, False). With a cache, transformers builds one in every forward
+    and then never reads packed rows' example boundaries from the position ids, so a step outside
+    the Trainer (an estimate, a measurement) would attend across packed examples without a mask,
+    holding less than the training step does."""
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-    for name in patches.available():
-        with recipe_stage(patches.recipe_field(name), f"applying the {name} patch"):
-            model = patches.apply_patches(model, cfg, only=[name])
     return model
 
 
@@ -83,7 +58,7 @@ def build_model(cfg: RunConfig, num_labels: int | None = None, pad_token_id: int
     if label_names:
         model.config.id2label = dict(enumerate(label_names))
         model.config.label2id = {n: i for i, n in enumerate(label_names)}
-    return apply_patches(model, cfg)
+    return patches.apply_patches(no_kv_cache(model), cfg)
 
 
 def optimizer_arguments_for(cfg: RunConfig) -> TrainingArguments:

@@ -166,3 +166,22 @@ def test_every_knob_is_a_described_recipe_field_that_accepts_auto() -> None:
             TypeAdapter(info.annotation).validate_python("auto")  # raises if `auto` is not allowed
     with pytest.raises(KeyError):
         _field("memory.tiled_mlp_tile_size")
+
+
+def test_a_library_error_inside_a_patch_names_its_recipe_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ``apply_patches`` for training, the estimate and the plugin: a library exception raised
+    inside a patch comes out as a BuildError naming that patch's recipe field (planted: the hook
+    called without ``recipe_stage`` -> a bare RuntimeError)."""
+    from memtrain.errors import BuildError
+
+    entry = patches.technique("tiled_mlp")
+
+    def broken(model: nn.Module, cfg: Any) -> nn.Module:
+        raise RuntimeError("shape mismatch in a library\nsecond line")
+
+    import dataclasses
+
+    monkeypatch.setattr(patches, "techniques", lambda: [dataclasses.replace(entry, hook=broken)])
+    with pytest.raises(BuildError, match=r"^`memory.tiled_mlp`: applying the tiled_mlp patch failed: "
+                                         r"RuntimeError: shape mismatch in a library\. Fix: check"):
+        patches.apply_patches(nn.Linear(2, 2), recipe(), only=["tiled_mlp"])
