@@ -121,7 +121,7 @@ def trace_grpo_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, s
         with recipe_stage("training", "building TRL's GRPOTrainer"):
             trainer = _trainer(cfg, model, tokenizer, settings, out)
         batch = step_batch(trainer, batch_size, prompt=seq_len)
-        layers = decoder_layers(model, config.num_hidden_layers)
+        layers = decoder_layers(model)
         with recipe_stage("model", "TRL's GRPO training step on fake tensors"), loops.recording():
             tracker = trace_training_step(trainer, mode, batch, accumulation, layers, cuda_kernels)
             marked = loops.loops()

@@ -167,16 +167,13 @@ def with_depth(config: PretrainedConfig, depth: int) -> PretrainedConfig:
     return config
 
 
-def decoder_layers(model: nn.Module, depth: int) -> list[nn.Module]:
-    """The repeated blocks: the largest ModuleList of ``depth`` same-class modules."""
-    best: list[nn.Module] = []
-    best_size = -1
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == depth and len({type(m) for m in module}) == 1:
-            size = sum(p.numel() for p in module.parameters())
-            if size > best_size:
-                best, best_size = list(module), size
-    return best
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers whose count the depth sets (:func:`memtrain.patches.layer_lists`; of
+    several lists, the one with the most parameters)."""
+    lists = patches.layer_lists(model)
+    if not lists:
+        return []
+    return list(max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))[1])
 
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
@@ -231,7 +228,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         held = accumulation > 1 and mesh is None
         if held:
             hold_gradients(model)
-        layers = decoder_layers(model, config.num_hidden_layers)
+        layers = decoder_layers(model)
         meter = TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model), cuda_kernels)
         if allocations:
             meter.tracker.allocations = []

@@ -393,6 +393,48 @@ def base_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def num_layers(model: nn.Module) -> int | None:
+    """The model's layer count from its config (``num_hidden_layers``, ``n_layer``...), if any."""
+    config = getattr(base_model(model), "config", None)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The model's repeated layers, by the one rule every part of memtrain uses (checkpointing and
+    activation offload wrap them, the approximate layers and the tiled MLP find their default
+    targets inside them, the estimator marks each op with its layer to extrapolate along depth).
+
+    A layer list is an ``nn.ModuleList`` whose entries are all of one class, are composite (have
+    submodules) and hold parameters, and which lies inside no other layer list: ``model.layers``,
+    ``transformer.h``, ``bert.encoder.layer``, also under a peft wrapper; experts inside a layer
+    belong to the layer. Where the config gives a layer count (:func:`num_layers`), only lists of
+    that length are layers: a list of blocks beside the layers is not, and a model that shares
+    one layer across its depth (ALBERT) has none. An encoder-decoder model has two. Returns
+    ``(name, list)`` in model order.
+    """
+    found: list[tuple[str, nn.ModuleList]] = []
+    for name, module in model.named_modules():  # pre-order: an outer list comes first
+        if not (name and isinstance(module, nn.ModuleList) and len(module) > 0):
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        first = module[0]
+        if (len({type(m) for m in module}) == 1 and any(True for _ in first.children())
+                and any(True for _ in first.parameters())):
+            found.append((name, module))
+    count = num_layers(model)
+    return found if count is None else [(name, module) for name, module in found if len(module) == count]
+
+
+def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every repeated layer (:func:`layer_lists`) with its name in ``model``, in model order."""
+    return [(f"{name}.{i}", layer) for name, module in layer_lists(model) for i, layer in enumerate(module)]
+
+
 def apply_patches(model: nn.Module, cfg: RunConfig, only: Iterable[str] | None = None) -> nn.Module:
     """Apply every patch the recipe asks for, in stage order; returns the (possibly new) model.
     ``memtrain train``, the estimator's fake model and the plugin all patch through here; a library

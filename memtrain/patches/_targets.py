@@ -1,9 +1,9 @@
 """Target finding shared by the approximate-layer patches (not a patch: not auto-imported).
 
 Default targets are found from the model's structure, not from a table per model type, so they
-work for any decoder or encoder model transformers builds: the *blocks* are the entries of the
-outermost ``nn.ModuleList`` s whose entries are all of one class and hold parameters
-(``model.layers``, ``transformer.h``, ``bert.encoder.layer``, also under a peft wrapper), and a
+work for any decoder or encoder model transformers builds: the *blocks* are the model's repeated
+layers by memtrain's one rule (:func:`memtrain.patches.layer_lists`: ``model.layers``,
+``transformer.h``, ``bert.encoder.layer``, also under a peft wrapper), and a
 patch's default targets are the modules inside those blocks that it can change. Embeddings, the
 final norm and the task head live outside the blocks, so they are never defaults.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from torch import nn
 
 from memtrain.errors import MemtrainError
-from memtrain.patches import NoMatchError, matches
+from memtrain.patches import NoMatchError, layer_lists, layers, matches
 
 
 def check_every_pattern(patterns: list[str], found: list[str], field: str,
@@ -30,27 +30,13 @@ def check_every_pattern(patterns: list[str], found: list[str], field: str,
 
 
 def block_lists(model: nn.Module) -> list[str]:
-    """Names of the model's repeated-block lists (``model.layers``, ``transformer.h``, ...).
-
-    A block list is an ``nn.ModuleList`` whose entries are all of one class and hold parameters,
-    and which lies inside no other block list (experts inside a block are part of the block).
-    An encoder-decoder model has two.
-    """
-    found: list[str] = []
-    for name, module in model.named_modules():  # pre-order: an outer list comes first
-        if not (name and isinstance(module, nn.ModuleList) and len(module) > 0):
-            continue
-        if any(name.startswith(outer + ".") for outer in found):
-            continue
-        if len({type(m) for m in module}) == 1 and any(True for _ in module[0].parameters()):
-            found.append(name)
-    return found
+    """Names of the model's repeated-layer lists (:func:`memtrain.patches.layer_lists`)."""
+    return [name for name, _ in layer_lists(model)]
 
 
 def blocks(model: nn.Module) -> list[str]:
     """Names of the repeated blocks themselves (``model.layers.0``, ``model.layers.1``, ...)."""
-    return [f"{outer}.{i}" for outer in block_lists(model)
-            for i in range(len(model.get_submodule(outer)))]
+    return [name for name, _ in layers(model)]
 
 
 def default_modules(model: nn.Module, field: str, technique: str, what: str,

@@ -55,6 +55,8 @@ from memtrain.patches import (
     PatchRecord,
     add_records,
     base_model,
+    layers,
+    num_layers,
     register,
     undo_records,
 )
@@ -119,47 +121,24 @@ def _selective_context() -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------- finding layers
 
 
-def num_layers(model: nn.Module) -> int | None:
-    """The model's layer count from its config (``num_hidden_layers``, ``n_layer``...), if any."""
-    config = getattr(base_model(model), "config", None)
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated transformer blocks, in order, with their names in ``model``.
-
-    A block list is an ``nn.ModuleList`` of modules of one class with parameters, as long as the
-    config's layer count (``model.layers`` for Llama/Mistral/Qwen2, ``transformer.h`` for GPT-2,
-    ``encoder.layer`` for BERT/RoBERTa), found also through a peft wrapper.
+    """The repeated transformer blocks, in order, with their names in ``model``
+    (:func:`memtrain.patches.layers`: ``model.layers`` for Llama/Mistral/Qwen2, ``transformer.h``
+    for GPT-2, ``encoder.layer`` for BERT/RoBERTa, also through a peft wrapper).
 
     Raises:
-        NoMatchError: no such list exists.
+        NoMatchError: the model has none.
     """
-    expected = num_layers(model)
-    lists = [
-        (name, mod) for name, mod in model.named_modules()
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0
-        and len({type(child) for child in mod}) == 1
-        and any(True for _ in mod[0].parameters())
-    ]
-    chosen = [(n, m) for n, m in lists if expected is None or len(m) == expected]
-    if expected is None and len(chosen) > 1:
-        chosen = [max(chosen, key=lambda item: len(item[1]))]
-    if not chosen:
-        found = ", ".join(f"{n} ({len(m)} × {type(m[0]).__name__})" for n, m in lists) or "none"
+    found = layers(model)
+    if not found:
+        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+        shown = ", ".join(f"{n} ({len(m)} × {type(m[0]).__name__})" for n, m in lists) or "none"
         raise NoMatchError(
-            f"`memory.checkpointing`: found no list of {expected} transformer layers in "
-            f"{type(base_model(model)).__name__} (module lists: {found}). Fix: set "
+            f"`memory.checkpointing`: found no list of {num_layers(model) or 'repeated'} transformer "
+            f"layers in {type(base_model(model)).__name__} (module lists: {shown}). Fix: set "
             "`memory.checkpointing: none` for this architecture."
         )
-    return [(f"{n}.{i}" if n else str(i), layer) for n, m in chosen for i, layer in enumerate(m)]
-
-
-# ---------------------------------------------------------------------------------- wrapping
+    return found
 
 
 def _checkpointed(layer: nn.Module, forward: Callable[..., Any],
