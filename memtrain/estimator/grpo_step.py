@@ -40,13 +40,13 @@ from transformers import PretrainedConfig
 from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch
+from memtrain.errors import recipe_stage
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.grpo import generation_phase, step_batch
 from memtrain.estimator.trace import Trace, Work, decoder_layers, quiet_libraries
 from memtrain.estimator.trainer_loss import trace_training_step
 from memtrain.memory import loops
 from memtrain.model import count_parameters
-from memtrain.trainer.build import recipe_stage
 
 if TYPE_CHECKING:
     from memtrain.estimator.setup import TraceSetup

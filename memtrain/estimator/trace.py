@@ -42,11 +42,12 @@ from transformers import PretrainedConfig
 from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.distributed import sharding
+from memtrain.errors import recipe_stage
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.trace_events import CATEGORY_NAMES, TracingMeter
 from memtrain.memory import loops
 from memtrain.model import count_parameters
-from memtrain.trainer.build import build_optimizer, example_batch, recipe_stage, step_loss, step_settings
+from memtrain.trainer.build import build_optimizer, example_batch, step_loss, step_settings
 from memtrain.trainer.step import hold_gradients, training_step
 
 HOST, ROUNDED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1  # extra value columns

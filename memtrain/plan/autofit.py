@@ -245,7 +245,8 @@ def set_batch(trainer: Any, batch: Batch) -> None:
 def _probe_optimizer(trainer: Any, cfg: RunConfig, model: nn.Module,
                      loss_fn: Any = None) -> Iterator[torch.optim.Optimizer]:
     """The optimizer training will create, at learning rate 0, with its state; gone afterwards."""
-    from memtrain.trainer.build import example_batch, recipe_stage
+    from memtrain.errors import recipe_stage
+    from memtrain.trainer.build import example_batch
 
     if trainer.optimizer is not None:
         raise ValueError("auto-fit probes before training: the Trainer must not have an optimizer yet")

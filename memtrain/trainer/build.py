@@ -27,8 +27,9 @@ from memtrain.distributed.sharding import quant_storage
 from memtrain.errors import BuildError, recipe_stage
 from memtrain.model import load_model
 
+# BuildError stays importable from here (its home until issue 36: users' scripts catch it)
 __all__ = ["BuildError", "build_model", "build_optimizer", "example_batch",
-           "no_kv_cache", "optimizer_arguments_for", "recipe_stage", "step_loss", "step_settings"]
+           "no_kv_cache", "optimizer_arguments_for", "step_loss", "step_settings"]
 
 
 
