@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
@@ -66,7 +64,7 @@ from memtrain.plugin.describe import (
 )
 from memtrain.plugin.options import Seen, option_notes
 from memtrain.plugin.trainer_step import check_trainer_step, complete_plan, overrides_step
-from memtrain.reliability.budget import SimulatedBudget, resolve_budget, usable_bytes
+from memtrain.reliability.budget import HeldBudget, resolve_budget, usable_bytes
 from memtrain.reliability.eval_recovery import EvalBatchRecovery
 from memtrain.reliability.recovery import Fixes, MicroBatchRecovery
 from memtrain.trainer.callbacks import MemoryMeterCallback
@@ -137,9 +135,8 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         self.recover = recover
         self.recovery: MicroBatchRecovery | None = None
         self.eval_recovery: EvalBatchRecovery | None = None
-        self._tracked: tuple[Any, Any, Any] = (None, None, None)
         self.over_budget: list[int] = []  # global steps whose measured peak exceeded the usable budget
-        self._simulated: SimulatedBudget | None = None
+        self._held = HeldBudget(self.limit) if self.limit is not None else None
         self._warned = self._evaluate_paused = self._attached = False
         self._outside = 0
 
@@ -209,28 +206,13 @@ class MemoryBudgetCallback(MemoryMeterCallback):
                         "during evaluation) needs the Trainer, which callbacks are never given: call "
                         "`memtrain.attach(trainer)` (or `callback.attach(trainer)`) before "
                         "`trainer.train()`; without it an out-of-memory error stops training.")
-        if self.limit is not None:
-            self._close_simulated()  # a loop restarted by auto_find_batch_size never ended
-            inner = getattr(optimizer, "optimizer", optimizer)
-            opt = inner if isinstance(inner, torch.optim.Optimizer) else None
-            self._tracked = (model, opt, args.device)
-            self._simulated = SimulatedBudget(self.limit, model, opt, device=args.device)
-            self._simulated.__enter__()
+        if self._held is not None:
+            self._held.start(model, optimizer, args.device)
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> contextlib.AbstractContextManager[None]:
         """No simulated budget inside (evaluation: it limits training steps; tracking every op
-        would also slow evaluation several times over)."""
-        if self._simulated is None:
-            yield
-            return
-        self._close_simulated()
-        try:
-            yield
-        finally:
-            model, opt, device = self._tracked
-            self._simulated = SimulatedBudget(self.limit or 0, model, opt, device=device)
-            self._simulated.__enter__()
+        would also slow evaluation several times over), held again after."""
+        return self._held.paused() if self._held is not None else contextlib.nullcontext()
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
@@ -264,12 +246,8 @@ class MemoryBudgetCallback(MemoryMeterCallback):
     def close(self) -> None:
         """Stop measuring and leave the simulated budget (also after an exception)."""
         super().close()
-        self._close_simulated()
-
-    def _close_simulated(self) -> None:
-        if self._simulated is not None:
-            self._simulated.__exit__(None, None, None)
-            self._simulated = None
+        if self._held is not None:
+            self._held.close()
 
 
 def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **options: Any

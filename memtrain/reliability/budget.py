@@ -189,8 +189,53 @@ def budget_guard(limit: int, *track: Any, device: torch.device | None = None,
     return SimulatedBudget(limit, *track, device=device, defer=defer)
 
 
+class HeldBudget:
+    """A :class:`SimulatedBudget` held for a training run: entered when training begins, left
+    around evaluation (:meth:`paused`), left for good by :meth:`close`. The one lifecycle of
+    ``memtrain train``'s :class:`SimulatedBudgetCallback` and the plugin's callback."""
+
+    def __init__(self, limit: int | str, defer: bool = False) -> None:
+        self.limit, self.defer = limit, defer
+        self.active: SimulatedBudget | None = None
+        self._tracked: tuple[Any, Any, Any] = (None, None, None)
+
+    def start(self, model: torch.nn.Module | None, optimizer: Any, device: torch.device) -> None:
+        """Hold the budget over ``model`` and the optimizer's state (a Trainer's optimizer may be
+        accelerate's wrapper: its inner one is tracked). Leaves a budget still held first (a
+        training loop restarted by ``auto_find_batch_size`` never ended)."""
+        self.close()
+        inner = getattr(optimizer, "optimizer", optimizer)
+        opt = inner if isinstance(inner, torch.optim.Optimizer) else None
+        self._tracked = (model, opt, device)
+        self._enter()
+
+    def _enter(self) -> None:
+        model, optimizer, device = self._tracked
+        self.active = SimulatedBudget(self.limit, model, optimizer, device=device, defer=self.defer)
+        self.active.__enter__()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No limit inside (evaluation: the budget limits training steps; tracking every op would
+        also slow evaluation several times over); held again after."""
+        if self.active is None:
+            yield
+            return
+        self.close()
+        try:
+            yield
+        finally:
+            self._enter()
+
+    def close(self) -> None:
+        """Leave the budget (also after training stopped with an exception)."""
+        if self.active is not None:
+            self.active.__exit__(None, None, None)
+            self.active = None
+
+
 class SimulatedBudgetCallback(TrainerCallback):
-    """Keep a :class:`SimulatedBudget` active from the start to the end of training.
+    """Keep a :class:`SimulatedBudget` active from the start to the end of training (:class:`HeldBudget`).
 
     With several processes the budget defers (see the module docstring): out-of-memory recovery
     takes what it noted after every micro-batch (:meth:`take_overrun`); a crossing outside the
@@ -199,17 +244,17 @@ class SimulatedBudgetCallback(TrainerCallback):
 
     def __init__(self, limit: int | str) -> None:
         self.limit = limit
-        self.budget: SimulatedBudget | None = None
-        self._defer = False
+        self.held = HeldBudget(limit)
+
+    @property
+    def budget(self) -> SimulatedBudget | None:
+        """The budget held now (None outside training and during evaluation)."""
+        return self.held.active
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
-        inner = getattr(optimizer, "optimizer", optimizer)
-        opt = inner if isinstance(inner, torch.optim.Optimizer) else None
-        self._tracked, self._device = (model, opt), args.device
-        self._defer = getattr(args, "world_size", 1) > 1
-        self.budget = SimulatedBudget(self.limit, model, opt, device=args.device, defer=self._defer)
-        self.budget.__enter__()
+        self.held.defer = getattr(args, "world_size", 1) > 1
+        self.held.start(model, optimizer, args.device)
 
     def take_overrun(self) -> str | None:
         """What the deferring budget noted since the last call (None: nothing, or not deferring)."""
@@ -217,7 +262,7 @@ class SimulatedBudgetCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        if not self._defer:
+        if not self.held.defer:
             return
         from memtrain.distributed.together import flagged_ranks
 
@@ -232,24 +277,10 @@ class SimulatedBudgetCallback(TrainerCallback):
                      **kwargs: Any) -> None:
         self.close()
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """No limit inside (evaluation): tracking every op would slow it several times over."""
-        active = self.budget
-        if active is None:
-            yield
-            return
-        model, optimizer = self._tracked
-        active.__exit__(None, None, None)
-        try:
-            yield
-        finally:
-            self.budget = SimulatedBudget(self.limit, model, optimizer, device=self._device,
-                                          defer=self._defer)
-            self.budget.__enter__()
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """No limit inside (evaluation), held again after (:meth:`HeldBudget.paused`)."""
+        return self.held.paused()
 
     def close(self) -> None:
         """Leave the budget (also after training stopped with an exception)."""
-        if self.budget is not None:
-            self.budget.__exit__(None, None, None)
-            self.budget = None
+        self.held.close()
