@@ -162,6 +162,22 @@ _TINY_SIZES: dict[str, Any] = {
 }
 
 
+CATALOG_ENCODERS = ("bert", "roberta")  # catalog types built as classifiers, the rest as causal LMs
+
+
+def tiny_catalog_model(arch: str) -> Any:
+    """The tiny catalog model of ``arch`` (:func:`tiny_catalog_configs`), seeded: a classifier for
+    an encoder, a causal LM otherwise."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    values = copy.deepcopy(tiny_catalog_configs()[arch])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    auto = AutoModelForSequenceClassification if arch in CATALOG_ENCODERS else AutoModelForCausalLM
+    return auto.from_config(config)
+
+
 def tiny_catalog_configs() -> dict[str, dict[str, Any]]:
     """One tiny config per architecture (``model_type``) in memtrain's catalog: the first entry of
     that type with its sizes shrunk to 2 layers of width 64, everything else (activation, rope

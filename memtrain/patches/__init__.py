@@ -413,8 +413,9 @@ def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     ``transformer.h``, ``bert.encoder.layer``, also under a peft wrapper; experts inside a layer
     belong to the layer. Where the config gives a layer count (:func:`num_layers`), only lists of
     that length are layers: a list of blocks beside the layers is not, and a model that shares
-    one layer across its depth (ALBERT) has none. An encoder-decoder model has two. Returns
-    ``(name, list)`` in model order.
+    one layer across its depth (ALBERT) has none. An encoder-decoder model has two when its
+    decoder is as deep as its encoder (T5's ``num_decoder_layers``), else its encoder's alone.
+    Returns ``(name, list)`` in model order.
     """
     found: list[tuple[str, nn.ModuleList]] = []
     for name, module in model.named_modules():  # pre-order: an outer list comes first

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import MINILM, causal_recipe, tiny_catalog_configs
+from conftest import CATALOG_ENCODERS, MINILM, causal_recipe, tiny_catalog_configs, tiny_catalog_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from memtrain import patches
 from memtrain.config import FewBitConfig, RandomizedLinearConfig, load_recipe
@@ -19,7 +17,6 @@ from memtrain.patches._targets import blocks
 from memtrain.plan import costmodel, planner
 
 CATALOG = tiny_catalog_configs()
-ENCODERS = ("bert", "roberta")
 
 
 @pytest.fixture(autouse=True)
@@ -29,15 +26,6 @@ def _rates(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(costmodel, "rates", lambda device: nominal)
 
 
-def build(arch: str) -> nn.Module:
-    """The tiny catalog model of ``arch``: a classifier for encoders, a causal LM otherwise."""
-    values = copy.deepcopy(CATALOG[arch])
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    torch.manual_seed(0)
-    auto = AutoModelForSequenceClassification if arch in ENCODERS else AutoModelForCausalLM
-    return auto.from_config(config)
-
-
 def per_block(model: nn.Module, names: list[str]) -> dict[str, int]:
     return {b: sum(n.startswith(b + ".") for n in names) for b in blocks(model)}
 
@@ -45,7 +33,7 @@ def per_block(model: nn.Module, names: list[str]) -> dict[str, int]:
 @pytest.mark.parametrize("arch", sorted(CATALOG))
 @pytest.mark.parametrize("patch", ["fewbit", "randomized_linear"])
 def test_default_targets_patch_every_block_and_train(arch: str, patch: str) -> None:
-    model = build(arch)
+    model = tiny_catalog_model(arch)
     if patch == "fewbit":
         fewbit.apply(model, FewBitConfig(bits=3))
     else:
@@ -71,7 +59,7 @@ def test_allow_approximate_plans_on_every_catalog_architecture(arch: str, tmp_pa
     else:
         config.pop("n_layer")
     recipe["model"] = {"from_config": config, "tokenizer": MINILM}
-    if arch in ENCODERS:
+    if arch in CATALOG_ENCODERS:
         recipe["model"]["task"] = "sequence-classification"
         recipe["data"].update(format="classification")
     decided = planner.plan(load_recipe(recipe), "4GiB", device="cpu")

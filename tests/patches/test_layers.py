@@ -8,13 +8,9 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-from conftest import tiny_catalog_configs
+from conftest import tiny_catalog_configs, tiny_catalog_model
 from torch import nn
 from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -25,15 +21,6 @@ from memtrain.patches import checkpointing, tiled_mlp
 from memtrain.patches._targets import blocks
 
 CATALOG = tiny_catalog_configs()
-ENCODERS = ("bert", "roberta")
-
-
-def build(arch: str) -> nn.Module:
-    values = copy.deepcopy(CATALOG[arch])
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    torch.manual_seed(0)
-    auto = AutoModelForSequenceClassification if arch in ENCODERS else AutoModelForCausalLM
-    return auto.from_config(config)
 
 
 def seen_by_each(model: nn.Module) -> dict[str, list[str]]:
@@ -48,7 +35,7 @@ def seen_by_each(model: nn.Module) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("arch", sorted(CATALOG))
 def test_every_part_sees_the_same_layers(arch: str) -> None:
-    model = build(arch)
+    model = tiny_catalog_model(arch)
     expected = [name for name, _ in patches.layers(model)]
     assert len(expected) == patches.num_layers(model), expected
     assert seen_by_each(model) == dict.fromkeys(seen_by_each(model), expected)
@@ -59,7 +46,7 @@ def test_lists_that_look_like_layers_are_not_layers() -> None:
     many as the layers (the config-count rule took them), a list of plain projections beside the
     layers as long as they are (Gemma 3n's altup projections), and a list of blocks of another
     length beside them (the largest-list rule could take it)."""
-    model = build("llama")
+    model = tiny_catalog_model("llama")
     inner = model.model
     count = len(inner.layers)
     width = model.config.hidden_size
