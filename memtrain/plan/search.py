@@ -164,14 +164,13 @@ class Search:
         too_big: list[Candidate] = []
         host_big: list[Candidate] = []  # fit the device, not the host
         fits: list[Candidate] = []
-        probed: set[int] | None = None  # candidates judged by the probe pass (_probe_leanest)
         seen: set[int] = set()  # judged: in the loop below, or traced ahead of their turn by it
 
         def judge(cand: Candidate) -> None:
             """Trace ``cand`` and file it: fits, too big for the device, or for the host; or, where
             a patch finds nothing to act on (checkpointing a model without a list of layers,
             ALBERT), not applicable."""
-            nonlocal fastest, probed
+            nonlocal fastest
             try:
                 self.evaluate(cand)
             except NoMatchError as err:
@@ -181,9 +180,6 @@ class Search:
             if cand.seconds == math.inf:
                 if cand.min_peak > self.usable:  # the device is too small
                     too_big.append(cand)
-                    if probed is None and len(self.fields) > 1:
-                        probed = self._probe_leanest(cands, too_big, fits, host_big, seen)
-                        fastest = min(fits, key=self.time, default=None)
                 elif self._host_short(cand):
                     host_big.append(cand)
                 return
@@ -193,7 +189,7 @@ class Search:
 
         for bound, i in sorted(bounds):
             cand = cands[i]
-            if i in seen or (probed is not None and i in probed):
+            if i in seen:
                 continue  # judged already: in `fits`, or in `too_big` / `done` with its reason
             seen.add(i)
             if self._pruned(cand, bound, fastest, fits, too_big, host_big):
@@ -202,8 +198,7 @@ class Search:
             # keeps at least as much as, if that one could win too (its bound within reach): where
             # that does not fit, neither does this one nor any other above it, all pruned by
             # dominance for one trace. (With room to spare it would only trace slower candidates.)
-            k = (self._leaner(cands, i, bound_of, seen | (probed or set()), fastest, too_big, fits)
-                 if too_big else None)
+            k = self._leaner(cands, i, bound_of, seen, fastest, too_big, fits) if too_big else None
             if k is not None:
                 seen.add(k)
                 judge(cands[k])
@@ -296,50 +291,6 @@ class Search:
             if score > lean:
                 best, lean = k, score
         return best
-
-    def _probe_leanest(self, cands: list[Candidate], too_big: list[Candidate],
-                       fits: list[Candidate], host_big: list[Candidate], seen: set[int]) -> set[int]:
-        """Judge, for every value of every searched field, the candidate that keeps least with it:
-        that value and every other field at the end of its memory order. Where that one does not
-        fit, no candidate with the value fits (each keeps at least as much in every field), and the
-        search prunes them all by dominance without tracing them. Run once, when the fastest
-        candidates turn out too big (a budget near the limit, as a planned longest context is):
-        one trace per field value instead of most of the product of the fields. Returns the
-        indices into ``cands`` judged here (added to ``too_big`` or ``fits``)."""
-        index = {_key(c.values): k for k, c in enumerate(cands)}
-        domains = {f: options(self.cfg, f, self.shape) for f in self.fields}
-        off = {**cands[0].values, **self._plain(cands[0])}
-        # each field's leanest value that applies to this model (a lean norm has no LayerNorm to take)
-        lean = {f: next((v for v in reversed(values)
-                         if self.inapplicable(Candidate({**off, f: v})) is None), values[0])
-                for f, values in domains.items()}
-        judged: set[int] = set()
-        fitting: list[Candidate] = []  # a probe that fits: so does every leaner one
-        for field_, values in domains.items():
-            for value in values:
-                k = index.get(_key({**lean, field_: value}))
-                if k is None or k in judged or k in seen:  # ``seen``: judged by the main loop
-                    continue
-                cand = cands[k]
-                if (self.inapplicable(cand) is not None or self.floored_out(cand)  # cannot fit
-                        or any(self.dominated(cand, t) for t in too_big)  # cannot fit
-                        or any(self.dominated(cand, t, host=True) for t in host_big)
-                        or any(self.dominated(f, cand) for f in fitting)  # fits: no pruning
-                        or self._outrun_by(cand, fits) is not None):  # fits, and is never chosen
-                    continue  # the main loop judges it
-                try:
-                    self.evaluate(cand)
-                except NoMatchError:
-                    continue  # the main loop evaluates it again and says why
-                judged.add(k)
-                if cand.seconds < math.inf:
-                    fits.append(cand)
-                    fitting.append(cand)
-                elif cand.min_peak > self.usable:
-                    too_big.append(cand)
-                elif self._host_short(cand):
-                    host_big.append(cand)
-        return judged
 
     def _settle(self, cand: Candidate) -> None:
         """The chosen candidate's own peak, where the search bounded it from above.

@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="where the planned run trains")
     parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--overrides", nargs="*", default=AUTO)
+    parser.add_argument("--alternatives", action="store_true",
+                        help="also trace what cannot change the choice (`memtrain plan --alternatives`)")
     args = parser.parse_args()
     started = time.perf_counter()
 
@@ -67,7 +69,8 @@ def main() -> None:
         imported = time.perf_counter()
         cfg = load_recipe(args.recipe, args.overrides)
         budget = f"{args.budget_mib}MiB" if args.budget_mib else f"{args.budget}GiB"
-        result = planner.plan(cfg, budget, device=args.device)
+        # as `memtrain plan` runs it: only the candidates that can change the choice are traced
+        result = planner.plan(cfg, budget, device=args.device, alternatives=args.alternatives)
         planned = time.perf_counter() - imported
     finally:
         estimate.trace_candidates_at = original
@@ -75,8 +78,10 @@ def main() -> None:
 
     lines = harness.header(f"Where a plan's time goes: its traces ({args.recipe}, {budget} {args.device})")
     chosen = ", ".join(f"{k}={v}" for k, v in result.chosen.values.items())
+    flag = " --alternatives" if args.alternatives else ""
     lines += [f"`planner.plan` of `{args.recipe}` with {', '.join(f'`{o}`' for o in args.overrides)} at a "
-              f"{budget} {args.device} device: **{planned:.1f} s** in this process after its imports "
+              f"{budget} {args.device} device, as `memtrain plan{flag}` "
+              f"runs it: **{planned:.1f} s** in this process after its imports "
               f"({imported - started:.1f} s), {len(groups)} trace groups. Chosen: "
               f"{f'{length:,} tokens, ' if length else ''}{chosen or 'the recipe as written'}. "
               "A group is one call of `estimate.trace_candidates_at` (its traces run side by side); "
