@@ -182,9 +182,9 @@ def test_tracing_the_leanest_below_first_prunes_without_changing_the_choice(
     """Near the limit (the fastest candidates too big), the search traces, before each candidate, the
     leanest untraced one below it whose bound could still win; where that does not fit, every
     candidate above it is pruned by dominance. Same choice as the search without it, in fewer
-    evaluations (8 of 64 here). (A pass that first judged every field value with the other fields
-    at their leanest, removed in issue 37, took 9 here and traced more on the 8B plans.) Planted:
-    `_leaner` filing nothing (the plain search) -> the count assertion fails."""
+    evaluations (11 of 32 here; the plain search evaluates all 32). (A first pass that judged every
+    field value with the other fields at their leanest was removed in issue 37: it traced more on
+    the 8B plans.) Planted: `_leaner` filing nothing (the plain search) -> the count assertion fails."""
     from memtrain.plan import search as search_mod
     from memtrain.plan.space import options, rank
 
@@ -218,7 +218,7 @@ def test_tracing_the_leanest_below_first_prunes_without_changing_the_choice(
     plain = planner.plan(cfg, budget)
     assert leaner.chosen.values == plain.chosen.values
     assert leaner.chosen.peak <= leaner.usable
-    assert leaner_count < len(evaluated) / 2, (leaner_count, len(evaluated))  # 8 of 64
+    assert leaner_count < len(evaluated) / 2, (leaner_count, len(evaluated))  # 11 of 32
 
 
 def test_a_search_allowing_only_micro_batch_1_traces_only_micro_batch_1(
