@@ -254,16 +254,8 @@ class Search:
         elif (quick := self._outrun_by(cand, fits)) is not None:
             cand.reason = (f"not traced: no faster than {quick.label()}, which fits at the largest "
                            "micro-batch and differs only in techniques that add work, fewer of them")
-        elif not self.alternatives and fastest is not None and bound >= self.time(fastest):
-            # Candidates come in the order of their bounds: none from here on is faster than
-            # `fastest`, so the tie window is final, and one with more techniques than a
-            # candidate inside it cannot be chosen (the tie rule counts techniques first).
-            # (Before the window is final, a faster candidate with more techniques, skipped,
-            # could have pushed the pick out of it: tests/plan/test_planner.py.)
-            fewest = min((c for c in fits if self.time(c) <= self.time(fastest) * (1 + TIE)),
-                         key=self.techniques)
-            if self.techniques(cand) <= self.techniques(fewest):
-                return False
+        elif (fewest := self._unchosen(cand, bound, fastest, fits)) is not None:
+            assert fastest is not None
             cand.reason = (f"not traced: at least {bound:.3g} {self.unit}, no faster than "
                            f"{self.time(fastest):.3g} s, with more memory techniques than "
                            f"{fewest.label() or 'the recipe as written'}, which fits within the "
@@ -272,6 +264,23 @@ class Search:
             return False
         self.pruned.append(cand)
         return True
+
+    def _unchosen(self, cand: Candidate, bound: float, fastest: Candidate | None,
+                  fits: list[Candidate]) -> Candidate | None:
+        """Without alternatives, the fitting candidate the tie rule picks over ``cand`` whatever
+        ``cand``'s trace says (None where there is none): ``cand``, by its bound, is no faster than
+        the fastest, and turns on more techniques than the one with the fewest in the tie window.
+
+        Candidates come in the order of their bounds: none from here on is faster than `fastest`,
+        so the tie window is final, and one with more techniques than a candidate inside it cannot
+        be chosen (the tie rule counts techniques first). (Before the window is final, a faster
+        candidate with more techniques, skipped, could have pushed the pick out of it:
+        tests/plan/test_planner.py.)
+        """
+        if self.alternatives or fastest is None or bound < self.time(fastest):
+            return None
+        fewest = min((c for c in fits if self.time(c) <= self.time(fastest) * (1 + TIE)), key=self.techniques)
+        return fewest if self.techniques(cand) > self.techniques(fewest) else None
 
     def _leaner(self, cands: list[Candidate], i: int, bound_of: dict[int, float], seen: set[int],
                 fastest: Candidate | None, too_big: list[Candidate], fits: list[Candidate]) -> int | None:
@@ -287,6 +296,8 @@ class Search:
                 continue
             if self._outrun_by(other, fits) is not None:  # keeps no more than one that fits: fits
                 continue
+            if self._unchosen(other, bound_of[k], fastest, fits) is not None:
+                continue  # cannot be chosen: its trace would only prune
             score = self.leanness(other)
             if score > lean:
                 best, lean = k, score

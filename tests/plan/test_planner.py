@@ -221,6 +221,34 @@ def test_tracing_the_leanest_below_first_prunes_without_changing_the_choice(
     assert leaner_count < len(evaluated) / 2, (leaner_count, len(evaluated))  # 11 of 32
 
 
+def test_the_leanest_below_is_traced_first_only_where_it_could_be_chosen(
+        tmp_path: Path, corpus: Path) -> None:
+    """Without alternatives (as `memtrain plan` runs), the leaner candidate traced ahead of a
+    candidate's turn (`Search._leaner`) is one the tie rule could still choose: one no faster than
+    the fastest (by its bound) with more techniques than the fewest in the tie window would only
+    prune, and where it fits, not even that (the 8B all-auto plan at 80 GiB traced 5 such, 15 s of
+    88). Planted: `_leaner` without its `_unchosen` check -> it picks the leanest of all (four
+    techniques) and the assertion fails."""
+    recipe = _recipe(tmp_path, corpus)
+    recipe["training"].update(micro_batch_size=1, gradient_accumulation=1, effective_batch_size=1)
+    recipe["memory"] = {"checkpointing": "auto", "loss": "auto", "lean_norm": "auto", "tiled_mlp": "auto",
+                        "offload": {"activations": "auto"}}
+    search = planner.Search(load_recipe(recipe), "cpu", 2**40, alternatives=False)
+    cands = list(search.candidates())
+    plainest = min(range(len(cands)), key=lambda k: search.leanness(cands[k]))
+    fastest = next(c for c in cands
+                   if search.techniques(c) == 1 and c.values["memory.checkpointing"] == "full")
+    fastest.micro, fastest.accumulation, fastest.seconds, fastest.peak = 1, 1, 1.0, 1
+    seen = {plainest, cands.index(fastest)}
+    bound_of = dict.fromkeys(range(len(cands)), 1.0)  # none faster than the fastest: the window is final
+    k = search._leaner(cands, plainest, bound_of, seen, fastest, [], [fastest])
+    assert k is not None
+    assert search.techniques(cands[k]) <= 1, cands[k].values  # the leanest that could still be chosen
+    bound_of = dict.fromkeys(range(len(cands)), 0.5)  # any could be faster: the leanest of all
+    k = search._leaner(cands, plainest, bound_of, seen, fastest, [], [fastest])
+    assert k is not None and search.techniques(cands[k]) > 1, cands[k].values
+
+
 def test_a_search_allowing_only_micro_batch_1_traces_only_micro_batch_1(
         tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch 1 (a long context): the search traces micro-batch 1 alone, not 2 and 3 for a linear model
