@@ -140,16 +140,28 @@ def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, 
     An estimate costs about the same at any length, and where attention keeps no ``L x L`` matrix its
     bytes are affine in the length op by op, so the peak is the largest of a few lines: the line
     through two lengths far apart meets the budget at or past the answer, the line through the two
-    probes nearest the crossing at the answer. At most ``SOLVE_ROUNDS`` rounds; where the peak
-    bends (quadratic attention) the guesses are only guesses, and the search goes on from the
-    probes made here, so the answer is regula falsi's either way.
+    probes nearest the crossing at the answer. Where the model's position limit lies past both
+    lengths, the limit is probed first: with room to spare (Llama-3.1-8B's 131,072 positions at 24
+    GiB and up, with every long-context technique) that one estimate is the answer, and where it does
+    not fit, it is the line's far end in place of the second length (each guess no further than
+    ``SOLVE_SPAN`` times the longest length that fits: a far line crosses the budget well past a
+    peak that bends, as a loss chunk growing to its cap makes it at short lengths). At most
+    ``SOLVE_ROUNDS`` rounds; where the peak bends (quadratic attention) the guesses are only
+    guesses, and the search goes on from the probes made here, so the answer is regula falsi's
+    either way.
     """
     if found.probes or top <= step:
         return
     first = min(FIRST_PROBE, top)
+    second = min(top, max(first + step, _down(first * SOLVE_SPAN, step)))
+    if found.limit is not None and top > second:  # where the model's positions fit, one estimate answers
+        at(top)
+        if found.probes[top] <= usable:
+            return
     if at(first) is None or found.probes[first] > usable:
         return
-    at(min(top, max(first + step, _down(first * SOLVE_SPAN, step))))
+    if top not in found.probes:
+        at(second)
     for _ in range(SOLVE_ROUNDS):
         fits = sorted(n for n, b in found.probes.items() if b <= usable)
         over = sorted(n for n, b in found.probes.items() if b > usable)
@@ -162,6 +174,9 @@ def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, 
             return
         guess = _down(a + (usable - found.probes[a]) / slope, step)
         guess = min(top, max(lo + step, guess if hi is None else min(hi - step, guess)))
+        # no further than the second length is from the first: a line to a far end (the position
+        # limit) may cross the budget far past a peak that bends (a loss chunk growing to its cap)
+        guess = min(guess, max(lo + step, _down(lo * SOLVE_SPAN, step)))
         at(guess)
         if guess < top and found.probes[guess] <= usable:
             at(guess + step)

@@ -54,6 +54,28 @@ def test_the_plan_is_the_longest_length_that_fits_and_the_next_does_not(
     assert _total(resolved, 3 * step) <= decided.usable  # the settings chosen at that length fit
 
 
+def test_a_position_limit_that_fits_is_found_with_one_estimate(
+        tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+    """Where the model's position limit lies far past the first two lengths the search would probe
+    (64 and 512 here, the limit 2,048), it probes the limit first: with room to spare that one
+    estimate is the answer (Llama-3.1-8B at 24 and 80 GiB: 3 estimates were 1); where the limit does
+    not fit, it is the far end of the line in place of the second length, the line's answer never
+    further than that length (the peak here bends: 5 estimates without the limit first, 6 with it,
+    10 where a far line guided the search unbounded). Planted: `_solve` without the first probe of
+    the limit -> probes {64, 512, 1024, 1088, 2048}, the first assertion fails."""
+    recipe = _recipe(tmp_path, tiny_text_file, checkpointing="full", loss="chunked")
+    recipe["model"]["from_config"]["max_position_embeddings"] = 2048
+    cfg = load_recipe(recipe)
+    roomy = planner.plan(cfg, 2 * _total(cfg, 2048), device="cpu")
+    assert roomy.length is not None and sorted(roomy.length.probes) == [2048], roomy.length.probes
+    assert roomy.settings()["data.max_length"] == 2048
+    below, above = _total(cfg, 3 * step), _total(cfg, 4 * step)
+    tight = planner.plan(cfg, int((below + above) / 2 / 0.9), device="cpu")  # 3 steps fit, 4 do not
+    assert tight.length is not None and tight.settings()["data.max_length"] == 3 * step
+    assert 2048 in tight.length.probes
+    assert len(tight.length.probes) <= 6, tight.length.probes  # without the limit first: 5
+
+
 def test_exact_length_runs_every_loop_iteration_of_every_trace_and_finds_the_same_length(
         tmp_path: Path, tiny_text_file: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``longest_length(..., exact_length=True)`` (scripts/bench/planner/plan_speed.py's "every iteration"
