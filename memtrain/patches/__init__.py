@@ -152,9 +152,11 @@ class Knob:
         sizes: the technique field this knob sizes (a tile or chunk size), or "": where the planner
             turns that technique off, a size the recipe fixed is dropped with it
             (``memtrain.plan.space.with_values``), as the recipe's checks require.
-        unordered_offloaded: under activation offload its values have no memory order (the
-            planner does not prune one by another there; ``memtrain.plan.search.Search.dominated``):
-            what the technique keeps on the device is partly what offload would have moved.
+        unordered_offloaded: under activation offload its values have no memory order on the
+            device (the planner does not prune one by another there;
+            ``memtrain.plan.search.Search.dominated``): what the technique keeps on the device is
+            partly what offload would have moved. On the host the order holds (what it saves less,
+            offload moves less; ``scripts/bench/planner/dominance.py --host`` audits it).
         floor: device bytes a value keeps at least, at one moment of any step, whatever the other
             settings, from the recipe (its ``data.max_length`` rows), the model's shape and the
             rows of a micro-batch (0: no floor); the planner rejects a candidate whose floor

@@ -539,6 +539,41 @@ def test_under_activation_offload_checkpointing_settings_are_not_ranked_by_memor
     assert search.dominated(norm[False, False], norm[True, False])
 
 
+def test_on_the_host_checkpointing_and_the_lean_norm_keep_their_order_under_offload() -> None:
+    """Under activation offload checkpointing and the lean norm have no order on the device (above),
+    but on the host they do: what a technique saves less for backward, offload moves less. So a
+    candidate that does not fit the host prunes one that saves more (no checkpointing or fewer
+    layers checkpointed, no lean norm) untraced (the 8B all-auto plans at 24 and 80 GiB traced 3-4
+    such). Host peaks of Llama-3.1-8B QLoRA at 131,072 tokens (estimates, no weights) in that
+    order; `python -m scripts run dominance --host` found 0 wrong pairs of 6,224 at 4,096 tokens
+    and at 131,072 (the plan's 256 candidates). Planted: the device rule applied on the host too ->
+    the dominance assertions fail."""
+    from memtrain.config import shipped_recipes_dir
+
+    common = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
+              "training.effective_batch_size=1", "training.gradient_accumulation=1",
+              "data.max_length=131072", "memory.host_budget=1024GiB", "memory.loss=chunked"]
+    recipe = shipped_recipes_dir() / "llama-3.1-8b-qlora.yaml"
+    offload = [*common, "memory.offload.activations=true"]
+    host = {(ck, norm): estimate(load_recipe(recipe, [*offload, f"memory.checkpointing={ck}",
+                                                      f"memory.lean_norm={norm}"]),
+                                 device="cuda").host_peak_bytes
+            for ck, norm in (("none", "false"), ("none", "true"), ("16", "true"), ("full", "true"))}
+    assert host["none", "false"] > host["none", "true"] > host["16", "true"] > host["full", "true"], host
+
+    cfg = load_recipe(recipe, [*common, "memory.checkpointing=auto", "memory.lean_norm=auto",
+                               "memory.offload.activations=auto"])
+    search = planner.Search(cfg, "cuda", 2**40)
+    by = {(c.values["memory.checkpointing"], c.values["memory.lean_norm"],
+           c.values["memory.offload.activations"]): c for c in search.candidates()}
+    on = True
+    assert search.dominated(by["none", False, on], by["none", True, on], host=True)
+    assert search.dominated(by["none", True, on], by[16, True, on], host=True)
+    assert search.dominated(by[16, True, on], by["full", True, on], host=True)
+    assert not search.dominated(by["none", True, on], by["full", True, on])  # on the device: no order
+    assert not search.dominated(by["full", True, on], by["none", True, on], host=True)
+
+
 def test_a_candidate_leaner_only_in_fields_that_add_work_is_outrun(tmp_path: Path, corpus: Path) -> None:
     """``Search.no_faster``: leaner or equal in every field that only adds work (offload, tiled MLP,
     tile size), equal elsewhere; ``Search._outrun``: that, more techniques, and the faster one fits

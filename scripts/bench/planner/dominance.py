@@ -51,6 +51,10 @@ def main() -> None:
                         help="audit the time order instead: an unbounded budget (every candidate fits at "
                         "its largest micro-batch), and every pair the search calls \"a no faster than b\" "
                         "(Search.no_faster) where a's predicted step is faster")
+    parser.add_argument("--host", action="store_true",
+                        help="audit the host order instead: every pair the search calls \"a keeps at least "
+                        "as much on the host as b\" (Search.dominated with host=True) where a's host peak "
+                        "is smaller")
     args = parser.parse_args()
     overrides = [*(args.set if args.set is not None else LONG_CONTEXT), f"data.max_length={args.length}"]
     search = Search(load_recipe(args.recipe, overrides), args.device, 2**62 if args.time else 1)
@@ -71,6 +75,16 @@ def main() -> None:
         print(f"{len(slower)} of {pairs} pairs where the search claims a no faster than b, and a is faster")
         for gap, a, b in slower:
             print(f"  {gap:.4g} s faster: {a.label()}  vs  {b.label()}")
+        return
+    if args.host:
+        wrong = sorted(((b.host - a.host, a, b) for a in cands for b in cands
+                        if a is not b and search.dominated(a, b, host=True) and a.host < b.host),
+                       key=lambda x: -x[0])
+        pairs = sum(1 for a in cands for b in cands if a is not b and search.dominated(a, b, host=True))
+        print(f"{len(wrong)} of {pairs} pairs where dominance claims a keeps at least as much on the host "
+              "as b, and a keeps less there")
+        for gap, a, b in wrong:
+            print(f"  {gap / 2**20:10.1f} MiB less: {a.label()}  vs  {b.label()}")
         return
     wrong = sorted(((b.min_peak - a.min_peak, a, b) for a in cands for b in cands
                     if a is not b and search.dominated(a, b) and a.min_peak < b.min_peak),
