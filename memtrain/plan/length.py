@@ -112,7 +112,7 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     for length in cache.lengths(base):  # lengths probed before with these settings and this cache
         if length % step == 0 and length <= top:
             at(length)
-    _solve(found, at, usable, step, top)
+    _solve(found, at, usable, step, top, limit_first=not exact_length)
     lo = max((n for n, b in found.probes.items() if b <= usable), default=0)
     hi = min((n for n, b in found.probes.items() if b > usable and n > lo), default=None)
     count, kept, weight = 0, "", [1.0, 1.0]  # Illinois: an end kept twice counts half in the line
@@ -133,7 +133,8 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     return found
 
 
-def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, step: int, top: int) -> None:
+def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, step: int, top: int,
+           limit_first: bool = True) -> None:
     """Solve the affine model for the longest length, then confirm it: an estimate at the answer
     and one at the next step (what regula falsi below ends on, in fewer estimates).
 
@@ -143,7 +144,9 @@ def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, 
     probes nearest the crossing at the answer. Where the model's position limit lies past both
     lengths, the limit is probed first: with room to spare (Llama-3.1-8B's 131,072 positions at 24
     GiB and up, with every long-context technique) that one estimate is the answer, and where it does
-    not fit, it is the line's far end in place of the second length (each guess no further than
+    not fit, it is the line's far end in place of the second length (``limit_first``; not where
+    every loop iteration runs, ``exact_length``: there an estimate's cost grows with the length,
+    and one at the limit costs more than the search it could save; each guess no further than
     ``SOLVE_SPAN`` times the longest length that fits: a far line crosses the budget well past a
     peak that bends, as a loss chunk growing to its cap makes it at short lengths). At most
     ``SOLVE_ROUNDS`` rounds; where the peak bends (quadratic attention) the guesses are only
@@ -154,7 +157,7 @@ def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, 
         return
     first = min(FIRST_PROBE, top)
     second = min(top, max(first + step, _down(first * SOLVE_SPAN, step)))
-    if found.limit is not None and top > second:  # where the model's positions fit, one estimate answers
+    if limit_first and found.limit is not None and top > second:  # where it fits, one estimate answers
         at(top)
         if found.probes[top] <= usable:
             return

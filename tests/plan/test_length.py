@@ -62,7 +62,8 @@ def test_a_position_limit_that_fits_is_found_with_one_estimate(
     not fit, it is the far end of the line in place of the second length, the line's answer never
     further than that length (the peak here bends: 5 estimates without the limit first, 6 with it,
     10 where a far line guided the search unbounded). Planted: `_solve` without the first probe of
-    the limit -> probes {64, 512, 1024, 1088, 2048}, the first assertion fails."""
+    the limit -> probes {64, 512, 1024, 1088, 2048}, the first assertion fails; with it under
+    `exact_length` too -> the last fails."""
     recipe = _recipe(tmp_path, tiny_text_file, checkpointing="full", loss="chunked")
     recipe["model"]["from_config"]["max_position_embeddings"] = 2048
     cfg = load_recipe(recipe)
@@ -74,6 +75,10 @@ def test_a_position_limit_that_fits_is_found_with_one_estimate(
     assert tight.length is not None and tight.settings()["data.max_length"] == 3 * step
     assert 2048 in tight.length.probes
     assert len(tight.length.probes) <= 6, tight.length.probes  # without the limit first: 5
+    # where every loop iteration runs, an estimate at the limit costs more than the search it could
+    # save (the 8B at 8 GiB: 866 s against 71): not first there
+    exact = length.longest_length(cfg, "cpu", tight.usable, exact_length=True)
+    assert exact.chosen == 3 * step and 2048 not in exact.probes, exact.probes
 
 
 def test_exact_length_runs_every_loop_iteration_of_every_trace_and_finds_the_same_length(
