@@ -76,22 +76,14 @@ def main() -> None:
         for gap, a, b in slower:
             print(f"  {gap:.4g} s faster: {a.label()}  vs  {b.label()}")
         return
-    if args.host:
-        wrong = sorted(((b.host - a.host, a, b) for a in cands for b in cands
-                        if a is not b and search.dominated(a, b, host=True) and a.host < b.host),
-                       key=lambda x: -x[0])
-        pairs = sum(1 for a in cands for b in cands if a is not b and search.dominated(a, b, host=True))
-        print(f"{len(wrong)} of {pairs} pairs where dominance claims a keeps at least as much on the host "
-              "as b, and a keeps less there")
-        for gap, a, b in wrong:
-            print(f"  {gap / 2**20:10.1f} MiB less: {a.label()}  vs  {b.label()}")
-        return
-    wrong = sorted(((b.min_peak - a.min_peak, a, b) for a in cands for b in cands
-                    if a is not b and search.dominated(a, b) and a.min_peak < b.min_peak),
-                   key=lambda x: -x[0])
-    print(f"{len(wrong)} pairs where dominance claims a keeps at least as much as b, and a keeps less")
+    kept = (lambda c: c.host) if args.host else (lambda c: c.min_peak)
+    claims = [(a, b) for a in cands for b in cands if a is not b and search.dominated(a, b, host=args.host)]
+    wrong = sorted(((kept(b) - kept(a), a, b) for a, b in claims if kept(a) < kept(b)), key=lambda x: -x[0])
+    where = " on the host" if args.host else ""
+    print(f"{len(wrong)} of {len(claims)} pairs where dominance claims a keeps at least as much{where} as b, "
+          "and a keeps less")
     for gap, a, b in wrong:
-        print(f"  {gap / 2**20:10.1f} MiB less: {a.label()}  vs  {b.label()}")
+        print(f"  {gap / 2**20:10.1f} MiB less{where}: {a.label()}  vs  {b.label()}")
 
 
 if __name__ == "__main__":
