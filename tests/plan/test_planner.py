@@ -543,8 +543,8 @@ def test_on_the_host_checkpointing_and_the_lean_norm_keep_their_order_under_offl
     """Under activation offload checkpointing and the lean norm have no order on the device (above),
     but on the host they do: what a technique saves less for backward, offload moves less. So a
     candidate that does not fit the host prunes one that saves more (no checkpointing or fewer
-    layers checkpointed, no lean norm) untraced (the 8B all-auto plans at 24 and 80 GiB traced 3-4
-    such). Host peaks of Llama-3.1-8B QLoRA at 131,072 tokens (estimates, no weights) in that
+    layers checkpointed, no lean norm) untraced (the 8B all-auto plans at 80 and 24 GiB traced 5 and
+    1 such). Host peaks of Llama-3.1-8B QLoRA at 131,072 tokens (estimates, no weights) in that
     order; `python -m scripts run dominance --host` found 0 wrong pairs of 6,224 at 4,096 tokens
     and at 131,072 (the plan's 256 candidates). Planted: the device rule applied on the host too ->
     the dominance assertions fail."""
