@@ -361,7 +361,9 @@ class Search:
         with ``host``, on the host (where an offload's order is reversed: :func:`space.to_host`).
 
         The step in backward saves gradients but allows no accumulation (fewer micro-batch
-        choices), so candidates that differ in it are not comparable.
+        choices), so candidates that differ in it are not comparable; nor, on a CPU device, are
+        candidates that differ in an offload (the "host" is the same memory, and the offload's
+        copies add to it: ``python -m scripts run dominance --quick``).
         """
         if cand.values.get(IN_BACKWARD, False) != small.values.get(IN_BACKWARD, False):
             return False
@@ -370,6 +372,8 @@ class Search:
         offloaded = self._offloaded(cand, small)
         at = functools.partial(rank, depth=self.depth, vocab=self.vocab)
         for f in self.fields:
+            if self.device == "cpu" and space.to_host(f) and cand.values[f] != small.values[f]:
+                return False  # a CPU's host is its device: an offload moves nothing off it, and copies
             if f in UNORDERED_OFFLOADED and offloaded and not host and cand.values[f] != small.values[f]:
                 return False  # on the device; on the host, what a technique saves less is moved less
             pairs = zip(at(f, cand.values[f]), at(f, small.values[f]), strict=True)

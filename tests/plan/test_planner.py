@@ -177,6 +177,24 @@ def test_on_a_cpu_offloading_to_the_host_does_not_fit_a_ram_budget(tmp_path: Pat
     assert enough.chosen.peak <= enough.usable
 
 
+def test_on_a_cpu_an_offload_is_not_taken_for_leaner() -> None:
+    """On a CPU the host is the device: activation offload copies what it saves into the same RAM,
+    so its candidate keeps more, and the search must not prune a candidate without it because the
+    offloading one did not fit (on a GPU it keeps less, and the order holds). Planted: no CPU rule in
+    `Search.dominated` -> the CPU order claims the plain candidate keeps at least as much, fails."""
+    cfg = load_recipe("recipes/quickstart.yaml", ["data.max_length=128", "training.micro_batch_size=8",
+                                                  "memory.offload.activations=auto"])
+    search = planner.Search(cfg, "cpu", 1)
+    by_value = {c.values["memory.offload.activations"]: c for c in search.candidates()}
+    for cand in by_value.values():
+        search.evaluate(cand)
+    assert by_value[True].min_peak > by_value[False].min_peak  # the copies add on a CPU
+    assert not search.dominated(by_value[False], by_value[True])
+    on_gpu = planner.Search(cfg, "cuda", 1)
+    gpu = {c.values["memory.offload.activations"]: c for c in on_gpu.candidates()}
+    assert on_gpu.dominated(gpu[False], gpu[True])
+
+
 def test_tracing_the_leanest_below_first_prunes_without_changing_the_choice(
         tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Near the limit (the fastest candidates too big), the search traces, before each candidate, the
