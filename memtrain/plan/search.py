@@ -20,6 +20,7 @@ from memtrain.config import RunConfig
 from memtrain.data.rows import Rows
 from memtrain.distributed import sharding
 from memtrain.errors import MemtrainError
+from memtrain.estimator import derive
 from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.grpo import generation_phase
@@ -93,6 +94,7 @@ def _kept(store: OrderedDict[Any, Any], key: Any, make: Callable[[], Any], limit
     return value
 
 OFFLOADED = "memory.offload.activations"
+EMBEDDINGS = "memory.offload.embeddings"
 # the fields with no memory order under activation offload (Knob.unordered_offloaded)
 UNORDERED_OFFLOADED = space.unordered_offloaded_fields()
 # the fields whose leaner values never make a step faster (Knob.slower_when_leaner)
@@ -140,6 +142,7 @@ class Search:
         self.done: list[Candidate] = []
         self.pruned: list[Candidate] = []
         self._patch_errors: dict[str, str | None] = {}  # applicability of one technique value
+        self._tables: dict[str, derive.Table | None] = {}  # what an embedding offload moves
         self._floors: dict[str, tuple[int, str]] = {}
         self._cfgs: dict[str, RunConfig] = {}
         self.floored: list[Candidate] = []  # rejected by their floor, untraced (in `pruned` too)
@@ -677,14 +680,24 @@ class Search:
             self._cfgs[key] = with_values(self.cfg, cand.values)
         return self._cfgs[key]
 
-    def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
-        """Candidates and counts at micro-batch 2 and 3, or 1 alone when the search allows no other
-        (cached per settings and accumulation)."""
+    def _trace_key(self, cfg: RunConfig, accumulation: int) -> str:
         key = cfg.model_dump_json(include={"model", "data", "adapter", "training", "memory", "distributed"},
                                   exclude={"training": {"micro_batch_size", "gradient_accumulation",
                                                         "effective_batch_size"}})
+        single = max(m for m, _ in self.batches) == 1
+        return key + f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{single}|{self.exact_length}"
+
+    def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
+        """Candidates and counts at micro-batch 2 and 3, or 1 alone when the search allows no other
+        (cached per settings and accumulation). With the embedding offload, those of the same
+        settings without it, derived (:mod:`memtrain.estimator.derive`): traced once for both."""
+        key = self._trace_key(cfg, accumulation)
         single = max(m for m, _ in self.batches) == 1  # micro-batch 1 only (a long context)
-        key += f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{single}|{self.exact_length}"
+        if key not in self.cache.traces and derive.offloadable(cfg, self.device):
+            moved = self._moved_table(cfg)
+            if moved is not None:  # trace the step without the offload (or reuse it), derive this one
+                without = self._traced(with_values(cfg, {EMBEDDINGS: False}), accumulation)
+                return self.cache.trace(key, lambda: self._table_offloaded(without, moved))
 
         def make() -> _Traced:
             # the traces' own micro-batches are 2 and 3; a GRPO recipe is valid only in whole groups
@@ -700,6 +713,41 @@ class Search:
             return _Traced(plan, c2, c3, counts2, counts3)
 
         return self.cache.trace(key, make)
+
+    def _moved_table(self, cfg: RunConfig) -> derive.Table | None:
+        """What the embedding offload of ``cfg`` moves (a fake model of 2 layers shows it), or None
+        where a step with it is not derived (:func:`derive.table`) or it does not apply (its
+        trace then says why)."""
+        key = cfg.model_dump_json(exclude={"training"})
+        if key not in self._tables:
+            depth, built = min(2, self.depth), cfg  # any depth shows the table and the patches before it
+            if isinstance(cfg.memory.checkpointing, int) and cfg.memory.checkpointing > depth:
+                memory = cfg.memory.model_copy(update={"checkpointing": depth})
+                built = cfg.model_copy(update={"memory": memory})
+            try:
+                with fake_tensor_mode(packed=cfg.data.packing), quiet_libraries():
+                    self._tables[key] = derive.table(build_fake_model(built, with_depth(self.config, depth)))
+            except NoMatchError:
+                self._tables[key] = None
+        return self._tables[key]
+
+    def _table_offloaded(self, without: _Traced, moved: derive.Table) -> _Traced:
+        """The traces with the embedding offload from ``without``'s (the same settings without it)."""
+        plan = dataclasses.replace(without.plan, cfg=with_values(without.plan.cfg, {EMBEDDINGS: True}),
+                                   notes=list(without.plan.notes))
+        seq = plan.seq_len
+
+        def counts(c: est.Counts, micro: int) -> est.Counts:
+            return c._replace(work=derive.work_offloaded(c.work, moved, micro * seq),
+                              patches=derive.patches_offloaded(c.patches, moved))
+
+        points = {m: derive.table_offloaded(c, moved, m * seq) for m, c in without.points.items()}
+        if without.c2 is None:  # micro-batch 1 alone
+            one = counts(without.counts2, 1)
+            return _Traced(plan, None, None, one, one, points)
+        return _Traced(plan, derive.table_offloaded(without.c2, moved, 2 * seq),
+                       derive.table_offloaded(without.c3, moved, 3 * seq),
+                       counts(without.counts2, 2), counts(without.counts3, 3), points)
 
 
 def _patch_error(cfg: RunConfig, config: Any) -> str | None:
