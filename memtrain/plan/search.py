@@ -53,6 +53,8 @@ class _Traced:
     counts2: est.Counts
     counts3: est.Counts
     points: dict[int, Any] = field(default_factory=dict)  # micro-batch -> candidates traced directly
+    # derived with the embedding offload: (the traces without it, what it moves); points derive too
+    derived_from: tuple[_Traced, derive.Table] | None = None
 
 
 class TraceCache:
@@ -635,9 +637,7 @@ class Search:
         whole generation batch at once, before the step's micro-batches): a plan must fit both."""
         cands = in_batch(traced.c2, traced.c3, 2, 3, micro) if micro >= 2 and traced.c2 is not None else None
         if cands is None:
-            if micro not in traced.points:
-                traced.points[micro] = est.trace_candidates(traced.plan, micro, traced.plan.seq_len, False)[0]
-            cands = traced.points[micro]
+            cands = self._point(traced, micro)
         summary = est.summarize(traced.plan, cands, traced.counts2, "", 0.0)
         if traced.plan.cfg.training.objective != "grpo":
             return summary
@@ -649,6 +649,18 @@ class Search:
         return dataclasses.replace(summary, peak_bytes=generation.peak_bytes,
                                    total_bytes=summary.total_bytes + more,
                                    by_phase={**summary.by_phase, "generation": generation.peak_bytes})
+
+    def _point(self, traced: _Traced, micro: int) -> Any:
+        """The candidates of ``traced``'s settings at ``micro``, traced on their own (or derived
+        from the traces without the embedding offload); kept in ``traced.points``."""
+        if micro not in traced.points:
+            if traced.derived_from is not None:
+                without, moved = traced.derived_from
+                traced.points[micro] = derive.table_offloaded(self._point(without, micro), moved,
+                                                              micro * traced.plan.seq_len)
+            else:
+                traced.points[micro] = est.trace_candidates(traced.plan, micro, traced.plan.seq_len, False)[0]
+        return traced.points[micro]
 
     def _cost(self, cfg: RunConfig, work: Work, counts: est.Counts, accumulation: int,
               summary: est.Estimate | None, micro: int,
@@ -744,10 +756,10 @@ class Search:
         points = {m: derive.table_offloaded(c, moved, m * seq) for m, c in without.points.items()}
         if without.c2 is None:  # micro-batch 1 alone
             one = counts(without.counts2, 1)
-            return _Traced(plan, None, None, one, one, points)
+            return _Traced(plan, None, None, one, one, points, (without, moved))
         return _Traced(plan, derive.table_offloaded(without.c2, moved, 2 * seq),
                        derive.table_offloaded(without.c3, moved, 3 * seq),
-                       counts(without.counts2, 2), counts(without.counts3, 3), points)
+                       counts(without.counts2, 2), counts(without.counts3, 3), points, (without, moved))
 
 
 def _patch_error(cfg: RunConfig, config: Any) -> str | None:

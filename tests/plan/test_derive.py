@@ -43,13 +43,13 @@ def _memory(arch: str, every: bool) -> dict[str, Any]:
 
 def _estimates(search: Search, cfg: Any, held: bool) -> dict[tuple[int, int], Any]:
     """Every figure the search reads from the traces of ``cfg``, per (accumulation, micro-batch):
-    at micro-batch 1 where the search allows no other (a long context), else at 2 to 4 (from the
-    traces at 2 and 3; a micro-batch of 1 beside others is traced on its own)."""
+    at micro-batch 1 where the search allows no other (a long context), else at 1 (traced on its
+    own beside others) and 2 to 4 (from the traces at 2 and 3)."""
     out = {}
     single = max(m for m, _ in search.batches) == 1
     for accumulation in (1, 2) if held else (1,):
         traced = search._traced(cfg, accumulation)
-        for micro in (1,) if single else (2, 3, 4):
+        for micro in (1,) if single else (1, 2, 3, 4):
             s = search._summary(traced, micro, accumulation)
             out[accumulation, micro] = (
                 s.peak_bytes, s.total_bytes, s.by_category, s.by_phase, s.category_at_phase_peak,
@@ -62,7 +62,14 @@ def _compare(cfg: Any, monkeypatch: pytest.MonkeyPatch, derived_here: bool = Tru
              held: bool = False) -> None:
     on = with_values(cfg, {EMBEDDINGS: True})
     derived_search = Search(cfg, "cuda", 2**40)
+    offloads: list[bool] = []  # of each trace the derived search made
+    for name in ("trace_candidates", "trace_candidates_at"):
+        real = getattr(est, name)
+        monkeypatch.setattr(est, name, lambda plan, *a, real=real, **k: (
+            offloads.append(plan.cfg.memory.offload.embeddings), real(plan, *a, **k))[1])
     derived = _estimates(derived_search, on, held)
+    monkeypatch.undo()
+    assert offloads and any(offloads) is not derived_here  # derived: no trace with the offload
     # derived: the steps without the offload and those with it; else the latter traced
     assert len(derived_search.cache.traces) == (2 if held else 1) * (2 if derived_here else 1)
     with monkeypatch.context() as m:
