@@ -750,8 +750,8 @@ class Search:
         seq = plan.seq_len
 
         def counts(c: est.Counts, micro: int) -> est.Counts:
-            return c._replace(work=derive.work_offloaded(c.work, moved, micro * seq),
-                              patches=derive.patches_offloaded(c.patches, moved))
+            return est.Counts(c.parameters, c.trainable, derive.patches_offloaded(c.patches, moved),
+                              derive.work_offloaded(c.work, moved, micro * seq))
 
         points = {m: derive.table_offloaded(c, moved, m * seq) for m, c in without.points.items()}
         if without.c2 is None:  # micro-batch 1 alone
