@@ -696,15 +696,18 @@ class Search:
         key = cfg.model_dump_json(include={"model", "data", "adapter", "training", "memory", "distributed"},
                                   exclude={"training": {"micro_batch_size", "gradient_accumulation",
                                                         "effective_batch_size"}})
-        single = max(m for m, _ in self.batches) == 1
-        return key + f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{single}|{self.exact_length}"
+        return key + f"|{min(accumulation, 2)}|{self.device}|{self.rows}|{self.single}|{self.exact_length}"
+
+    @property
+    def single(self) -> bool:
+        """The search allows micro-batch 1 alone (a long context): traced at 1, not at 2 and 3."""
+        return max(m for m, _ in self.batches) == 1
 
     def _traced(self, cfg: RunConfig, accumulation: int) -> _Traced:
         """Candidates and counts at micro-batch 2 and 3, or 1 alone when the search allows no other
         (cached per settings and accumulation). With the embedding offload, those of the same
         settings without it, derived (:mod:`memtrain.estimator.derive`): traced once for both."""
         key = self._trace_key(cfg, accumulation)
-        single = max(m for m, _ in self.batches) == 1  # micro-batch 1 only (a long context)
         if key not in self.cache.traces and derive.offloadable(cfg, self.device):
             moved = self._moved_table(cfg)
             if moved is not None:  # trace the step without the offload (or reuse it), derive this one
@@ -717,7 +720,7 @@ class Search:
             one = {"training.micro_batch_size": micro, "training.effective_batch_size": None,
                    "training.gradient_accumulation": min(accumulation, 2)}
             plan = trace_setup(with_values(cfg, one), (), self.device, self.rows)
-            if single:  # the linear model in the micro-batch is not needed: trace 1 alone
+            if self.single:  # the linear model in the micro-batch is not needed: trace 1 alone
                 c1, counts1, _ = est.trace_candidates(plan, 1, plan.seq_len, False, self.exact_length)
                 return _Traced(plan, None, None, counts1, counts1, {1: c1})
             (c2, counts2, _), (c3, counts3, _) = est.trace_candidates_at(
@@ -753,13 +756,12 @@ class Search:
             return est.Counts(c.parameters, c.trainable, derive.patches_offloaded(c.patches, moved),
                               derive.work_offloaded(c.work, moved, micro * seq))
 
-        points = {m: derive.table_offloaded(c, moved, m * seq) for m, c in without.points.items()}
-        if without.c2 is None:  # micro-batch 1 alone
+        if without.c2 is None:  # micro-batch 1 alone: its point derives (`_point`)
             one = counts(without.counts2, 1)
-            return _Traced(plan, None, None, one, one, points, (without, moved))
+            return _Traced(plan, None, None, one, one, derived_from=(without, moved))
         return _Traced(plan, derive.table_offloaded(without.c2, moved, 2 * seq),
                        derive.table_offloaded(without.c3, moved, 3 * seq),
-                       counts(without.counts2, 2), counts(without.counts3, 3), points, (without, moved))
+                       counts(without.counts2, 2), counts(without.counts3, 3), derived_from=(without, moved))
 
 
 def _patch_error(cfg: RunConfig, config: Any) -> str | None:
