@@ -62,11 +62,12 @@ def table(model: nn.Module) -> Table | None:
     embedding = input_embedding(model)
     if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
         return None
-    names = [r.name for r in records(model)]
+    applied = records(model)
+    names = [r.name for r in applied]
     if names.count(NAME) != 1:
         return None
     k = names.index(NAME)
-    record = records(model)[k]
+    record = applied[k]
     weight = embedding.weight
     return Table(weight.numel() * weight.element_size(), embedding.embedding_dim * weight.element_size(),
                  record.detail or record.name, k)
