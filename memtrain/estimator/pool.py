@@ -8,7 +8,8 @@ first share of the jobs in this process and hands the other shares to worker pro
 it (``multiprocessing`` with the ``fork`` start method): a fork inherits the imported libraries, the
 recipe and the model configuration, so a worker starts tracing at once, where a spawned one would
 first spend the ~8 s the imports take. Only the finished traces (numpy arrays) travel back, through
-a pipe per worker. Written with ``multiprocessing.Process`` rather than a process pool because a
+a pipe per worker, sent from a thread of the worker so that its next job runs while a result waits
+to be read. Written with ``multiprocessing.Process`` rather than a process pool because a
 pool cannot be told to give up on a worker that hangs: here a worker that has not answered long
 after this process finished its own share (:data:`PATIENCE`) is killed and its jobs run here.
 
@@ -42,7 +43,9 @@ import gc
 import math
 import multiprocessing
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -127,11 +130,29 @@ def run_all(jobs: Sequence[Callable[[], T]], cuda: bool = False) -> list[T]:
 
 def _work(share: range, send: Connection) -> None:
     torch.set_num_threads(1)  # see the module docstring: OpenMP's pool is not the child's
-    for i in share:
+    outbox: queue.SimpleQueue[tuple[int, bool, Any] | None] = queue.SimpleQueue()
+    # A result larger than the pipe's buffer (64 KiB; a trace's rows are hundreds of KiB) waits in
+    # `send` until this process's parent reads it, which it does once its own share is done: sent
+    # from a thread, the next job runs meanwhile (in the job's loop it would wait, idle).
+    sender = threading.Thread(target=_send_all, args=(outbox, send))
+    sender.start()
+    try:
+        for i in share:
+            try:
+                outbox.put((i, True, _JOBS[i]()))
+            except Exception:  # the job's own error is raised where it is run again
+                outbox.put((i, False, None))
+    finally:
+        outbox.put(None)
+        sender.join()
+
+
+def _send_all(outbox: queue.SimpleQueue[tuple[int, bool, Any] | None], send: Connection) -> None:
+    while (message := outbox.get()) is not None:
         try:
-            send.send((i, True, _JOBS[i]()))
-        except Exception:  # the job's own error is raised where it is run again
-            send.send((i, False, None))
+            send.send(message)
+        except OSError:  # the parent stopped listening (it gave up on this process, or ended)
+            return
 
 
 def _receive(receive: Connection, jobs: int, deadline: float) -> dict[int, Any]:
