@@ -136,7 +136,9 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
 def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, step: int, top: int,
            limit_first: bool = True) -> None:
     """Solve the affine model for the longest length, then confirm it: an estimate at the answer
-    and one at the next step (what regula falsi below ends on, in fewer estimates).
+    and one at the next step (what regula falsi below ends on, in fewer estimates); the next step
+    only where the line through the answer's own estimate still puts the answer there (else that
+    line's answer is the next guess).
 
     An estimate costs about the same at any length, and where attention keeps no ``L x L`` matrix its
     bytes are affine in the length op by op, so the peak is the largest of a few lines: the line
@@ -166,23 +168,39 @@ def _solve(found: LengthSearch, at: Callable[[int], est.Estimate], usable: int, 
     if top not in found.probes:
         at(second)
     for _ in range(SOLVE_ROUNDS):
-        fits = sorted(n for n, b in found.probes.items() if b <= usable)
-        over = sorted(n for n, b in found.probes.items() if b > usable)
-        lo, hi = fits[-1], (over[0] if over else None)
-        if lo == top or (hi is not None and hi - lo <= step):
+        line = _crossing(found, usable, step, top)
+        if line is None:
             return
-        a, b = (lo, hi) if hi is not None else (fits[-2], lo)
-        slope = (found.probes[b] - found.probes[a]) / (b - a)
-        if slope <= 0:
-            return
-        guess = _down(a + (usable - found.probes[a]) / slope, step)
-        guess = min(top, max(lo + step, guess if hi is None else min(hi - step, guess)))
+        lo, hi, crossing = line
+        guess = min(top, max(lo + step, crossing if hi is None else min(hi - step, crossing)))
         # no further than the second length is from the first: a line to a far end (the position
         # limit) may cross the budget far past a peak that bends (a loss chunk growing to its cap)
         guess = min(guess, max(lo + step, _down(lo * SOLVE_SPAN, step)))
         at(guess)
-        if guess < top and found.probes[guess] <= usable:
+        if guess == top or found.probes[guess] > usable:
+            continue
+        # it fits: confirm it with the next step only where the line through it still says it is
+        # the answer (the peak bends between the first length and the answer, as the 8B's does at
+        # 8 GiB: a line from 4,096 tokens put the answer at 11,520, the line from there 12,288)
+        again = _crossing(found, usable, step, top)
+        if again is None or again[2] <= guess:
             at(guess + step)
+
+
+def _crossing(found: LengthSearch, usable: int, step: int, top: int) -> tuple[int, int | None, int] | None:
+    """(the longest length that fits, the shortest that does not (None: none yet), where the line
+    through the probes nearest the budget crosses it, rounded down to a step); None where the
+    search is over (the two one step apart, or the longest at ``top``) or the line does not rise."""
+    fits = sorted(n for n, b in found.probes.items() if b <= usable)
+    over = sorted(n for n, b in found.probes.items() if b > usable)
+    lo, hi = fits[-1], (over[0] if over else None)
+    if lo == top or (hi is not None and hi - lo <= step) or (hi is None and len(fits) < 2):
+        return None
+    a, b = (lo, hi) if hi is not None else (fits[-2], lo)
+    slope = (found.probes[b] - found.probes[a]) / (b - a)
+    if slope <= 0:
+        return None
+    return lo, hi, _down(a + (usable - found.probes[a]) / slope, step)
 
 
 def _next(probes: dict[int, int], lo: int, hi: int | None, usable: int, step: int, top: int,

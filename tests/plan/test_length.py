@@ -223,3 +223,35 @@ def test_the_trace_cache_drops_the_least_recently_used() -> None:
         cache.estimate("settings", ord(name), make(name))
     assert made == ["a", "b", "c", "b"]  # "a" was used last when "c" came: "b" went
     assert sorted(cache.lengths("settings")) == [ord("a"), ord("b")]
+
+
+def _kinked(tokens: int) -> int:
+    """Llama-3.1-8B QLoRA's leanest peak as the 8 GiB length search saw it (scripts/bench/planner/
+    plan_speed.py's plan): 97,164 bytes per token up to 11,520 tokens, 109,441 beyond."""
+    if tokens <= 11520:
+        return 6_921_817_868 + 97_164 * (tokens - 4096)
+    return 7_643_152_038 + 109_441 * (tokens - 11520)
+
+
+@pytest.mark.parametrize(("usable", "answer"), [(7_730_941_132, 12288), (7_000_000_000, 4864),
+                                                 (20_000_000_000, 124416)])
+def test_the_solved_length_is_confirmed_only_where_the_line_through_it_agrees(usable: int,
+                                                                              answer: int) -> None:
+    """The line from 4,096 tokens to the position limit crosses 8 GiB at 11,520 tokens; that length
+    fits, and the line through it and the limit crosses at 12,288: the search goes there (it fits,
+    and 12,544 does not: the answer) rather than first confirming 11,776, which would only show
+    11,520 was short. Planted: confirming every guess that fits -> 6 estimates at 8 GiB, not 5."""
+    found = length.LengthSearch(0, 256, usable, {}, limit=131072)
+    estimates: list[int] = []
+
+    def at(tokens: int) -> int:
+        estimates.append(tokens)
+        found.probes[tokens] = _kinked(tokens)
+        return found.probes[tokens]
+
+    length._solve(found, at, usable, 256, 131072)
+    fits = max(n for n, b in found.probes.items() if b <= usable)
+    assert fits == answer and found.probes[answer + 256] > usable  # solved: no regula falsi left
+    assert len(estimates) == len(set(estimates)) <= 5, estimates
+    if answer == 12288:
+        assert estimates == [131072, 4096, 11520, 12288, 12544]
