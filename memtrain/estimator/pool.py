@@ -22,11 +22,11 @@ So on a machine with a GPU, the estimator's traces for a CUDA run (on fake CUDA 
 after the other, as before; the side-by-side traces serve CPU machines and CPU-traced runs.
 Otherwise, and with ``MEMTRAIN_TRACE_PROCESSES=1``, the jobs run one after the other here.
 A few more jobs than cores that do not split evenly (an estimate of ``checkpointing: n`` traces
-three shapes; this CPU has two cores) get a process each and the kernel shares the cores among
-them: a share of two traces beside a share of one ends when the two have run one after the other,
-three processes on two cores end at about half their total (the n-of-L estimate of the 8B recipe
-at 131,072 tokens: 6.3 s in two processes, 5.3-5.5 s in three). ``MEMTRAIN_TRACE_PROCESSES=N``
-caps the processes at N. A job that fails
+three shapes, n other than half the depth; this CPU has two cores) get a process each and the
+kernel shares the cores among them: a share of two traces beside a share of one ends when the two
+have run one after the other, three processes on two cores end at about half their total (the
+n-of-L estimate of the 8B recipe at 131,072 tokens: 6.3 s in two processes, 5.3-5.5 s in three).
+``MEMTRAIN_TRACE_PROCESSES=N`` caps the processes at N. A job that fails
 in a worker, or whose worker dies or hangs, is run again in this process, so the error a user sees
 is the job's own, raised where it would have been without workers. Workers run torch on one
 thread: GNU OpenMP's thread pool does not survive a fork, and a child's first parallel op (traces

@@ -466,6 +466,41 @@ def _with_two_kinds(pre: tuple[np.ndarray, ...], post: tuple[np.ndarray, ...],
     return np.concatenate(parts)
 
 
+def extrapolate_checkpointed_evenly(base: Trace, more: Trace, half: int) -> Candidates | None:
+    """Candidates of a step whose first ``half`` layers are checkpointed and the next ``half`` not,
+    from traces of (checkpointed, plain) = (2, 2) (``base``) and (3, 3) layers (``more``).
+
+    :func:`extrapolate_checkpointed` along its plane's diagonal: with both counts equal, ``v(c, c) =
+    v(2, 2) + (c - 2)·(v(3, 3) - v(2, 2))`` for the ops outside the layers and the first and second
+    layer of each kind, and the last of each kind is its second plus its per-index slope (layers
+    2 - 1 and 5 - 4 of the (3, 3) trace). Returns None when the traces do not align.
+    """
+    steps = half - 2
+
+    def phase(pre: tuple, blocks: tuple, post: tuple) -> np.ndarray | None:
+        (pre_a, pre_b), (post_a, post_b) = pre, post
+        if not any(blocks):
+            return _outside_layers(pre_a, pre_b, steps)
+        if [sorted(b) for b in blocks] != [[0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]:
+            return None
+        at, more_layers = blocks
+        slopes = ((more_layers[1], more_layers[2]), (more_layers[4], more_layers[5]))
+        if any(len(a) != len(b) for a, b in slopes):
+            return None
+        first_and_second = []
+        for i, j in ((0, 0), (1, 1), (2, 3), (3, 4)):  # first and second checkpointed, then plain
+            if len(at[i]) != len(more_layers[j]):
+                return None
+            first_and_second.append(_line(at[i], more_layers[j], steps))
+        first_c, second_c, first_p, second_p = first_and_second
+        last_c = second_c + steps * (slopes[0][1] - slopes[0][0])
+        last_p = second_p + steps * (slopes[1][1] - slopes[1][0])
+        return np.concatenate([_outside_layers(pre_a, pre_b, steps), first_c, second_c, last_c,
+                               first_p, second_p, last_p, _outside_layers(post_a, post_b, steps)])
+
+    return _per_phase((base, more), phase)
+
+
 def in_batch(c1: Candidates, c2: Candidates, b1: int, b2: int, batch: int) -> Candidates | None:
     """Candidates at micro-batch ``batch``, linear per op from those at ``b1`` and ``b2``."""
     if c1.phases != c2.phases:

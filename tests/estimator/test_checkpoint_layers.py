@@ -2,13 +2,15 @@
 
 With n checkpointed layers and L - n plain ones, the estimator traces (checkpointed, plain) =
 (2, 2), (3, 2) and (2, 3) layers and extrapolates every representative op affinely in both counts
-(:func:`memtrain.estimator.trace.extrapolate_checkpointed`). Each case compares that, figure by
-figure (peak, phases, categories, host, CUDA lines, parameter counts and the step's work), with a
-trace of every layer (``exact=True``), on 8-layer models: Llama, Qwen2 (grouped-query attention) and
-GPT-2, with LoRA and full fine-tuning, activation offload on and off, and the long-context loops
-(tiled MLP, chunked loss) elided. Where the traces ran every iteration, the extrapolated candidate ops
-are also compared row by row with those of the same layers in the whole trace (the figures of an
-estimate are maxima, which a tiny model's head and loss often hold).
+(:func:`memtrain.estimator.trace.extrapolate_checkpointed`); where n = L / 2 (the planner's n),
+(2, 2) and (3, 3) layers along the diagonal
+(:func:`memtrain.estimator.trace.extrapolate_checkpointed_evenly`). Each case compares that, figure
+by figure (peak, phases, categories, host, CUDA lines, parameter counts and the step's work), with a
+trace of every layer (``exact=True``), on 8-layer models: Llama, Qwen2 (grouped-query attention)
+and GPT-2, with LoRA and full fine-tuning, activation offload on and off, and the long-context loops
+(tiled MLP, chunked loss) elided. Where the traces ran every iteration, the extrapolated candidate
+ops are also compared row by row with those of the same layers in the whole trace (the figures of
+an estimate are maxima, which a tiny model's head and loss often hold).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from memtrain.config import load_recipe
 from memtrain.estimator import estimate as est
 from memtrain.estimator import pool
 from memtrain.estimator.estimate import estimate
-from memtrain.estimator.trace import HOST, Trace, extrapolate_checkpointed
+from memtrain.estimator.trace import HOST, Trace, extrapolate_checkpointed, extrapolate_checkpointed_evenly
 from tests.conftest import TINY_CONFIGS, causal_recipe
 
 DEPTH = 8  # deeper than est.FULL_TRACE_DEPTH, so the fast estimate extrapolates
@@ -79,13 +81,14 @@ def _same(cfg: Any, traced: list[list[Trace]]) -> Any:
     short = traced[-1]
     full = estimate(cfg, device="cuda", exact=True)
     n = cfg.memory.checkpointing
-    assert fast.method.startswith(f"traced 2+2, 3+2 and 2+3 of {n}+{DEPTH - n} layers (checkpointed+plain), "
+    shapes = "2+2 and 3+3" if 2 * n == DEPTH else "2+2, 3+2 and 2+3"  # half: two traces (KINDS_EVEN)
+    assert fast.method.startswith(f"traced {shapes} of {n}+{DEPTH - n} layers (checkpointed+plain), "
                                   "extrapolated"), fast.method
     assert full.method == f"traced all {DEPTH} layers"
     for name in COMPARED:
         assert getattr(fast, name) == getattr(full, name), name
     assert full.work is not None and full.overheads["allocator_rounding"] > 0
-    if len(short) == 3 and not any(t.elided for t in short):
+    if not any(t.elided for t in short):
         _same_rows(short, traced[-1][0], n)
     return fast
 
@@ -95,7 +98,8 @@ def _same_rows(short: list[Trace], whole: Trace, n: int) -> None:
     n, n + 1, L - 1 (plain) and of those outside the layers, phase occurrence by occurrence (where
     the op count of an occurrence outside the layers depends on the depth, as a per-parameter loop
     in the optimizer would, the extrapolation keeps its largest op)."""
-    found = extrapolate_checkpointed(*short, n, DEPTH - n)
+    found = (extrapolate_checkpointed_evenly(*short, n) if len(short) == 2 else
+             extrapolate_checkpointed(*short, n, DEPTH - n))
     assert found is not None
     labels = np.array(found.phases)
     starts = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]])  # one run per phase occurrence
@@ -132,10 +136,12 @@ def test_checkpointed_and_plain_layers_extrapolate_to_the_whole_trace(case: str,
         assert fast.host_peak_bytes > 0
 
 
-def test_elided_loops_with_checkpointed_layers(tmp_path: Path, tiny_text_file: Path, traced) -> None:
-    """Tiled MLP and chunked loss at 512 tokens: the three short traces run the loops' first and
-    last iterations; the whole trace runs every iteration of every layer."""
-    cfg = _cfg(tmp_path, tiny_text_file, "llama", 3, {**LONG, **OFFLOAD}, {}, length=512)
+@pytest.mark.parametrize("n", [3, DEPTH // 2])
+def test_elided_loops_with_checkpointed_layers(n: int, tmp_path: Path, tiny_text_file: Path, traced) -> None:
+    """Tiled MLP and chunked loss at 512 tokens: the short traces (three; two where half the layers
+    are checkpointed) run the loops' first and last iterations; the whole trace runs every
+    iteration of every layer."""
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", n, {**LONG, **OFFLOAD}, {}, length=512)
     fast = _same(cfg, traced)
     assert "traced by" in fast.method, fast.method
 
