@@ -232,15 +232,20 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
 def _extrapolated(plan: TraceSetup, a: Trace, b: Trace, micro_batch: int, seq_len: int
                   ) -> tuple[Candidates, Counts, str]:
     """The full-depth step from traces at depths 2 (``a``) and 3 (``b``)."""
-    steps = plan.depth - 2
-    work = None if a.work is None or b.work is None else a.work + (b.work + a.work.scaled(-1)).scaled(steps)
-    counts = Counts(a.parameters + steps * (b.parameters - a.parameters),
-                    a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
+    counts = _counts_along(a, b, plan.depth - 2)
     found = extrapolate_depth(a, b, plan.depth)
     if found is not None:
         return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
     plan.notes.append("layers differ in structure, so every layer was traced")
     return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
+
+
+def _counts_along(a: Trace, b: Trace, steps: int) -> Counts:
+    """Parameters, trainable parameters and work ``steps`` times as far past trace ``a`` as trace
+    ``b`` is (one more layer, or one more of each kind)."""
+    work = None if a.work is None or b.work is None else a.work + (b.work + a.work.scaled(-1)).scaled(steps)
+    return Counts(a.parameters + steps * (b.parameters - a.parameters),
+                  a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
 
 
 def _two_kinds(plan: TraceSetup, base: Trace, more_checkpointed: Trace, more_plain: Trace,
@@ -274,12 +279,7 @@ def _even_kinds(plan: TraceSetup, base: Trace, more: Trace, micro_batch: int, se
     """The full-depth step of a recipe that checkpoints the first half of its layers, from traces of
     (checkpointed, plain) = (2, 2) and (3, 3) layers (:data:`KINDS_EVEN`)."""
     half = int(plan.cfg.memory.checkpointing)
-    steps = half - 2
-    work = None
-    if base.work is not None and more.work is not None:
-        work = base.work + (more.work + base.work.scaled(-1)).scaled(steps)
-    counts = Counts(base.parameters + steps * (more.parameters - base.parameters),
-                    base.trainable + steps * (more.trainable - base.trainable), more.patches, work)
+    counts = _counts_along(base, more, half - 2)
     found = extrapolate_checkpointed_evenly(base, more, half)
     if found is not None:
         return found, counts, (f"traced 2+2 and 3+3 of {half}+{half} layers (checkpointed+plain), "
