@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
 import torch
@@ -130,27 +131,29 @@ def run_all(jobs: Sequence[Callable[[], T]], cuda: bool = False) -> list[T]:
 
 def _work(share: range, send: Connection) -> None:
     torch.set_num_threads(1)  # see the module docstring: OpenMP's pool is not the child's
-    outbox: queue.SimpleQueue[tuple[int, bool, Any] | None] = queue.SimpleQueue()
+    outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     # A result larger than the pipe's buffer (64 KiB; a trace's rows are hundreds of KiB) waits in
     # `send` until this process's parent reads it, which it does once its own share is done: sent
-    # from a thread, the next job runs meanwhile (in the job's loop it would wait, idle).
+    # from a thread, the next job runs meanwhile (in the job's loop it would wait, idle). Pickled
+    # here, as `Connection.send` would, so that a result that does not pickle fails as its job.
     sender = threading.Thread(target=_send_all, args=(outbox, send))
     sender.start()
     try:
         for i in share:
             try:
-                outbox.put((i, True, _JOBS[i]()))
+                message = ForkingPickler.dumps((i, True, _JOBS[i]()))
             except Exception:  # the job's own error is raised where it is run again
-                outbox.put((i, False, None))
+                message = ForkingPickler.dumps((i, False, None))
+            outbox.put(bytes(message))
     finally:
         outbox.put(None)
         sender.join()
 
 
-def _send_all(outbox: queue.SimpleQueue[tuple[int, bool, Any] | None], send: Connection) -> None:
+def _send_all(outbox: queue.SimpleQueue[bytes | None], send: Connection) -> None:
     while (message := outbox.get()) is not None:
         try:
-            send.send(message)
+            send.send_bytes(message)
         except OSError:  # the parent stopped listening (it gave up on this process, or ended)
             return
 

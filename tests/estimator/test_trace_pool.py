@@ -112,6 +112,18 @@ def test_a_worker_goes_on_while_its_large_result_waits_to_be_read(two_processes:
     assert started_there < ended_here - 1.0  # the worker's second job did not wait for this share
 
 
+def _unpicklable() -> tuple[int, object]:
+    return os.getpid(), lambda: None  # a lambda does not pickle
+
+
+def test_a_result_that_does_not_pickle_is_run_here_and_the_worker_goes_on(two_processes: None) -> None:
+    """A worker's result that does not pickle fails as its job (run again here); the worker's next
+    result still comes from it. Planted: pickling in the worker's sending thread (it died of the
+    error, and every later result of that worker was run again here)."""
+    results = trace_pool.run_all([_pid, _pid, _unpicklable, _pid])
+    assert results[2][0] == PARENT and results[3] != PARENT, results
+
+
 def test_uneven_shares_get_a_process_per_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three traces on two cores: a share of two beside a share of one ends when the two have run
     one after the other; three processes sharing the cores end at about half the total."""
