@@ -207,9 +207,14 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
                               elide=elide)
             for micro, seq in points for depth, n in shapes]
     traces = run_all(jobs, cuda=plan.trace_device == "cuda")
-    unsteady = [k for k, t in enumerate(traces) if not t.steady()]
-    if unsteady:  # a loop's skipped iterations might have differed: trace those whole
-        again = run_all([functools.partial(jobs[k], elide=False) for k in unsteady],
+    # A loop's skipped iterations might have differed: trace again with the top-level loops alone
+    # elided where only nested ones were unsteady, else (or if still unsteady) whole.
+    for retry in ({"nested": False}, {"elide": False}):
+        unsteady = [k for k, t in enumerate(traces) if not t.steady()]
+        if not unsteady:
+            break
+        how = [retry if _nested_only(traces[k]) else {"elide": False} for k in unsteady]
+        again = run_all([functools.partial(jobs[k], **h) for k, h in zip(unsteady, how, strict=True)],
                         cuda=plan.trace_device == "cuda")
         for k, trace in zip(unsteady, again, strict=True):
             traces[k] = trace
@@ -300,8 +305,16 @@ def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:
             f"traced all {plan.depth} layers")
 
 
-def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int, elide: bool = False) -> Trace:
-    """One trace; ``elide``: long loops over the tokens run only some iterations."""
+def _nested_only(trace: Trace) -> bool:
+    """Whether the loops of ``trace`` that were not steady are all nested ones."""
+    info = trace.loop_info or {}
+    return all(s in info and info[s].nested for s in trace.unsteady())
+
+
+def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int, elide: bool = False,
+           nested: bool = True) -> Trace:
+    """One trace; ``elide``: long loops over the tokens run only some iterations (``nested``: those
+    inside another loop's iteration too)."""
     if plan.cfg.training.objective == "grpo":  # TRL's own GRPO step (memtrain.estimator.grpo_step)
         found = grpo_step.recipe_trace(plan, depth, micro_batch, seq_len)
         if found is not None:
@@ -311,7 +324,7 @@ def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int, elide: 
     rows = micro_batch * (2 if plan.cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]
     return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
                       device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows), elide=elide,
-                      cuda_kernels=plan.device == "cuda")
+                      cuda_kernels=plan.device == "cuda", nested=nested)
 
 
 # --------------------------------------------------------------------------------- reporting

@@ -129,7 +129,7 @@ def trace_grpo_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, s
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written, tracker.ops["optimizer"],
                 float(tracker.layer_forward_flops))
     rows = np.array(tracker.rows, dtype=np.int64)
-    marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
+    marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 4)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,
                  marks, marked)
 

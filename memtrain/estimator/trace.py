@@ -65,7 +65,8 @@ class Trace:
     trainable: int
     patches: list[str]  # what the applied patches did
     work: Work | None = None  # what the step computes, for the planner's cost model
-    marks: np.ndarray | None = None  # (ops, 2): loop instance and iteration of each op (-1: none)
+    marks: np.ndarray | None = None  # (ops, 4): loop instance and iteration of each op, at the top
+    # level and nested in it (-1: none)
     loop_info: dict[int, loops.Loop] | None = None  # the loop instances (memtrain.memory.loops)
     elided: frozenset[int] = frozenset()  # loop instances that ran only some iterations
     scaled: frozenset[int] = frozenset()  # of those, whose stand-in's kept storages were multiplied
@@ -75,44 +76,53 @@ class Trace:
 
     def steady(self) -> bool:
         """Every elided loop's skipped iterations would have recorded what its stand-in iteration
-        (``loops.KEEP - 2``) says they would (:mod:`memtrain.memory.loops`). Its neighbours in the
-        order the iterations ran (``before``, ``after``) show it. Either the stand-in recorded the
-        same rows as ``after`` and no storage was multiplied: the skipped iterations, the same ops
-        on the same shapes, record those rows too. Or each iteration leaves the same bytes ``D``
-        behind at every row, and the storages it keeps were counted once per iteration the
-        stand-in stands for (``weight``; :meth:`_EventRecorder._multiply`): then ``after`` is
-        ``before + (weight + 1) D`` on every row (it stands for the last skipped iteration), and
-        each row of the stand-in is ``before + D`` or, once it freed multiplied storages,
-        ``before + weight D``; each row is then a row the whole loop records, its peak among them."""
+        (``loops.KEEP - 2``) says they would (:mod:`memtrain.memory.loops`): see :meth:`unsteady`."""
+        return not self.unsteady()
+
+    def unsteady(self) -> set[int]:
+        """The elided loops whose skipped iterations might have recorded something else than their
+        stand-in iteration says. Its neighbours in the order the iterations ran (``before``,
+        ``after``) show it. Either the stand-in recorded the same rows as ``after`` and no storage
+        was multiplied: the skipped iterations, the same ops on the same shapes, record those rows
+        too. Or each iteration leaves the same bytes ``D`` behind at every row, and the storages it
+        keeps were counted once per iteration the stand-in stands for (``weight``;
+        :meth:`_EventRecorder._multiply`): then ``after`` is ``before + (weight + 1) D`` on every
+        row (it stands for the last skipped iteration), and each row of the stand-in is
+        ``before + D`` or, once it freed multiplied storages, ``before + weight D``; each row is
+        then a row the whole loop records, its peak among them. A nested loop's stand-in is never
+        multiplied: only the first holds for it."""
         if not self.elided:
-            return True
+            return set()
         if self.marks is None or self.loop_info is None:
+            return set(self.elided)
+        return {serial for serial in self.elided if not self._steady_loop(serial)}
+
+    def _steady_loop(self, serial: int) -> bool:
+        assert self.marks is not None and self.loop_info is not None
+        if serial in self.irregular:
             return False
-        for serial in self.elided:
-            if serial in self.irregular:
-                return False
-            rows = np.flatnonzero(self.marks[:, 0] == serial)
-            cuts = np.flatnonzero(np.diff(self.marks[rows, 1])) + 1
-            split = np.split(rows, cuts)
-            groups, order = [self.values[g] for g in split], [int(self.marks[g[0], 1]) for g in split]
-            if loops.KEEP - 2 not in order:
-                return False
-            k = order.index(loops.KEEP - 2)
-            if k + 1 >= len(order):
-                return False
-            stand_in, after = groups[k], groups[k + 1]
-            if serial not in self.scaled and np.array_equal(stand_in, after):
-                continue
-            if k == 0 or not stand_in.shape == after.shape == groups[k - 1].shape:
-                return False
-            weight = self.loop_info[serial].count - loops.KEEP
-            span, gap = after - groups[k - 1], stand_in - groups[k - 1]
-            if not (span == span[0]).all() or (span[0] % (weight + 1)).any():
-                return False
-            each = span[0] // (weight + 1)
-            if not ((gap == each).all(axis=1) | (gap == weight * each).all(axis=1)).all():
-                return False
-        return True
+        nested = self.loop_info[serial].nested
+        loop, index = self.marks[:, 2] if nested else self.marks[:, 0], self.marks[:, 3 if nested else 1]
+        rows = np.flatnonzero(loop == serial)
+        cuts = np.flatnonzero(np.diff(index[rows])) + 1
+        split = np.split(rows, cuts)
+        groups, order = [self.values[g] for g in split], [int(index[g[0]]) for g in split]
+        if loops.KEEP - 2 not in order:
+            return False
+        k = order.index(loops.KEEP - 2)
+        if k + 1 >= len(order):
+            return False
+        stand_in, after = groups[k], groups[k + 1]
+        if serial not in self.scaled and np.array_equal(stand_in, after):
+            return True
+        if nested or k == 0 or not stand_in.shape == after.shape == groups[k - 1].shape:
+            return False
+        weight = self.loop_info[serial].count - loops.KEEP
+        span, gap = after - groups[k - 1], stand_in - groups[k - 1]
+        if not (span == span[0]).all() or (span[0] % (weight + 1)).any():
+            return False
+        each = span[0] // (weight + 1)
+        return bool(((gap == each).all(axis=1) | (gap == weight * each).all(axis=1)).all())
 
     def elision(self) -> str:
         """How much of the loops the trace ran ('' when it ran them whole)."""
@@ -179,7 +189,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
                device: torch.device | str = "cpu", foreach: bool = False, padded: bool = True,
-               elide: bool = False, cuda_kernels: bool = False, allocations: bool = False) -> Trace:
+               elide: bool = False, cuda_kernels: bool = False, allocations: bool = False,
+               nested: bool = True) -> Trace:
     """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
 
     With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
@@ -199,6 +210,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             tokens (:func:`memtrain.trainer.build.example_batch`).
         elide: long loops over the tokens run only some of their iterations
             (:mod:`memtrain.memory.loops`); the caller checks :meth:`Trace.steady`.
+        nested: with ``elide``, loops nested in another loop's iteration (LoRA's row chunks in a
+            tiled MLP tile) too.
         cuda_kernels: the step is for CUDA: count what its kernels allocate inside a call
             (:func:`memtrain.estimator.trace_events.flash_backward_scratch`), which no fake tensor does.
         allocations: record the device's allocations and frees in order (:attr:`Trace.allocations`).
@@ -233,7 +246,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         meter = TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model), cuda_kernels)
         if allocations:
             meter.tracker.allocations = []
-        with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(elide):
+        with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(elide, nested):
             training_step(*step, held_gradients=held, loss_fn=loss_fn)
             marked, elided = loops.loops(), loops.elided()
         done = [r.detail or r.name for r in patches.records(model)]
@@ -241,7 +254,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
                 tracker.ops["optimizer"], float(tracker.layer_forward_flops))
     rows = np.array(tracker.rows, dtype=np.int64)
-    marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 2)
+    marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 4)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,
                  marks, marked, frozenset(elided), frozenset(tracker.scaled), frozenset(tracker.irregular),
                  tracker.allocations)

@@ -102,7 +102,8 @@ class _EventRecorder:
         self._rounded = 0
         self.phases: list[str] = []
         self.rows: list[tuple[int, ...]] = []
-        self.marks: list[tuple[int, int]] = []  # per row: (loop instance, iteration), memory.loops
+        # per row: (loop instance, iteration) at the top level and nested in it (memory.loops)
+        self.marks: list[tuple[int, int, int, int]] = []
         self.ops = {"step": 0, "optimizer": 0}
         self.written = 0
         self.flops = 0
@@ -238,8 +239,8 @@ class _EventRecorder:
                                zip(self._raw[d], ended.start[d], ended.freed[d], strict=True)]
                            for d in self._raw}  # net, but for multiplied storages (of a loop before) it freed
             self._pending, self._stand_in = ended, None
-        if self._stand_in is None and loops.weight() > 1:
-            self._stand_in = _StandIn(mark, loops.weight(), {d: list(c) for d, c in self._raw.items()},
+        if self._stand_in is None and loops.top_weight() > 1:
+            self._stand_in = _StandIn(mark, loops.top_weight(), {d: list(c) for d, c in self._raw.items()},
                                       {d: [0] * len(c) for d, c in self._raw.items()})
             self._stand_in.events = (len(self.allocations or ()), 0)
 
@@ -317,7 +318,7 @@ class _EventRecorder:
             self.phases.append(phase)
         row = (len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],  # type: ignore[attr-defined]
                sum(self._raw[self.host_device]), self._rounded)  # type: ignore[attr-defined]
-        mark = loops.current()  # the loop iteration (tile, chunk) the op ran in, if any
+        mark = (*loops.current(), *loops.inner())  # the loop iterations (tile, chunk) it ran in, if any
         # ops that allocate nothing (views) add no row
         if not self.rows or row != self.rows[-1] or mark != self.marks[-1]:
             self.rows.append(row)

@@ -4,8 +4,7 @@ The patches that loop over the tokens (the tiled MLP's tiles, the lean norm's ti
 the few-bit layers' row chunks) iterate with :func:`chunks`; the chunked loss, whose chunks
 autograd replays in backward, iterates over :func:`indices`, runs each chunk in :func:`step` and
 calls :func:`done` after its loop. Outside an estimator's trace every iteration runs and a mark
-costs a test or two. A loop that runs inside another loop's iteration (LoRA's chunks inside a
-tiled MLP tile) is part of that iteration: it runs whole and marks nothing.
+costs a test or two.
 
 While :func:`recording` is on (the estimator's trace), the estimator's meter files every op it
 records under the current mark. With ``elide=True`` a long loop also runs only some of its
@@ -21,6 +20,15 @@ counts what it keeps once per iteration it stands for
 steady (``Trace.steady``, with :func:`elided`); where not, it traces again without elision.
 ``tests/estimator/test_loop_elision.py`` checks elided == whole byte for byte on several
 families with every long-context technique.
+
+A loop that runs inside another loop's iteration (LoRA's row chunks inside a tiled MLP tile) is
+*nested*: it has marks of its own (:func:`inner`), beside its outer iteration's (:func:`current`),
+and with ``nested=True`` it is elided too; its stand-in then counts for the skipped iterations of
+both loops (:func:`weight` is the product). A nested loop's stand-in keeps nothing that the meter
+multiplies: it must record the same rows as the iteration after it (each iteration frees what it
+allocates, as LoRA's chunks do, or replaces the last one's), which ``Trace.steady`` checks; where
+not, the estimator traces again with only the outer loops elided. A loop inside a nested loop's
+iteration runs whole and is part of that iteration.
 
 A mark is sticky: the ops after an iteration's own code (autograd's backward of a checkpointed
 loss chunk runs between two recomputes) belong to it until the next mark or :func:`done`. A new
@@ -42,11 +50,12 @@ KEEP = 4  # with elision: the iterations kept at the start of a loop (and the la
 @dataclass(frozen=True)
 class Loop:
     """One loop instance: its kind, the rows it covers and the rows per iteration (the last one
-    may be shorter)."""
+    may be shorter); ``nested``: it ran inside another loop's iteration."""
 
     kind: str
     rows: int
     size: int
+    nested: bool = False
 
     @property
     def count(self) -> int:
@@ -54,21 +63,34 @@ class Loop:
         return math.ceil(self.rows / self.size)
 
 
+@dataclass
+class _Level:
+    """The running iteration of the loops at one level: top (0) or nested (1)."""
+
+    serial: int = -1  # loop instance
+    kind: str = ""
+    position: int = -1  # among the iterations run
+    index: int = -1
+    weight: int = 1  # iterations it stands for
+
+    def clear(self) -> None:
+        self.serial, self.kind, self.position, self.index, self.weight = -1, "", -1, -1, 1
+
+
 class _State:
     on = False
     inside = 0  # loop bodies (steps) running now
     elide = False
-    serial = -1
-    kind = ""
-    position = -1
-    index = -1
-    weight = 1
+    nested = False  # elide nested loops too
+    levels = (_Level(), _Level())  # the running iteration at the top level and nested in it
     loops: dict[int, Loop] = {}  # noqa: RUF012 (replaced per recording)
     elided: set[int] = set()  # noqa: RUF012 (replaced per recording)
 
 
 def _elides(count: int) -> bool:
-    return _State.on and _State.elide and _State.inside == 0 and count > KEEP + 1
+    """Whether a loop of ``count`` iterations starting at the current depth runs only some."""
+    return (_State.on and _State.elide and count > KEEP + 1
+            and (_State.inside == 0 or (_State.inside == 1 and _State.nested)))
 
 
 def indices(count: int) -> range | list[int]:
@@ -83,27 +105,31 @@ def _position(index: int, count: int) -> int:
 
 
 def iteration(kind: str, index: int, rows: int, size: int) -> None:
-    """Iteration ``index`` of a loop of ``kind`` over ``rows`` rows, ``size`` rows at a time."""
-    if not _State.on:
+    """Iteration ``index`` of a loop of ``kind`` over ``rows`` rows, ``size`` rows at a time (at
+    the top level, or nested inside the running iteration of a top-level loop)."""
+    if not _State.on or _State.inside > 1:
         return
-    loop = Loop(kind, int(rows), int(size))
+    depth = _State.inside
+    level = _State.levels[depth]
+    loop = Loop(kind, int(rows), int(size), nested=depth == 1)
     position = _position(index, loop.count)
-    if (_State.serial < 0 or _State.kind != kind or abs(_State.position - position) != 1
-            or _State.loops[_State.serial] != loop):
-        _State.serial = len(_State.loops)
-        _State.loops[_State.serial] = loop
+    if (level.serial < 0 or level.kind != kind or abs(level.position - position) != 1
+            or _State.loops[level.serial] != loop):
+        level.serial = len(_State.loops)
+        _State.loops[level.serial] = loop
     if _elides(loop.count):
-        _State.elided.add(_State.serial)
-    _State.kind, _State.index, _State.position = kind, index, position
-    _State.weight = loop.count - KEEP if _elides(loop.count) and index == KEEP - 2 else 1
+        _State.elided.add(level.serial)
+    level.kind, level.index, level.position = kind, index, position
+    level.weight = loop.count - KEEP if _elides(loop.count) and index == KEEP - 2 else 1
+    if depth == 0:
+        _State.levels[1].clear()  # a new top-level iteration: no nested loop runs yet
 
 
 @contextlib.contextmanager
 def step(kind: str, index: int, rows: int, size: int) -> Iterator[None]:
     """The body of iteration ``index`` of a loop of ``kind`` over ``rows`` rows, ``size`` at a time
-    (marked, unless it runs inside another loop's body)."""
-    if _State.inside == 0:
-        iteration(kind, index, rows, size)
+    (marked, unless it runs inside a nested loop's body)."""
+    iteration(kind, index, rows, size)
     _State.inside += 1
     try:
         yield
@@ -116,29 +142,47 @@ def chunks(kind: str, rows: int, size: int) -> Iterator[tuple[int, int, int]]:
     its :func:`step`: every chunk, or in an eliding trace the first ``KEEP`` and the last."""
     size = max(1, int(size))
     count = math.ceil(rows / size)
-    nested = _State.inside > 0
-    for k in range(count) if nested else indices(count):
+    depth = _State.inside
+    for k in indices(count) if depth <= 1 else range(count):
         with step(kind, k, rows, size):
             yield k, k * size, min(rows, (k + 1) * size)
-    if not nested:
+    if depth == 0:
         done()
+    elif depth == 1 and _State.on:
+        _State.levels[1].clear()
 
 
 def done() -> None:
-    """The loop that marked the last iteration has ended."""
+    """The top-level loop that marked the last iteration has ended."""
     if _State.on:
-        _State.serial, _State.kind, _State.index, _State.position, _State.weight = -1, "", -1, -1, 1
+        for level in _State.levels:
+            level.clear()
 
 
 def current() -> tuple[int, int]:
-    """(loop instance, iteration index) of the running op; (-1, -1) outside every loop."""
-    return (_State.serial, _State.index) if _State.serial >= 0 else (-1, -1)
+    """(loop instance, iteration index) of the running op at the top level; (-1, -1) outside
+    every loop."""
+    top = _State.levels[0]
+    return (top.serial, top.index) if top.serial >= 0 else (-1, -1)
+
+
+def inner() -> tuple[int, int]:
+    """(loop instance, iteration index) of the running op's nested loop; (-1, -1) outside one."""
+    nested = _State.levels[1]
+    return (nested.serial, nested.index) if nested.serial >= 0 else (-1, -1)
 
 
 def weight() -> int:
     """How many iterations the running op's iteration stands for: 1, or with elision, the kept
-    iteration ``KEEP - 2`` and the skipped ones it stands for (the step's work counts it so)."""
-    return _State.weight
+    iteration ``KEEP - 2`` and the skipped ones it stands for, of the top-level loop times those of
+    the nested one (the step's work counts it so)."""
+    return _State.levels[0].weight * _State.levels[1].weight
+
+
+def top_weight() -> int:
+    """:func:`weight` of the top-level loop alone: what the meter multiplies a stand-in's kept
+    storages by (a nested loop's stand-in keeps none)."""
+    return _State.levels[0].weight
 
 
 def loops() -> dict[int, Loop]:
@@ -152,13 +196,15 @@ def elided() -> set[int]:
 
 
 @contextlib.contextmanager
-def recording(elide: bool = False) -> Iterator[None]:
+def recording(elide: bool = False, nested: bool = True) -> Iterator[None]:
     """Turn marks on (from a clean slate) for the duration; ``elide``: long loops run only some of
-    their iterations (see the module docstring)."""
-    _State.on, _State.elide, _State.loops, _State.elided, _State.inside = True, elide, {}, set(), 0
+    their iterations, ``nested``: loops nested in another loop's iteration too (see the module
+    docstring)."""
+    _State.on, _State.elide, _State.nested = True, elide, elide and nested
+    _State.loops, _State.elided, _State.inside = {}, set(), 0
     done()
     try:
         yield
     finally:
         done()
-        _State.on, _State.elide = False, False
+        _State.on, _State.elide, _State.nested = False, False, False
