@@ -93,11 +93,13 @@ def timed(argv: list[str], timeout: float) -> tuple[float | None, dict | None]:
         return float(clock.read().split()[-1]), found
 
 
-def median(argv: list[str], repeat: int, timeout: float) -> tuple[float | None, dict | None]:
+def median(argv: list[str], repeat: int, timeout: float
+           ) -> tuple[float | None, dict | None, list[float | None]]:
+    """(median seconds, a result, each run's seconds) of ``repeat`` runs one after the other."""
     runs = [timed(argv, timeout) for _ in range(repeat)]
     seconds = [s for s, _ in runs if s is not None]
     result = next((r for _, r in runs if r is not None), None)
-    return (harness.median(seconds) if len(seconds) == len(runs) else None), result
+    return (harness.median(seconds) if len(seconds) == len(runs) else None), result, [s for s, _ in runs]
 
 
 def cli(*args: str) -> list[str]:
@@ -122,9 +124,9 @@ def main() -> None:
     tile = [*SETTINGS, "memory.tiled_mlp_tile_tokens=256"]
 
     def row(what: str, at: str, how: str, argv: list[str], show) -> None:
-        seconds, result = median(argv, args.repeat, args.timeout)
+        seconds, result, runs = median(argv, args.repeat, args.timeout)
         shown = show(result) if result else f"no answer within {args.timeout:.0f} s"
-        rows.append((what, at, how, seconds, shown))
+        rows.append((what, at, how, seconds, runs, shown))
         print(rows[-1], flush=True)
 
     def total(r: dict) -> str:
@@ -166,7 +168,9 @@ def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float,
         f"Load average {load[0]:.1f} / {load[1]:.1f} / "
         f"{load[2]:.1f} when it started. **The machine was shared and loaded: absolute times are "
         "inflated; compare rows of this run.** Seconds are `/usr/bin/time` wall time of a fresh "
-        f"process (imports included), median of {args.repeat}.",
+        f"process (imports included), median of {args.repeat}; *each run* lists them in the order they "
+        "ran (this VM's speed varies by up to half from one minute to the next: the rows that did not "
+        "change between two pages show it).",
         "",
         f"Llama-3.1-8B QLoRA r32, batch 1, `{RECIPE}`. Estimates: "
         f"{', '.join(f'`{x}`' for x in SETTINGS[:-1])}, "
@@ -177,11 +181,13 @@ def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float,
         "byte, tests/estimator/test_loop_elision.py). *exact_length=True*: every iteration run, as the "
         "estimator did before issue 37.",
         "",
-        "| what | at | how | seconds | result |",
-        "|---|---|---|---:|---|",
+        "| what | at | how | seconds | each run | result |",
+        "|---|---|---|---:|---|---|",
     ]
-    for what, at, how, seconds, result in rows:
-        lines.append(f"| {what} | {at} | {how} | {'-' if seconds is None else f'{seconds:.1f}'} | {result} |")
+    for what, at, how, seconds, runs, result in rows:
+        each = " / ".join("-" if s is None else f"{s:.1f}" for s in runs)
+        lines.append(f"| {what} | {at} | {how} | {'-' if seconds is None else f'{seconds:.1f}'} | {each} | "
+                     f"{result} |")
     harness.write("plan_speed", lines)
 
 
