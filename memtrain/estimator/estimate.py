@@ -208,12 +208,13 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
             for micro, seq in points for depth, n in shapes]
     traces = run_all(jobs, cuda=plan.trace_device == "cuda")
     # A loop's skipped iterations might have differed: trace again with the top-level loops alone
-    # elided where only nested ones were unsteady, else (or if still unsteady) whole.
-    for retry in ({"nested": False}, {"elide": False}):
+    # elided where only nested ones were unsteady, else whole (a second pass: a top-level loop that
+    # was unsteady once the nested ones ran whole).
+    for _ in range(2):
         unsteady = [k for k, t in enumerate(traces) if not t.steady()]
         if not unsteady:
             break
-        how = [retry if _nested_only(traces[k]) else {"elide": False} for k in unsteady]
+        how = [{"nested": False} if _nested_only(traces[k]) else {"elide": False} for k in unsteady]
         again = run_all([functools.partial(jobs[k], **h) for k, h in zip(unsteady, how, strict=True)],
                         cuda=plan.trace_device == "cuda")
         for k, trace in zip(unsteady, again, strict=True):

@@ -102,7 +102,8 @@ class Trace:
         if serial in self.irregular:
             return False
         nested = self.loop_info[serial].nested
-        loop, index = self.marks[:, 2] if nested else self.marks[:, 0], self.marks[:, 3 if nested else 1]
+        column = 2 if nested else 0  # the nested loop's marks follow the top level's
+        loop, index = self.marks[:, column], self.marks[:, column + 1]
         rows = np.flatnonzero(loop == serial)
         cuts = np.flatnonzero(np.diff(index[rows])) + 1
         split = np.split(rows, cuts)

@@ -143,7 +143,7 @@ def chunks(kind: str, rows: int, size: int) -> Iterator[tuple[int, int, int]]:
     size = max(1, int(size))
     count = math.ceil(rows / size)
     depth = _State.inside
-    for k in indices(count) if depth <= 1 else range(count):
+    for k in indices(count):
         with step(kind, k, rows, size):
             yield k, k * size, min(rows, (k + 1) * size)
     if depth == 0:
