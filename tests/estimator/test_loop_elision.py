@@ -97,7 +97,7 @@ def test_lora_chunks_and_nested_loops(tmp_path: Path, tiny_text_file: Path, monk
     are elided at the top level, and inside a tiled MLP tile (a loop in a loop: 8 chunks of a
     256-token tile run 5), their stand-in counting for the skipped chunks of both loops: the same
     estimate and the same work as every iteration run. (Planted: a nested stand-in's weight left
-    out of the work -> fails; nested loops run whole -> fails on the row count.)"""
+    out of the work -> fails; nested loops run whole -> fails: no nested loop elided.)"""
     from memtrain.estimator.setup import resolve_config
     from memtrain.estimator.trace import trace_step, with_depth
     from memtrain.patches import lora
