@@ -73,6 +73,8 @@ KINDS_TRACED = [(4, 2), (5, 3), (5, 2)]
 # Where as many layers are checkpointed as not (the planner's `n`: half the depth), both counts grow
 # together, and (2, 2) and (3, 3) layers pin the line they grow on: two traces, not three (4 and 6
 # layers where three trace 14 in all: the 8B at 131,072 tokens, 3.5 s where three took 4.1-4.6 s).
+# A model no deeper than the deepest of these traces is traced whole instead: one trace per point,
+# no deeper than theirs, and exact (the quickstart's 6-layer MiniLM with `checkpointing: 3`).
 KINDS_EVEN = [(4, 2), (6, 3)]
 
 
@@ -199,6 +201,8 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
                               "layers checkpointed or not, so every layer was traced")
         whole, kinds = True, False
     even = kinds and 2 * count == plan.depth
+    if kinds and plan.depth <= max(d for d, _ in (KINDS_EVEN if even else KINDS_TRACED)):
+        whole, kinds, even = True, False, False  # one trace of every layer is no deeper than theirs
     # (depth, checkpointed layers: None for the recipe's own setting) of each trace of a point
     shapes = ([(plan.depth, None)] if whole else KINDS_EVEN if even else KINDS_TRACED if kinds
               else [(2, None), (3, None)])

@@ -161,3 +161,16 @@ def test_traces_that_do_not_align_fall_back_to_the_whole_depth(tmp_path: Path, t
     assert found.method == f"traced all {DEPTH} layers"
     assert "layers differ in structure, so every layer was traced" in found.notes
     assert found.peak_bytes == estimate(cfg, device="cuda", exact=True).peak_bytes
+
+
+def test_a_model_no_deeper_than_the_kinds_traces_is_traced_whole(tmp_path: Path, tiny_text_file: Path,
+                                                                  traced) -> None:
+    """6 layers with 3 checkpointed: the (2, 2) and (3, 3) traces would be 4 and 6 layers deep, so
+    one trace of the 6 layers replaces them (the quickstart's MiniLM under the planner's n)."""
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", 3, OFFLOAD, {})
+    cfg.model.from_config["num_hidden_layers"] = 6
+    fast = estimate(cfg, device="cuda")
+    assert fast.method == "traced all 6 layers" and len(traced[-1]) == 1
+    full = estimate(cfg, device="cuda", exact=True)
+    for name in COMPARED:
+        assert getattr(fast, name) == getattr(full, name), name
