@@ -25,13 +25,8 @@ from typing import Any
 from memtrain.config import load_recipe
 from memtrain.plan import planner
 from memtrain.plan.search import Search
-
-RECIPE = "recipes/llama-3.1-8b-qlora.yaml"
-ISSUE_37 = ["adapter.r=32", "adapter.alpha=32", "training.micro_batch_size=1",
-            "training.effective_batch_size=1", "training.gradient_accumulation=1", "data.max_length=auto",
-            "memory.host_budget=256GiB", "memory.checkpointing=auto", "memory.loss=auto",
-            "memory.tiled_mlp=auto", "memory.tiled_mlp_tile_tokens=auto", "memory.offload.activations=auto",
-            "memory.offload.embeddings=auto", "memory.lean_norm=auto"]
+from scripts.bench.planner.plan_speed import AUTO as ISSUE_37  # the issue's command, as the benchmark runs it
+from scripts.bench.planner.plan_speed import RECIPE
 
 
 @contextlib.contextmanager
