@@ -10,6 +10,7 @@
   estimate against a measured step; ``techniques``: what a technique saves and costs; ``planner``:
   the planner's choices, speed and long context; ``recipes``: the offline recipes as a user runs
   them; ``gpu``: the CUDA-only ones). Each starts its page with :func:`scripts.harness.header`.
-- ``tools/``: generated docs and the version table; ``gpu_kit.py``, ``gpu_session.sh``,
+- ``tools/``: generated docs, the version table and a plan's log (``plan_log``: each candidate the
+  technique search traced, with its wall time and bound); ``gpu_kit.py``, ``gpu_session.sh``,
   ``setup.sh`` and ``version_leg.sh`` are the shell-level tools.
 """
