@@ -12,7 +12,7 @@ import itertools
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -585,7 +585,11 @@ class Search:
             # Each micro-batch would be traced on its own (the traces at 2 and 3 do not line up, or
             # only 1 was traced); with one accumulation for all, a larger micro-batch keeps more:
             # bisect for the largest that fits (about 10 traces of up to 1,024 micro-batches)
-            fitted = _largest(batches, fit_at)
+            # micro-batch 2 and 3 are the traces themselves (not where accumulation 1 would need
+            # a trace without held gradients): checked first, for free
+            known = [k for k, (m, a) in enumerate(batches) if m in (2, 3) and traced.c2 is not None
+                     and (held == 1 or a > 1)]
+            fitted = _largest(batches, fit_at, known)
         else:
             fitted = next((f for m, a in reversed(batches) if (f := fit_at(m, a)) is not None), None)
         if fitted is None:
@@ -652,9 +656,12 @@ class Search:
 
     def _point(self, traced: _Traced, micro: int) -> Any:
         """The candidates of ``traced``'s settings at ``micro``, traced on their own (or derived
-        from the traces without the embedding offload); kept in ``traced.points``."""
+        from the traces without the embedding offload); kept in ``traced.points``. At micro-batch 2
+        and 3 they are the traces the line is drawn through (``c2``, ``c3``): never traced again."""
         if micro not in traced.points:
-            if traced.derived_from is not None:
+            if micro in (2, 3) and traced.c2 is not None:
+                traced.points[micro] = traced.c2 if micro == 2 else traced.c3
+            elif traced.derived_from is not None:
                 without, moved = traced.derived_from
                 traced.points[micro] = derive.table_offloaded(self._point(without, micro), moved,
                                                               micro * traced.plan.seq_len)
@@ -776,15 +783,25 @@ def _patch_error(cfg: RunConfig, config: Any) -> str | None:
     return None
 
 
-def _largest(batches: list[tuple[int, int]], fit_at: Any) -> Any:
+def _largest(batches: list[tuple[int, int]], fit_at: Any, known: Iterable[int] = ()) -> Any:
     """``fit_at`` of the largest of ``batches`` (smallest first) where it is not None, by bisection:
-    where a pair does not fit, no larger one does."""
-    if (top := fit_at(*batches[-1])) is not None:
-        return top
-    low, high = 0, len(batches) - 1  # fits at low (once checked), not at high
-    found = fit_at(*batches[low])
-    if found is None:
-        return None
+    where a pair does not fit, no larger one does. ``known``: indices of ``batches`` whose
+    ``fit_at`` costs no trace (checked first: each narrows the bisection for free)."""
+    low, high, found = -1, len(batches), None  # fits at low (-1: none yet), not at high
+    for i in sorted(known):
+        if low < i < high:
+            if (at := fit_at(*batches[i])) is not None:
+                low, found = i, at
+            else:
+                high = i
+    if high == len(batches):  # no pair known not to fit: the largest first (room to spare: one trace)
+        if (top := fit_at(*batches[-1])) is not None:
+            return top
+        high -= 1
+    if low < 0:
+        if high == 0 or (found := fit_at(*batches[0])) is None:
+            return None
+        low = 0
     while high - low > 1:
         middle = (low + high) // 2
         if (at := fit_at(*batches[middle])) is not None:

@@ -457,21 +457,34 @@ def test_a_size_fixed_for_an_auto_technique_goes_with_it_when_it_is_off(tmp_path
 
 
 @pytest.mark.slow
-def test_without_an_effective_batch_the_largest_micro_batch_is_found_in_seconds(tmp_path: Path,
-                                                                               corpus: Path) -> None:
+def test_without_an_effective_batch_the_largest_micro_batch_is_found_in_seconds(
+        tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``micro_batch_size: auto`` without an effective batch allows micro-batches 1 to 1,024. On this
     tiny Llama the traces at micro-batch 2 and 3 do not line up op for op (no linear model), so each
     micro-batch is traced on its own: the search went down from 1,024 one trace at a time (over
     400 s for a 64 MiB budget when found). It bisects now (a larger micro-batch keeps more), ~10
-    traces; the choice is the largest that fits by the estimate at fixed micro-batches."""
+    traces; the choice is the largest that fits by the estimate at fixed micro-batches. Micro-batch
+    2 and 3 are never traced on their own: the traces the line would be drawn through are theirs
+    (they were traced again, one more trace per candidate that does not line up; planted -> fails)."""
     import time
 
+    from memtrain.estimator import estimate as est
+
+    alone: list[int] = []
+    trace_candidates = est.trace_candidates
+
+    def counted(plan, micro_batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        alone.append(micro_batch)
+        return trace_candidates(plan, micro_batch, *args, **kwargs)
+
+    monkeypatch.setattr(est, "trace_candidates", counted)
     cfg = load_recipe(causal_recipe(tmp_path, corpus, training={"micro_batch_size": "auto",
                                                                 "gradient_accumulation": 1}))
     budget = 64 * 2**20
     started = time.perf_counter()
     decided = planner.plan(cfg, budget)
     assert time.perf_counter() - started < 60
+    assert alone and not {2, 3} & set(alone), alone
     micro = decided.chosen.micro
     peak = {m: estimate(planner.with_values(cfg, {"training.micro_batch_size": m})).peak_bytes
             for m in (micro, micro + 1)}
@@ -627,3 +640,31 @@ def test_a_candidate_leaner_only_in_fields_that_add_work_is_outrun(tmp_path: Pat
     assert not search._outrun(plain, lean)  # fewer techniques: traced
     plain.seconds = math.inf
     assert not search._outrun(lean, plain)  # does not fit
+
+
+def test_the_bisection_finds_the_largest_that_fits_and_checks_the_free_pairs_first() -> None:
+    """``search._largest`` against a scan, for every threshold (nothing fits to all fit) and every set
+    of pairs whose check costs no trace (``known``): the same answer, and no more paid checks than
+    the bisection without them (two ends and log2 of the rest). (Planted: a known pair that does not
+    fit taken as fitting -> a wrong answer, fails.)"""
+    import itertools
+
+    from memtrain.plan.search import _largest
+
+    batches = [(m, 1) for m in (1, 2, 3, 4, 6, 8, 16)]
+    for fitting, known in itertools.product(range(len(batches) + 1),
+                                            itertools.chain.from_iterable(
+                                                itertools.combinations(range(len(batches)), k)
+                                                for k in range(4))):
+        paid: list[int] = []
+
+        def fit_at(micro: int, accumulation: int, fitting: int = fitting, known: tuple = known,
+                   paid: list[int] = paid) -> tuple[int, int] | None:
+            k = batches.index((micro, accumulation))
+            if k not in known:
+                paid.append(k)
+            return (micro, accumulation) if k < fitting else None
+
+        found = _largest(batches, fit_at, known)
+        assert found == (batches[fitting - 1] if fitting else None), (fitting, known, found)
+        assert len(paid) == len(set(paid)) <= 2 + math.ceil(math.log2(len(batches))), (fitting, known, paid)
