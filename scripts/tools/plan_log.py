@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help=f"default (with the 8B recipe): {' '.join(ISSUE_37)}")
     parser.add_argument("--budget", default="8GiB")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--alternatives", action="store_true",
+                        help="also trace what cannot change the choice (as `memtrain plan --alternatives`)")
     args = parser.parse_args()
     overrides = args.overrides or (ISSUE_37 if args.recipe == RECIPE else [])
     cfg = load_recipe(args.recipe, overrides)
@@ -69,7 +71,7 @@ def main() -> None:
     order: list[tuple[Any, float]] = []
     start = time.perf_counter()
     with logged(bounds, order):
-        chosen = planner.plan(cfg, args.budget, device=args.device)
+        chosen = planner.plan(cfg, args.budget, device=args.device, alternatives=args.alternatives)
     total = time.perf_counter() - start
     print(f"{'wall s':>7} {'bound':>9} {'predicted':>9} {'min peak':>10}  settings")
     for cand, wall in order:
