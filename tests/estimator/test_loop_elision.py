@@ -27,6 +27,10 @@ ARCHS = {"llama": TINY_CONFIGS["llama"], "qwen2": TINY_CONFIGS["qwen2"], "gemma"
 EVERY = {"checkpointing": "full", "loss": "chunked", "loss_chunk_tokens": 48, "tiled_mlp": True,
          "tiled_mlp_tile_tokens": 64, "lean_norm": True,
          "offload": {"activations": True, "embeddings": True}}
+# The length of the cases below: long enough that every loop elides (tiles of 64 tokens: 32 of them;
+# loss chunks of 48: 43), short enough that the whole trace they are held against stays cheap
+# (4,096 before: the file took 280 s of the suite's 2,800 on a 2-core machine).
+LENGTH = 2048
 COMPARED = ("peak_bytes", "by_category", "by_phase", "category_at_phase_peak", "host_peak_bytes",
             "host_resident_bytes", "overheads", "total_bytes")
 
@@ -62,7 +66,7 @@ def _memory(arch: str, on: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_elided_loops_give_the_whole_trace(arch: str, on: bool, tmp_path: Path,
                                            tiny_text_file: Path) -> None:
-    _same(_cfg(tmp_path, tiny_text_file, arch, 4096, _memory(arch, on)), elided=on)
+    _same(_cfg(tmp_path, tiny_text_file, arch, LENGTH, _memory(arch, on)), elided=on)
 
 
 @pytest.mark.parametrize("memory", [
@@ -75,7 +79,7 @@ def test_elided_loops_give_the_whole_trace(arch: str, on: bool, tmp_path: Path,
 ], ids=["checkpointing", "chunked-loss", "activation-offload", "embedding-offload", "tiled-mlp", "lean-norm"])
 def test_each_technique_alone(memory: dict[str, Any], tmp_path: Path, tiny_text_file: Path) -> None:
     looped = "loss" in memory or "tiled_mlp" in memory or "lean_norm" in memory
-    _same(_cfg(tmp_path, tiny_text_file, "llama", 4096, memory), elided=looped)
+    _same(_cfg(tmp_path, tiny_text_file, "llama", LENGTH, memory), elided=looped)
 
 
 @pytest.mark.heavy  # 66 s; the suite's budget (pytest -m heavy runs it)
@@ -93,7 +97,7 @@ def test_quadratic_attention(tmp_path: Path, tiny_text_file: Path) -> None:
 
 
 def test_lora_chunks_and_nested_loops(tmp_path: Path, tiny_text_file: Path, monkeypatch) -> None:
-    """LoRA's row chunks (32 MiB of fp32 output each; here 16 KiB, so 4,096 tokens make 64 of them)
+    """LoRA's row chunks (32 MiB of fp32 output each; here 16 KiB, so 2,048 tokens make 32 of them)
     are elided at the top level, and inside a tiled MLP tile (a loop in a loop: 8 chunks of a
     256-token tile run 5), their stand-in counting for the skipped chunks of both loops: the same
     estimate and the same work as every iteration run. (Planted: a nested stand-in's weight left
@@ -104,15 +108,15 @@ def test_lora_chunks_and_nested_loops(tmp_path: Path, tiny_text_file: Path, monk
 
     monkeypatch.setattr(lora, "CHUNK_BYTES", 16 * 1024)
     memory = {"checkpointing": "full", "tiled_mlp": True, "tiled_mlp_tile_tokens": 256}
-    cfg = _cfg(tmp_path, tiny_text_file, "llama", 4096, memory)
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", LENGTH, memory)
     _same(cfg)
     config = with_depth(resolve_config(cfg.model)[0], 2)
-    both, top = (trace_step(cfg, config, 1, 4096, elide=True, nested=nested) for nested in (True, False))
+    both, top = (trace_step(cfg, config, 1, LENGTH, elide=True, nested=nested) for nested in (True, False))
     assert both.loop_info is not None and both.steady()
     assert any(both.loop_info[s].nested and both.loop_info[s].kind == "lora_add" for s in both.elided)
     assert not any(top.loop_info[s].nested for s in top.elided)
     assert len(both.values) < len(top.values)
-    assert both.work == top.work == trace_step(cfg, config, 1, 4096).work
+    assert both.work == top.work == trace_step(cfg, config, 1, LENGTH).work
 
 
 def test_a_nested_loop_that_keeps_bytes_is_traced_with_the_top_loops_alone_elided(
@@ -139,7 +143,7 @@ def test_a_nested_loop_that_keeps_bytes_is_traced_with_the_top_loops_alone_elide
 
     monkeypatch.setattr(loops, "chunks", keeping)
     memory = {"checkpointing": "full", "tiled_mlp": True, "tiled_mlp_tile_tokens": 256}
-    _same(_cfg(tmp_path, tiny_text_file, "llama", 4096, memory))
+    _same(_cfg(tmp_path, tiny_text_file, "llama", LENGTH, memory))
 
 
 @pytest.mark.parametrize("memory", [{"activation_bits": 2}, {"randomized_linear": {"ratio": 0.5}}],
@@ -212,10 +216,10 @@ def test_the_elided_step_does_the_whole_steps_work(tmp_path: Path, tiny_text_fil
     from memtrain.estimator.setup import resolve_config
     from memtrain.estimator.trace import trace_step, with_depth
 
-    cfg = _cfg(tmp_path, tiny_text_file, "llama", 4096, _memory("llama", True))
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", LENGTH, _memory("llama", True))
     config = with_depth(resolve_config(cfg.model)[0], 2)
-    fast = trace_step(cfg, config, 1, 4096, elide=True)
-    full = trace_step(cfg, config, 1, 4096)
+    fast = trace_step(cfg, config, 1, LENGTH, elide=True)
+    full = trace_step(cfg, config, 1, LENGTH)
     assert fast.elided and not full.elided and fast.steady()
     assert len(fast.values) < len(full.values) / 2
     assert fast.work == full.work
