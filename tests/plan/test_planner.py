@@ -13,6 +13,7 @@ from memtrain.cli.app import app
 from memtrain.config import load_recipe
 from memtrain.estimator.estimate import estimate
 from memtrain.plan import costmodel, planner
+from memtrain.plan.search import TraceCache
 from memtrain.units import parse_size
 
 
@@ -300,7 +301,7 @@ def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
     -> a pair breaks it, fails.)"""
     import itertools
 
-    recipe = causal_recipe(tmp_path, corpus, data={"max_length": 256},
+    recipe = causal_recipe(tmp_path, corpus, data={"max_length": 128},
                            training={"effective_batch_size": 1, "micro_batch_size": 1,
                                      "gradient_accumulation": 1},
                            memory={"checkpointing": "auto", "offload": {"activations": "auto",
@@ -342,6 +343,7 @@ def test_host_budget_pruning_keeps_the_choice(tmp_path: Path, corpus: Path,
     cfg = planner.with_values(cfg, {"memory.host_budget": f"{host}B"})
     budget = int((lean.total_bytes + plain.total_bytes) / 2 / 0.9)  # only offloading fits the device
     runs = {}
+    cache = TraceCache()  # a trace does not depend on the pruning: the second plan reuses the first's
     for pruned in (True, False):
         if not pruned:
             monkeypatch.setattr(search_mod.Search, "_host_short", lambda self, cand: False)
@@ -353,7 +355,7 @@ def test_host_budget_pruning_keeps_the_choice(tmp_path: Path, corpus: Path,
             ev(self, cand)
 
         monkeypatch.setattr(search_mod.Search, "evaluate", counted)
-        decided = planner.plan(cfg, budget, device="cuda")
+        decided = planner.plan(cfg, budget, device="cuda", cache=cache)
         runs[pruned] = (decided, len(evaluated))
         monkeypatch.setattr(search_mod.Search, "evaluate", evaluate)
     assert runs[True][0].chosen.values == runs[False][0].chosen.values
