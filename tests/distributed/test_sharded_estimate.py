@@ -21,6 +21,7 @@ from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.estimator.estimate import Estimate, estimate
 from memtrain.plan import planner
+from memtrain.plan.search import TraceCache
 
 # Untied embeddings, so that the input embedding and the head are FSDP units of their own.
 ARCH = {**copy.deepcopy(TINY_CONFIGS["llama"]), "tie_word_embeddings": False}
@@ -150,13 +151,16 @@ def test_planner_shards_only_when_replicas_do_not_fit(tmp_path: Path, tiny_text_
              for s in ("none", "grad_op", "full")}
     assert peaks["full"] < peaks["grad_op"] < peaks["none"]
     chosen = {}
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
     for budget in (peaks["none"], peaks["grad_op"], peaks["full"]):
-        chosen[budget] = planner.plan(cfg, budget, device="cpu").chosen.values["distributed.sharding"]
+        decided = planner.plan(cfg, budget, device="cpu", cache=cache)
+        chosen[budget] = decided.chosen.values["distributed.sharding"]
     # replicas when they fit (no technique); else grad_op, one all-gather per step; else full
     assert list(chosen.values()) == ["none", "grad_op", "full"]
     with pytest.raises(planner.NothingFits):
-        planner.plan(cfg, peaks["full"] - 1, device="cpu")
+        planner.plan(cfg, peaks["full"] - 1, device="cpu", cache=cache)
     fixed = recipe(tmp_path, tiny_text_file, 2, "full", training={"optimizer": "auto"})
-    decided = planner.plan(fixed, peaks["none"], device="cpu")  # 8-bit AdamW cannot run on shards
+    # 8-bit AdamW cannot run on shards
+    decided = planner.plan(fixed, peaks["none"], device="cpu", cache=cache)
     assert decided.chosen.values == {"training.optimizer": "adamw"}
     assert not decided.alternatives and not decided.rejected

@@ -14,6 +14,7 @@ from memtrain.estimator.estimate import estimate
 from memtrain.estimator.real_step import measure_recipe_step
 from memtrain.estimator.setup import resolve_config
 from memtrain.plan import planner
+from memtrain.plan.search import TraceCache
 
 QWEN_150K = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151936,
@@ -95,7 +96,8 @@ def test_planner_chooses_the_technique_only_when_the_budget_needs_it(
     small, large = _peak(merged(lean)), _peak(merged(full))
     assert small < large
     (field, value), = ((f"{k}.{kk}", vv) for k, v in lean.items() for kk, vv in v.items())
-    tight = planner.plan(merged(auto), (small + large) // 2, device="cpu")
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
+    tight = planner.plan(merged(auto), (small + large) // 2, device="cpu", cache=cache)
     assert tight.settings()[field] == value
-    roomy = planner.plan(merged(auto), 2 * large, device="cpu")
+    roomy = planner.plan(merged(auto), 2 * large, device="cpu", cache=cache)
     assert roomy.settings()[field] != value  # not worth it when everything fits

@@ -12,6 +12,7 @@ from conftest import TINY_CONFIGS, causal_recipe, tiny_model
 from memtrain.config import RecipeError, load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.patches import chunked_loss, records
+from memtrain.plan.search import TraceCache
 from scripts.probes.memprobe import LiveBytes
 
 RTOL = 1e-5
@@ -376,14 +377,15 @@ def test_the_planner_sizes_the_loss_chunk_from_the_budget(tmp_path: Path, tiny_t
                              device="cpu").total_bytes for size in (8192, None, 64)}
     assert totals[8192] - totals[None] > 256 * 2**20 and totals[None] - totals[64] > 32 * 2**20
     chosen = {}
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
     for size in (8192, None, 64):
-        plan = planner.plan(cfg, int(totals[size] / 0.9) + 1, device="cpu")
+        plan = planner.plan(cfg, int(totals[size] / 0.9) + 1, device="cpu", cache=cache)
         chosen[size] = plan.chosen.values["memory.loss_chunk_tokens"]
         assert plan.apply(cfg).memory.loss_chunk_tokens == chosen[size]
     assert chosen[None] is None and chosen[64] == 64  # the largest that fits, where the rule does not
     assert chosen[8192] in (8192, None)  # roomy: the faster of the two (within 5%: the smaller peak)
     with pytest.raises(MemtrainError):  # less than the smallest chunk needs: nothing fits
-        planner.plan(cfg, int(totals[64] * 0.8), device="cpu")
+        planner.plan(cfg, int(totals[64] * 0.8), device="cpu", cache=cache)
 
 
 def test_chunk_sizes_rank_around_the_rule() -> None:

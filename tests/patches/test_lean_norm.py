@@ -26,6 +26,7 @@ from memtrain.estimator.setup import resolve_config
 from memtrain.patches import NoMatchError, lean_norm, records
 from memtrain.patches import checkpointing as ckpt
 from memtrain.patches import lora as lora_patch
+from memtrain.plan.search import TraceCache
 from memtrain.trainer import build
 from scripts.probes.memprobe import LiveBytes, probe_step
 
@@ -341,8 +342,9 @@ def test_the_planner_chooses_it_only_when_the_budget_needs_it(tmp_path: Path, ti
     peaks = {on: estimate(planner.with_values(cfg, {"memory.lean_norm": on}), device="cpu").total_bytes
              for on in (False, True)}
     assert peaks[True] < peaks[False]
-    generous = planner.plan(cfg, int(peaks[False] / 0.9) + 1, device="cpu")
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
+    generous = planner.plan(cfg, int(peaks[False] / 0.9) + 1, device="cpu", cache=cache)
     assert generous.chosen.values["memory.lean_norm"] is False  # no recompute when it fits
-    tight = planner.plan(cfg, int(peaks[True] / 0.9) + 1, device="cpu")
+    tight = planner.plan(cfg, int(peaks[True] / 0.9) + 1, device="cpu", cache=cache)
     assert tight.chosen.values["memory.lean_norm"] is True
     assert tight.apply(cfg).memory.lean_norm is True

@@ -21,6 +21,7 @@ from memtrain.estimator.setup import resolve_config
 from memtrain.patches import NoMatchError, records, tiled_mlp
 from memtrain.patches import checkpointing as ckpt
 from memtrain.patches import lora as lora_patch
+from memtrain.plan.search import TraceCache
 from memtrain.trainer import build
 from scripts.probes.memprobe import LiveBytes, probe_step
 
@@ -386,9 +387,10 @@ def test_the_planner_tiles_only_when_the_budget_needs_it(tmp_path: Path, tiny_te
     peaks = {on: estimate(planner.with_values(cfg, {"memory.tiled_mlp": on}), device="cpu").total_bytes
              for on in (False, True)}
     assert peaks[True] < peaks[False]
-    generous = planner.plan(cfg, int(peaks[False] / 0.9) + 1, device="cpu")
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
+    generous = planner.plan(cfg, int(peaks[False] / 0.9) + 1, device="cpu", cache=cache)
     assert generous.chosen.values["memory.tiled_mlp"] is False  # no recompute when it fits
-    tight = planner.plan(cfg, int(peaks[True] / 0.9) + 1, device="cpu")
+    tight = planner.plan(cfg, int(peaks[True] / 0.9) + 1, device="cpu", cache=cache)
     assert tight.chosen.values["memory.tiled_mlp"] is True
     assert tight.apply(cfg).memory.tiled_mlp is True
 
@@ -446,9 +448,10 @@ def test_the_planner_sizes_tiles_from_the_budget(tmp_path: Path, tiny_text_file:
     totals = {size: estimate(planner.with_values(cfg, {"memory.tiled_mlp_tile_tokens": size}),
                              device="cpu").total_bytes for size in (None, 128, 32)}
     assert totals[None] - totals[128] > 8 * 2**20 and totals[128] >= totals[32]
-    roomy = planner.plan(cfg, int(totals[None] / 0.9) + 1, device="cpu")
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
+    roomy = planner.plan(cfg, int(totals[None] / 0.9) + 1, device="cpu", cache=cache)
     assert roomy.chosen.values["memory.tiled_mlp_tile_tokens"] is None
-    tight = planner.plan(cfg, int(totals[128] / 0.9) + 1, device="cpu")
+    tight = planner.plan(cfg, int(totals[128] / 0.9) + 1, device="cpu", cache=cache)
     assert tight.chosen.values["memory.tiled_mlp_tile_tokens"] == 128
     assert tight.apply(cfg).memory.tiled_mlp_tile_tokens == 128
 

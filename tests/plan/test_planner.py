@@ -66,9 +66,10 @@ def test_a_tight_budget_turns_on_the_technique_that_saves_memory(tmp_path: Path,
     plain = estimate(planner.with_values(cfg, {"memory.checkpointing": "none"})).total_bytes
     full = estimate(planner.with_values(cfg, {"memory.checkpointing": "full"})).total_bytes
     assert full < plain
-    generous = planner.plan(cfg, int(plain / 0.9) + 1)
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
+    generous = planner.plan(cfg, int(plain / 0.9) + 1, cache=cache)
     assert generous.chosen.values["memory.checkpointing"] == "none"  # no recompute when it fits
-    tight = planner.plan(cfg, int(full / 0.9) + 1)
+    tight = planner.plan(cfg, int(full / 0.9) + 1, cache=cache)
     assert tight.chosen.values["memory.checkpointing"] != "none"
     assert tight.chosen.peak <= tight.usable
 
@@ -172,9 +173,10 @@ def test_on_a_cpu_offloading_to_the_host_does_not_fit_a_ram_budget(tmp_path: Pat
     assert moved.total_bytes >= plain.total_bytes - 2**10  # but not less RAM
     assert moved.overheads["host_offload"] > 0
     budget = int((moved.peak_bytes + plain.total_bytes) / 2 / 0.9)  # fits offload's device bytes only
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
     with pytest.raises(planner.NothingFits):
-        planner.plan(cfg, budget, device="cpu")
-    enough = planner.plan(cfg, int(plain.total_bytes / 0.9) + 2**12, device="cpu")
+        planner.plan(cfg, budget, device="cpu", cache=cache)
+    enough = planner.plan(cfg, int(plain.total_bytes / 0.9) + 2**12, device="cpu", cache=cache)
     assert enough.chosen.peak <= enough.usable
 
 
@@ -515,10 +517,11 @@ def test_a_grpo_plan_fits_the_generation_phase_too() -> None:
     generation = generation_phase(one, step.settings["seq_len"], 256, held).peak_bytes
     assert step.total_bytes < generation  # the training step of one completion fits where generation does not
     tight = int((step.total_bytes + generation) / 2 / 0.9)
+    cache = TraceCache()  # the plans below share their traces (none depends on the budget)
     with pytest.raises(MemtrainError, match="Nothing fits") as caught:
-        planner.plan(cfg, tight, device="cpu")
+        planner.plan(cfg, tight, device="cpu", cache=cache)
     assert f"{generation / 2**20:.2f} MiB" in str(caught.value), str(caught.value)
-    roomy = planner.plan(cfg, int(generation * 1.5 / 0.9), device="cpu")
+    roomy = planner.plan(cfg, int(generation * 1.5 / 0.9), device="cpu", cache=cache)
     assert roomy.chosen.peak >= generation
     assert roomy.chosen.micro * roomy.chosen.accumulation == 256
 
