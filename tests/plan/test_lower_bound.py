@@ -45,7 +45,7 @@ def _rates(term: str) -> costmodel.Rates:
 ])
 def test_the_bound_is_at_most_the_prediction(tmp_path: Path, tiny_text_file: Path, arch: str, fields: dict,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    recipe = causal_recipe(tmp_path, tiny_text_file, arch, data={"max_length": 128},
+    recipe = causal_recipe(tmp_path, tiny_text_file, arch, data={"max_length": 64},
                            training={"micro_batch_size": 1, "gradient_accumulation": 1},
                            memory={"tiled_mlp_tile_tokens": 32, **fields})
     cfg = load_recipe(recipe)
