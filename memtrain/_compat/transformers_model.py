@@ -22,6 +22,24 @@ def no_split_modules(model: Any) -> set[str]:
     return set(getattr(model, "_no_split_modules", None) or ())
 
 
+def own_checkpointing_on(model: Any) -> bool:
+    """Whether transformers' own activation checkpointing is on for ``model`` (False for a model
+    that is not a transformers one). transformers 5.24 renamed ``is_gradient_checkpointing`` to
+    ``is_activation_checkpointing``, the old name kept as an alias that warns (FutureWarning,
+    "removed in v6"); 5.19-5.23 have only the old name."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if isinstance(getattr(type(model), name, None), property):
+            return bool(getattr(model, name))
+    return False
+
+
+def disable_own_checkpointing(model: Any) -> None:
+    """Turn transformers' own activation checkpointing off (``activation_checkpointing_disable``
+    from 5.24; ``gradient_checkpointing_disable`` before, an alias that warns since)."""
+    off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    off()
+
+
 def set_name_or_path(config: Any, name: str) -> None:
     """Set a config's ``_name_or_path`` (what ``model.name_or_path`` reads and ``save_pretrained``
     writes); transformers sets it only from ``from_pretrained``, with no public setter."""

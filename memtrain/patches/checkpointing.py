@@ -43,6 +43,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from memtrain._compat.transformers_model import disable_own_checkpointing, own_checkpointing_on
 from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
 from memtrain.patches import (
@@ -244,8 +245,8 @@ def apply(model: nn.Module, config: Config | Mode = Config()) -> nn.Module:
     layers = find_layers(model)
     count = _layer_count(model, mode, len(layers))
     base = base_model(model)
-    if getattr(base, "is_gradient_checkpointing", False):
-        base.gradient_checkpointing_disable()  # one recompute mechanism, not two nested
+    if own_checkpointing_on(base):
+        disable_own_checkpointing(base)  # one recompute mechanism, not two nested
     context_fn = _selective_context if mode == "selective" else None
     undos = [wrap_forward(layer, functools.partial(_checkpointed, layer, context_fn=context_fn))
              for _, layer in layers[:count]]

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from memtrain import patches
+from memtrain._compat.transformers_model import disable_own_checkpointing, own_checkpointing_on
 from memtrain.config import RunConfig
 from memtrain.memory import hostmem
 from memtrain.patches import sizes_off
@@ -92,8 +93,8 @@ def apply_plan(model: nn.Module, args: TrainingArguments, decided: Any, result: 
             record.undo()
     model.__dict__.pop("_memtrain_patch_records", None)
     inner = patches.base_model(model)
-    if getattr(inner, "is_gradient_checkpointing", False):
-        inner.gradient_checkpointing_disable()  # memtrain's patch checkpoints; never both
+    if own_checkpointing_on(inner):
+        disable_own_checkpointing(inner)  # memtrain's patch checkpoints; never both
     # the user's adapter (not memtrain's `lora` patch) keeps its input in its own dtype, as memtrain's
     # estimate of a LoRA model assumes (exact)
     lora.lean_lora_layers(model)

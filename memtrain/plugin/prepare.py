@@ -44,6 +44,7 @@ from torch import nn
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from memtrain import patches
+from memtrain._compat.transformers_model import own_checkpointing_on
 from memtrain._compat.transformers_trainer import set_loss_scaled_for_ga
 from memtrain._compat.versions import check_versions
 from memtrain.data.rows import Rows
@@ -337,9 +338,8 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
     base = recipe_for(model, args, length, allow_approximate, peft_config=peft_config,
                       packing=packed or bool(rows and rows.packed))
     inner = patches.base_model(model)
-    user_checkpointing = any(bool(getattr(owner, name, False)) for owner, name in (
-        (args, "activation_checkpointing"), (args, "gradient_checkpointing"),
-        (inner, "is_activation_checkpointing"), (inner, "is_gradient_checkpointing")))
+    user_checkpointing = own_checkpointing_on(inner) or any(
+        bool(getattr(args, name, False)) for name in ("activation_checkpointing", "gradient_checkpointing"))
     pending = peft_config is not None and not hasattr(model, "peft_config")
     tiers = [planned_fields(memory, user_checkpointing, margin, pending, every=False),
              planned_fields(memory, user_checkpointing, margin, pending)]

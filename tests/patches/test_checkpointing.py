@@ -218,3 +218,28 @@ def test_recipe_hook(tmp_path: Any, tiny_text_file: Any) -> None:
     auto = load_recipe(causal_recipe(tmp_path, tiny_text_file, memory={"checkpointing": "auto"}))
     with pytest.raises(MemtrainError, match="auto"):
         apply_patches(build_model(), auto, only=["checkpointing"])
+
+
+def test_transformers_own_checkpointing_is_turned_off_without_its_deprecated_names() -> None:
+    """A model with transformers' own checkpointing on gets memtrain's instead (never both), read
+    and turned off through the names the installed transformers keeps: from 5.24 the old
+    ``is_gradient_checkpointing`` / ``gradient_checkpointing_disable`` warn (FutureWarning,
+    "removed in v6"), which users saw on every checkpointed run. (Planted: the old names read
+    again -> the FutureWarning, an error here, fails it.)"""
+    import warnings
+
+    from memtrain._compat.transformers_model import own_checkpointing_on
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the enabling call, whatever name this version has
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    assert own_checkpointing_on(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        ckpt.apply(model, "full")
+        assert not own_checkpointing_on(model)
+    assert not own_checkpointing_on(nn.Linear(2, 2))  # not a transformers model: off
+    old = type("Old", (), {"is_gradient_checkpointing": property(lambda self: True)})()
+    assert own_checkpointing_on(old)  # transformers before 5.24: the old name alone
