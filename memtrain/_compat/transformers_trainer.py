@@ -117,3 +117,18 @@ def set_loss_scaled_for_ga(trainer: Any, scaled: bool) -> None:
     if not hasattr(trainer, "loss_is_scaled_for_ga"):
         raise compat_error(f"{_SHIM}.set_loss_scaled_for_ga", "transformers", "Trainer.loss_is_scaled_for_ga")
     trainer.loss_is_scaled_for_ga = scaled
+
+
+def own_checkpointing_off() -> dict[str, bool]:
+    """The ``TrainingArguments`` fields that turn transformers' own activation checkpointing off
+    (memtrain checkpoints as ``memory.checkpointing`` says). transformers 5.24 renamed
+    ``gradient_checkpointing`` to ``activation_checkpointing``: the old name set alone then warns
+    (FutureWarning, "removed in v6"), and TRL's configs set it alone (default True), so every
+    DPO and GRPO run warned. Both names where both exist (the new one wins, silently); the old one
+    alone before 5.24."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {name: False for name in ("activation_checkpointing", "gradient_checkpointing") if name in names}

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from memtrain._compat.transformers_trainer import own_checkpointing_off
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
 from memtrain.errors import MemtrainError
@@ -91,7 +92,7 @@ def grpo_settings(cfg: RunConfig) -> dict[str, Any]:
         "reward_weights": t.grpo_reward_weights,
         # as for DPO: train in the weights' dtype, checkpoint as `memory.checkpointing` says
         "bf16": cfg.model.dtype == "bf16" and torch.cuda.is_available(),
-        "gradient_checkpointing": False,
+        **own_checkpointing_off(),
         "use_vllm": False,
     }
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from memtrain._compat.transformers_trainer import own_checkpointing_off
 from memtrain._compat.trl import DPOTrainerHooks, add_fused_head, dpo_loss
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch
@@ -82,7 +83,7 @@ def dpo_settings(cfg: RunConfig) -> dict[str, Any]:
         # TRL's configs default to bf16 autocast and to transformers' gradient checkpointing;
         # memtrain trains in the weights' dtype and checkpoints as `memory.checkpointing` says
         "bf16": cfg.model.dtype == "bf16" and torch.cuda.is_available(),
-        "gradient_checkpointing": False,
+        **own_checkpointing_off(),
         "precompute_ref_log_probs": precompute_ref(cfg),
         "pad_to_multiple_of": None,
     }
