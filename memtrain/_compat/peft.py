@@ -17,6 +17,9 @@ Checked on peft 0.21.2 (installed); tested range :data:`memtrain._compat.version
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from memtrain._compat.versions import private
@@ -33,3 +36,15 @@ def has_variant(layer: Any, adapters: Any) -> bool:
     """Whether any of ``adapters`` is a LoRA variant (DoRA, ...) on ``layer`` (``lora_variant``)."""
     variants = private(layer, "lora_variant", f"{_SHIM}.has_variant", "peft")
     return any(a in variants for a in adapters)
+
+
+@contextmanager
+def quiet_renamed_checkpointing() -> Iterator[None]:
+    """Inside: the FutureWarning transformers 5.24 gives when ``is_gradient_checkpointing`` (renamed
+    ``is_activation_checkpointing``) is read is not shown. peft 0.21 reads the old name in
+    ``get_peft_model`` and ``prepare_model_for_kbit_training``, so every LoRA run printed it; the
+    property works as before, and memtrain checkpoints through its own patch."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield

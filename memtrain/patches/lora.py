@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrain._compat.peft import check_forward_args, has_variant
+from memtrain._compat.peft import check_forward_args, has_variant, quiet_renamed_checkpointing
 from memtrain.config import AdapterConfig, RunConfig, decided
 from memtrain.memory import loops
 from memtrain.model import CLASSIFIER_HEADS
@@ -47,7 +47,8 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
     if quantized and not lean_kbit:
         # peft's QLoRA preparation: every non-quantized weight (norms, embeddings, the output
         # head) cast to fp32; memtrain's own checkpointing patch handles recompute, so peft's is off.
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        with quiet_renamed_checkpointing():
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if cfg.target_modules != "all-linear":
         check_targets(model, list(cfg.target_modules))
     lora = LoraConfig(
@@ -59,7 +60,8 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
         exclude_modules=_trained_in_full(model, cfg.modules_to_save, task) or None,
         task_type=_TASKS[task],
     )
-    peft_model = get_peft_model(model, lora)
+    with quiet_renamed_checkpointing():
+        peft_model = get_peft_model(model, lora)
     if quantized and lean_kbit:
         prepare_lean(peft_model)
     lean_lora_layers(peft_model)

@@ -55,3 +55,17 @@ def test_estimate_exits_2_naming_the_field(tmp_path: Path, tiny_text_file: Path)
     said = " ".join(result.output.split())
     assert "`adapter.target_modules`: `wq` matches no module" in said and LLAMA_LINEAR in said
     assert "Traceback" not in said
+
+
+def test_building_the_adapter_prints_no_deprecation_of_transformers_names() -> None:
+    """peft 0.21 reads ``is_gradient_checkpointing``, which transformers 5.24 renamed (a FutureWarning
+    on every LoRA run, nothing a user can act on); memtrain's LoRA patch builds the adapter without
+    it. (Planted: ``get_peft_model`` called bare -> the FutureWarning, an error here, fails it on
+    5.24; 5.19-5.23 never warn.)"""
+    import warnings
+
+    model = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        adapted = apply(model, AdapterConfig(), "causal-lm")
+    assert any(".lora_A." in name for name, _ in adapted.named_parameters())
