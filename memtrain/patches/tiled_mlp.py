@@ -165,15 +165,18 @@ class _TiledMLP(torch.autograd.Function):
                             torch.is_autocast_enabled(device.type))
         ctx.save_for_backward(x)
         flat = x.detach().reshape(-1, x.shape[-1])  # tiles that look like no-grad tensors to hooks
-        out = None
+        out = rows = None
         with never_saved():
             for _, start, stop in loops.chunks("tiled_mlp", flat.shape[0], size):
                 y = run(flat[start:stop])
                 if out is None:
-                    out = y.new_empty((flat.shape[0], y.shape[-1]))
-                out[start:stop] = y
+                    # allocated in its final shape and returned as is: a view returned from a custom
+                    # Function may not be changed in place, and Falcon adds to its MLP's output in place
+                    out = y.new_empty((*x.shape[:-1], y.shape[-1]))
+                    rows = out.view(-1, y.shape[-1])
+                rows[start:stop] = y
         assert out is not None  # at least one tile: x has at least one row
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     @once_differentiable

@@ -479,3 +479,21 @@ def test_the_extra_dequantization_counts_every_tile_of_every_pass() -> None:
     assert tiled_dequantized(weights, 4096, 4096, None, None, 1.0) == weights * 1
     assert tiled_dequantized(weights, 4096, 4096, None, 1024, 1.0) == weights * (4 * 4 - 3)
     assert tiled_dequantized(weights, 4096, 4096, 2, 1024, 0.0) == weights * (2 * 3 - 2)  # a count wins
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-attention", "sequential"])
+def test_an_mlp_output_changed_in_place_by_the_model_trains_as_untiled(parallel: bool) -> None:
+    """Falcon adds the attention output to its MLP's output in place (``mlp_output +=``): the tiled
+    MLP returns a tensor of its own, not a view from inside its autograd Function, which autograd
+    forbids changing in place. (Planted: the output returned as a view of the tiles' buffer ->
+    RuntimeError "Output 0 of _TiledMLP is a view and is being modified inplace".)"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  vocab_size=512, new_decoder_architecture=parallel, num_kv_heads=2,
+                                  parallel_attn=parallel)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).train()
+    batch = _batch()
+    reference = _loss_and_grads(base, batch)
+    _assert_same(_loss_and_grads(tiled_mlp.apply(copy.deepcopy(base), 3), batch), reference, FP32)
