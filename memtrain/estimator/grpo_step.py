@@ -127,7 +127,7 @@ def trace_grpo_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, s
             marked = loops.loops()
         done = [r.detail or r.name for r in patches.records(model)]
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written, tracker.ops["optimizer"],
-                float(tracker.layer_forward_flops))
+                *tracker.recomputed())
     rows = np.array(tracker.rows, dtype=np.int64)
     marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 4)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,

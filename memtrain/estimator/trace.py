@@ -31,7 +31,7 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,7 @@ from memtrain.config import RunConfig
 from memtrain.distributed import sharding
 from memtrain.errors import recipe_stage
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
-from memtrain.estimator.trace_events import CATEGORY_NAMES, TracingMeter
+from memtrain.estimator.trace_events import CATEGORY_NAMES, Pass, TracingMeter
 from memtrain.memory import loops
 from memtrain.model import count_parameters
 from memtrain.trainer.build import build_optimizer, example_batch, step_loss, step_settings
@@ -146,20 +146,30 @@ class Work:
     ops: int  # ops dispatched in forward + backward (each costs a launch on a GPU)
     written: int  # bytes of the tensors forward + backward allocate (memory traffic)
     optimizer_ops: int
-    # of ``flops``, those of the forward inside the decoder layers: what checkpointing every layer
-    # runs again (the planner's lower bound for a candidate it has not traced)
-    layer_forward_flops: float = 0.0
+    # Of forward + backward, what checkpointing every decoder layer runs again at least (the
+    # planner's lower bound for a candidate it has not traced): each layer's forward up to its last
+    # FLOP op (a matmul or attention, which saves its inputs for backward: a checkpoint's recompute
+    # stops once the last saved tensor is back, torch's early stop, so the ops after it may not run
+    # again), and of those, the ops a selective checkpoint does not keep (``recomputed_selective``).
+    recomputed: Pass = field(default_factory=Pass)
+    recomputed_selective: Pass = field(default_factory=Pass)
+
+    @property
+    def layer_forward_flops(self) -> float:
+        """The FLOPs of the forward inside the decoder layers (all recomputed by checkpointing)."""
+        return self.recomputed.flops
 
     def __add__(self, other: Work) -> Work:
         return Work(self.micro_batches, self.flops + other.flops, self.ops + other.ops,
                     self.written + other.written, self.optimizer_ops + other.optimizer_ops,
-                    self.layer_forward_flops + other.layer_forward_flops)
+                    self.recomputed + other.recomputed,
+                    self.recomputed_selective + other.recomputed_selective)
 
     def scaled(self, factor: float) -> Work:
         """Every figure times ``factor`` (a linear extrapolation step)."""
         return Work(self.micro_batches, self.flops * factor, round(self.ops * factor),
                     round(self.written * factor), round(self.optimizer_ops * factor),
-                    self.layer_forward_flops * factor)
+                    self.recomputed.scaled(factor), self.recomputed_selective.scaled(factor))
 
 
 @dataclass
@@ -253,7 +263,7 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         done = [r.detail or r.name for r in patches.records(model)]
     tracker = meter.tracker
     work = Work(1, float(tracker.flops), tracker.ops["step"], tracker.written,
-                tracker.ops["optimizer"], float(tracker.layer_forward_flops))
+                tracker.ops["optimizer"], *tracker.recomputed())
     rows = np.array(tracker.rows, dtype=np.int64)
     marks = np.array(tracker.marks, dtype=np.int64).reshape(-1, 4)
     return Trace(tracker.phases, rows[:, 0], rows[:, 1], rows[:, 2:], total, trainable, done, work,

@@ -10,6 +10,7 @@ op ran in: the rows that :mod:`memtrain.estimator.trace` extrapolates. It also c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,32 @@ from memtrain._compat.torch_trackers import MemRefType, UpdateType
 from memtrain.estimator.cuda_allocator import round_size
 from memtrain.memory import loops, trackers
 from memtrain.memory import meter as meter_mod
+from memtrain.patches import checkpointing
 
 CATEGORY_NAMES = trackers.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Work of part of a pass: matmul FLOPs, ops dispatched, bytes their outputs allocate."""
+
+    flops: float = 0.0
+    ops: int = 0
+    written: int = 0
+
+    def __add__(self, other: Pass) -> Pass:
+        return Pass(self.flops + other.flops, self.ops + other.ops, self.written + other.written)
+
+    def scaled(self, factor: float) -> Pass:
+        return Pass(self.flops * factor, round(self.ops * factor), round(self.written * factor))
+
+
+def _entered(tracker: _EventRecorder, layer: int, module: nn.Module, args: Any) -> None:
+    tracker.layer_grad[layer] = torch.is_grad_enabled()
+
+
+def _any_requires_grad(args: Any) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 def cuda_runs_flash(args: tuple, kwargs: dict[str, Any]) -> bool:
@@ -107,7 +132,12 @@ class _EventRecorder:
         self.ops = {"step": 0, "optimizer": 0}
         self.written = 0
         self.flops = 0
-        self.layer_forward_flops = 0  # of them, the forward's inside a decoder layer
+        # what checkpointing recomputes at least (trace.Work.recomputed): committed at each FLOP op
+        # that saves inputs for backward, pending since the last one in the same layer's forward
+        self._recomputed = {"all": [0.0, 0, 0], "selective": [0.0, 0, 0]}
+        self._since_save = {"all": [0.0, 0, 0], "selective": [0.0, 0, 0]}
+        self._since_save_layer = -1
+        self.layer_grad = [True] * len(layers)  # whether grad was on when each layer was entered
         self._extra_flops = extra_flop_formulas()
         # the estimate is for CUDA: kernels' own scratch memory counts (flash_backward_scratch)
         self.cuda_kernels = False
@@ -131,6 +161,7 @@ class _EventRecorder:
             device = fake_device(args[0])  # FakeTensor's own answer, without a second dispatch
             return device if device is not None else func(*args, **(kwargs or {}))
         phase = self.phase()  # type: ignore[attr-defined]
+        written = self.written
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
         if out is NotImplemented:  # a DTensor op (FSDP2): its local ops come back through here
             return out
@@ -140,15 +171,50 @@ class _EventRecorder:
         self.ops["optimizer" if phase == "optimizer" else "step"] += times
         packet = overload_packet(func)
         count = flop_registry.get(packet) or self._extra_flops.get(packet)
+        flops = 0
         if count is not None and phase != "optimizer":  # what FlopCounterMode counts, without its mode
             flops = times * flop_count(count, args, kwargs or {}, out)
             self.flops += flops
-            if phase == "forward" and self._current_layer() >= 0:
-                self.layer_forward_flops += flops
+        if phase == "forward":
+            # a FLOP op (matmul, attention) with an input that requires grad saves tensors for
+            # backward: itself where grad is on, or the custom autograd Function it runs in (4-bit
+            # matmul, lean LoRA, tiled MLP: grad is off inside) when its forward returns
+            saves = count is not None and _any_requires_grad(args)
+            self._count_recomputed(packet, times, flops, self.written - written, saves)
         kernel = self._flash_backward.get(packet) if self.cuda_kernels else None
         if kernel == "cuda" or (kernel == "cpu" and cuda_runs_flash(args, kwargs or {})):
             self._scratch(flash_backward_scratch(args[1], args[2]))
         return out
+
+    def _count_recomputed(self, packet: Any, times: int, flops: float, written: int, saves: bool) -> None:
+        """Count a forward op toward what checkpointing its layer runs again: pending until the
+        layer's next FLOP op with an input that requires grad (it saves tensors for backward, which
+        a recompute must bring back), dropped if the layer's forward ends first. Ops of a layer
+        entered without grad (a no-grad forward, such as GRPO's log-probabilities) are never
+        recomputed."""
+        layer = self._current_layer()
+        if layer != self._since_save_layer:
+            self._since_save = {"all": [0.0, 0, 0], "selective": [0.0, 0, 0]}
+            self._since_save_layer = layer
+        if layer < 0 or not self.layer_grad[layer]:  # a forward without grad keeps nothing
+            return
+        kinds = ("all",) if packet in checkpointing.SAVED_OPS else ("all", "selective")
+        for kind in kinds:
+            pending = self._since_save[kind]
+            pending[0] += flops
+            pending[1] += times
+            pending[2] += written
+        if saves:
+            for kind, pending in self._since_save.items():
+                self._recomputed[kind] = [a + b for a, b in zip(self._recomputed[kind], pending, strict=True)]
+                self._since_save[kind] = [0.0, 0, 0]
+
+    def recomputed(self) -> tuple[Pass, Pass]:
+        """What checkpointing every layer recomputes at least, and of it a selective checkpoint
+        (:attr:`memtrain.estimator.trace.Work.recomputed`)."""
+        full, selective = (self._recomputed[k] for k in ("all", "selective"))
+        return Pass(float(full[0]), int(full[1]), int(full[2])), Pass(float(selective[0]), int(selective[1]),
+                                                                      int(selective[2]))
 
     def _scratch(self, parts: list[int]) -> None:
         """A kernel's own allocations, alive for its call: one row with them held as temporaries
@@ -385,10 +451,19 @@ class TracingMeter(meter_mod.MemoryMeter):
             else _EventTracker(self.device, host, layers))
         self.tracker.cuda_kernels = cuda_kernels
         self._tracker = self.tracker
+        self._layers = layers
+        self._hooks: list[Any] = []
         self._gradients = gradients
 
     def __enter__(self) -> TracingMeter:
         for tensor in self._gradients:
             self.tracker.track_tensor(tensor, MemRefType.GRAD)
+        self._hooks = [layer.register_forward_pre_hook(functools.partial(_entered, self.tracker, i))
+                       for i, layer in enumerate(self._layers)]
         super().__enter__()
         return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        for hook in self._hooks:
+            hook.remove()
+        return super().__exit__(*exc)

@@ -36,6 +36,7 @@ from memtrain.errors import MemtrainError, recipe_stage
 
 if TYPE_CHECKING:
     from memtrain.config import RunConfig
+    from memtrain.estimator.trace_events import Pass
 
 # Stages, in the order they are applied.
 ADAPTER, LOSS, APPROXIMATE, TILING, CHECKPOINTING, OFFLOAD = 10, 15, 20, 25, 30, 40
@@ -80,7 +81,10 @@ class CostInputs:
     trainable: int
     # a fake model of the recipe with its techniques off, at up to two layers (its shapes; None: none)
     model: Callable[[], nn.Module | None]
-    layer_forward_flops: float  # the trace's forward FLOPs inside the decoder layers, per micro-batch
+    # what checkpointing every decoder layer runs again at least, per micro-batch, and of it the
+    # ops a selective checkpoint does not keep (``memtrain.estimator.trace.Work.recomputed``)
+    recomputed: Pass
+    recomputed_selective: Pass
     # a lower bound: the recipe its trace ran, whose techniques' work the trace counts already
     # (a hook adds the work its technique adds to that trace); None: the candidate's own trace
     traced: RunConfig | None = None
@@ -96,10 +100,11 @@ class CostInputs:
 
 
 # The step-time terms a value adds (``memtrain.plan.costmodel.step_seconds``' arguments, and
-# ``extra_flops``: matmul FLOPs a lower bound's trace did not run), from a candidate's inputs
+# ``extra_flops`` / ``extra_ops`` / ``extra_written``: matmul FLOPs, ops and bytes written a lower
+# bound's trace did not run), from a candidate's inputs
 Cost = Callable[[CostInputs, Any], dict[str, float]]
-COST_TERMS = ("extra_flops", "recompute_passes", "quantized_elements", "extra_dequantized",
-              "embedding_bytes", "optimizer_offloaded")
+COST_TERMS = ("extra_flops", "extra_ops", "extra_written", "recompute_passes", "quantized_elements",
+              "extra_dequantized", "embedding_bytes", "optimizer_offloaded")
 
 
 @dataclass(frozen=True)

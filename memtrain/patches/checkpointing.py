@@ -298,11 +298,14 @@ def recompute_passes(value: Any, depth: int) -> float:
 
 def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
     """The recompute: each checkpointed layer's forward once more (the passes dequantize 4-bit
-    weights too); a lower bound traced without checkpointing adds its FLOPs."""
+    weights too); a lower bound traced without checkpointing adds what the recompute runs at least:
+    its FLOPs, ops and bytes written (a selective checkpoint: of the ops it does not keep)."""
     passes = recompute_passes(value, inputs.shape.depth)
     terms = {"recompute_passes": passes}
-    if passes and inputs.traced is not None and inputs.traced.memory.checkpointing == "none":
-        terms["extra_flops"] = inputs.layer_forward_flops * passes
+    if inputs.traced is None or inputs.traced.memory.checkpointing != "none":
+        return terms
+    again = inputs.recomputed_selective if value == "selective" else inputs.recomputed.scaled(passes)
+    terms.update(extra_flops=again.flops, extra_ops=again.ops, extra_written=again.written)
     return terms
 
 

@@ -31,7 +31,7 @@ import torch
 from memtrain.device import cuda_available
 from memtrain.errors import MemtrainError
 from memtrain.estimator import calibrate
-from memtrain.estimator.trace import Work
+from memtrain.estimator.trace import Pass, Work
 
 # A mid-range data-centre GPU (A100-class) at typical, not peak, efficiency: a fallback for
 # planning a CUDA run where no GPU can be measured. `memtrain calibrate` on the GPU replaces it.
@@ -154,7 +154,12 @@ def work_at(w2: Work | None, w3: Work | None, micro: int) -> Work:
         raise MemtrainError("the estimate did not record the step's work (FLOPs); cannot plan")
     f2, f3 = w2.flops / w2.micro_batches, w3.flops / w3.micro_batches
     b2, b3 = w2.written / w2.micro_batches, w3.written / w3.micro_batches
-    r2, r3 = w2.layer_forward_flops / w2.micro_batches, w3.layer_forward_flops / w3.micro_batches
+
+    def part(p2: Pass, p3: Pass) -> Pass:
+        a, b = p2.scaled(1 / w2.micro_batches), p3.scaled(1 / w3.micro_batches)
+        return Pass(max(0.0, a.flops + (micro - 2) * (b.flops - a.flops)), a.ops,
+                    max(0, round(a.written + (micro - 2) * (b.written - a.written))))
+
     return Work(1, max(0.0, f2 + (micro - 2) * (f3 - f2)), round(w2.ops / w2.micro_batches),
                 max(0, round(b2 + (micro - 2) * (b3 - b2))), w2.optimizer_ops,
-                max(0.0, r2 + (micro - 2) * (r3 - r2)))
+                part(w2.recomputed, w3.recomputed), part(w2.recomputed_selective, w3.recomputed_selective))

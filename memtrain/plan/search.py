@@ -679,10 +679,11 @@ class Search:
         what stays there all step (weights, state)."""
         offloaded = summary.host_peak_bytes - summary.host_resident_bytes if summary is not None else 0
         inputs = CostInputs(cfg, self.shape, micro, counts.parameters, counts.trainable,
-                            lambda: self.cost_model, work.layer_forward_flops, traced)
+                            lambda: self.cost_model, work.recomputed, work.recomputed_selective, traced)
         terms = space.cost_terms(inputs)
-        if terms["extra_flops"]:
-            work = Work(1, work.flops + terms["extra_flops"], work.ops, work.written, work.optimizer_ops)
+        if terms["extra_flops"] or terms["extra_ops"] or terms["extra_written"]:
+            work = Work(1, work.flops + terms["extra_flops"], work.ops + round(terms["extra_ops"]),
+                        work.written + round(terms["extra_written"]), work.optimizer_ops)
         opt_off = bool(terms["optimizer_offloaded"])
         return costmodel.step_seconds(
             work, micro_batches=accumulation, rates=self.rates, dtype=cfg.model.dtype,

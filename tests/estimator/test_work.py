@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import TINY_CONFIGS, causal_recipe
 
 from memtrain.config import load_recipe
@@ -20,9 +21,9 @@ HEADS, LAYERS = LLAMA["num_attention_heads"], LLAMA["num_hidden_layers"]
 HEAD_DIM = LLAMA["hidden_size"] // HEADS
 
 
-def _work(tmp_path: Path, data: Path, length: int, **memory: object):
+def _work(tmp_path: Path, data: Path, length: int, arch: str = "llama", **memory: object):
     model = memory.pop("model", {})
-    recipe = causal_recipe(tmp_path, data, data={"max_length": length}, model=model,
+    recipe = causal_recipe(tmp_path, data, arch, data={"max_length": length}, model=model,
                            training={"micro_batch_size": 1, "gradient_accumulation": 1}, memory=memory)
     return estimate(load_recipe(recipe), device="cuda").work
 
@@ -46,3 +47,22 @@ def test_full_checkpointing_repeats_exactly_the_layers_forward(tmp_path: Path, t
     full = _work(tmp_path, tiny_text_file, 64, checkpointing="full")
     assert 0 < plain.layer_forward_flops < plain.flops / 2
     assert full.flops - plain.flops == plain.layer_forward_flops
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_recompute_a_plain_trace_predicts_is_at_most_what_checkpointing_adds(
+        tmp_path: Path, tiny_text_file: Path, arch: str) -> None:
+    """The planner bounds a checkpointing candidate from the plain trace: its FLOPs, ops and bytes
+    written plus what the recompute runs at least (``Work.recomputed``). Each at most what a traced
+    step with that checkpointing adds, and close to it (within 10%: a bound that prunes). Planted:
+    counting each layer's forward whole, past its last op that saves for backward (torch's early
+    stop skips those in the recompute) -> the bytes written exceed what full checkpointing adds."""
+    plain = _work(tmp_path, tiny_text_file, 64, arch)
+    layers = TINY_CONFIGS[arch].get("num_hidden_layers") or TINY_CONFIGS[arch]["n_layer"]
+    for mode, bound in (("full", plain.recomputed), ("selective", plain.recomputed_selective),
+                        (1, plain.recomputed.scaled(1 / layers))):
+        step = _work(tmp_path, tiny_text_file, 64, arch, checkpointing=mode)
+        added = (step.flops - plain.flops, step.ops - plain.ops, step.written - plain.written)
+        assert bound.flops == added[0], (mode, bound, added)
+        assert bound.ops <= added[1] and 0.9 * added[2] <= bound.written <= added[2], (mode, bound, added)
+    assert plain.recomputed_selective.written < plain.recomputed.written  # matmul outputs kept

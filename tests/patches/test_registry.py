@@ -17,6 +17,7 @@ from memtrain import patches
 from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.estimator.setup import NEEDS_VALUE, recipe_value
+from memtrain.estimator.trace_events import Pass
 from memtrain.patches import Knob, ModelShape, fixed
 from memtrain.plan import search, space
 
@@ -122,7 +123,8 @@ def test_each_cost_hook_adds_known_terms_and_nothing_when_off() -> None:
         for k in costed:
             for value in {k.off, *k.options(recipe(), shape)}:
                 cfg = recipe({"adapter.method": "lora", "model.quantization": "nf4", k.path: value})
-                inputs = patches.CostInputs(cfg, shape, 2, 10**9, 10**7, lambda: model, 1e12, traced)
+                inputs = patches.CostInputs(cfg, shape, 2, 10**9, 10**7, lambda: model,
+                                            Pass(1e12, 900, 10**9), Pass(1e9, 600, 10**8), traced)
                 terms = k.cost(inputs, value)
                 assert set(terms) <= set(patches.COST_TERMS), (k.path, terms)
                 assert all(v >= 0 for v in terms.values()), (k.path, value, terms)
