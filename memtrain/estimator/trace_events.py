@@ -30,24 +30,9 @@ from memtrain._compat.torch_trackers import MemRefType, UpdateType
 from memtrain.estimator.cuda_allocator import round_size
 from memtrain.memory import loops, trackers
 from memtrain.memory import meter as meter_mod
-from memtrain.patches import checkpointing
+from memtrain.patches import Pass, checkpointing
 
 CATEGORY_NAMES = trackers.CATEGORY_NAMES  # the meter's, so that estimates and measurements match
-
-
-@dataclass(frozen=True)
-class Pass:
-    """Work of part of a pass: matmul FLOPs, ops dispatched, bytes their outputs allocate."""
-
-    flops: float = 0.0
-    ops: int = 0
-    written: int = 0
-
-    def __add__(self, other: Pass) -> Pass:
-        return Pass(self.flops + other.flops, self.ops + other.ops, self.written + other.written)
-
-    def scaled(self, factor: float) -> Pass:
-        return Pass(self.flops * factor, round(self.ops * factor), round(self.written * factor))
 
 
 def _entered(tracker: _EventRecorder, layer: int, module: nn.Module, args: Any) -> None:

@@ -36,7 +36,6 @@ from memtrain.errors import MemtrainError, recipe_stage
 
 if TYPE_CHECKING:
     from memtrain.config import RunConfig
-    from memtrain.estimator.trace_events import Pass
 
 # Stages, in the order they are applied.
 ADAPTER, LOSS, APPROXIMATE, TILING, CHECKPOINTING, OFFLOAD = 10, 15, 20, 25, 30, 40
@@ -61,6 +60,21 @@ class ModelShape:
     depth: int = 0  # repeated layers (``num_hidden_layers``)
     hidden: int = 0
     vocab: int = 0
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Work of part of a pass: matmul FLOPs, ops dispatched, bytes their outputs allocate."""
+
+    flops: float = 0.0
+    ops: int = 0
+    written: int = 0
+
+    def __add__(self, other: Pass) -> Pass:
+        return Pass(self.flops + other.flops, self.ops + other.ops, self.written + other.written)
+
+    def scaled(self, factor: float) -> Pass:
+        return Pass(self.flops * factor, round(self.ops * factor), round(self.written * factor))
 
 
 Options = Callable[["RunConfig", ModelShape], list[Any]]

@@ -17,8 +17,7 @@ from memtrain import patches
 from memtrain.config import load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.estimator.setup import NEEDS_VALUE, recipe_value
-from memtrain.estimator.trace_events import Pass
-from memtrain.patches import Knob, ModelShape, fixed
+from memtrain.patches import Knob, ModelShape, Pass, fixed
 from memtrain.plan import search, space
 
 ROOT = Path(__file__).parents[2]
