@@ -211,15 +211,18 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
                               elide=elide)
             for micro, seq in points for depth, n in shapes]
     traces = run_all(jobs, cuda=plan.trace_device == "cuda")
-    # A loop's skipped iterations might have differed: trace again with the top-level loops alone
-    # elided where only nested ones were unsteady, else whole (a second pass: a top-level loop that
-    # was unsteady once the nested ones ran whole).
-    for _ in range(2):
+    # A loop's skipped iterations might have differed: trace again with every loop keeping its
+    # first four iterations where some kept three (`loops.LEAN_KEEP`), then with the top-level
+    # loops alone elided where only nested ones were unsteady, else whole (a later pass: a
+    # top-level loop that was unsteady once the nested ones ran whole).
+    tried: dict[int, dict[str, bool]] = {}
+    for _ in range(3):
         unsteady = [k for k, t in enumerate(traces) if not t.steady()]
         if not unsteady:
             break
-        how = [{"nested": False} if _nested_only(traces[k]) else {"elide": False} for k in unsteady]
-        again = run_all([functools.partial(jobs[k], **h) for k, h in zip(unsteady, how, strict=True)],
+        for k in unsteady:
+            tried[k] = _retry(traces[k], tried.get(k, {}))
+        again = run_all([functools.partial(jobs[k], **tried[k]) for k in unsteady],
                         cuda=plan.trace_device == "cuda")
         for k, trace in zip(unsteady, again, strict=True):
             traces[k] = trace
@@ -310,6 +313,15 @@ def _whole(plan: TraceSetup, full: Trace) -> tuple[Candidates, Counts, str]:
             f"traced all {plan.depth} layers")
 
 
+def _retry(trace: Trace, tried: dict[str, bool]) -> dict[str, bool]:
+    """How to trace again after ``trace`` (traced as ``tried`` says) was not steady."""
+    if tried.get("lean", True) and trace.lean():
+        return {**tried, "lean": False}
+    if tried.get("nested", True) and _nested_only(trace):
+        return {**tried, "nested": False}
+    return {**tried, "elide": False}
+
+
 def _nested_only(trace: Trace) -> bool:
     """Whether the loops of ``trace`` that were not steady are all nested ones."""
     info = trace.loop_info or {}
@@ -317,9 +329,9 @@ def _nested_only(trace: Trace) -> bool:
 
 
 def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int, elide: bool = False,
-           nested: bool = True) -> Trace:
+           nested: bool = True, lean: bool = True) -> Trace:
     """One trace; ``elide``: long loops over the tokens run only some iterations (``nested``: those
-    inside another loop's iteration too)."""
+    inside another loop's iteration too; ``lean``: one fewer where a loop allows it)."""
     if plan.cfg.training.objective == "grpo":  # TRL's own GRPO step (memtrain.estimator.grpo_step)
         found = grpo_step.recipe_trace(plan, depth, micro_batch, seq_len)
         if found is not None:
@@ -329,7 +341,7 @@ def _trace(plan: TraceSetup, depth: int, micro_batch: int, seq_len: int, elide: 
     rows = micro_batch * (2 if plan.cfg.training.objective == "dpo" else 1)  # DPO: [chosen; rejected]
     return trace_step(plan.cfg, with_depth(plan.config, depth), micro_batch, seq_len,
                       device=plan.trace_device, foreach=foreach, padded=plan.rows.padded(rows), elide=elide,
-                      cuda_kernels=plan.device == "cuda", nested=nested)
+                      cuda_kernels=plan.device == "cuda", nested=nested, lean=lean)
 
 
 # --------------------------------------------------------------------------------- reporting

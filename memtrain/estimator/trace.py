@@ -76,7 +76,7 @@ class Trace:
 
     def steady(self) -> bool:
         """Every elided loop's skipped iterations would have recorded what its stand-in iteration
-        (``loops.KEEP - 2``) says they would (:mod:`memtrain.memory.loops`): see :meth:`unsteady`."""
+        (``keep - 2``) says they would (:mod:`memtrain.memory.loops`): see :meth:`unsteady`."""
         return not self.unsteady()
 
     def unsteady(self) -> set[int]:
@@ -108,9 +108,10 @@ class Trace:
         cuts = np.flatnonzero(np.diff(index[rows])) + 1
         split = np.split(rows, cuts)
         groups, order = [self.values[g] for g in split], [int(index[g[0]]) for g in split]
-        if loops.KEEP - 2 not in order:
+        keep = self.loop_info[serial].keep
+        if keep - 2 not in order:
             return False
-        k = order.index(loops.KEEP - 2)
+        k = order.index(keep - 2)
         if k + 1 >= len(order):
             return False
         stand_in, after = groups[k], groups[k + 1]
@@ -118,19 +119,24 @@ class Trace:
             return True
         if nested or k == 0 or not stand_in.shape == after.shape == groups[k - 1].shape:
             return False
-        weight = self.loop_info[serial].count - loops.KEEP
+        weight = self.loop_info[serial].count - keep
         span, gap = after - groups[k - 1], stand_in - groups[k - 1]
         if not (span == span[0]).all() or (span[0] % (weight + 1)).any():
             return False
         each = span[0] // (weight + 1)
         return bool(((gap == each).all(axis=1) | (gap == weight * each).all(axis=1)).all())
 
+    def lean(self) -> bool:
+        """Whether an elided loop kept fewer than :data:`memtrain.memory.loops.KEEP` iterations."""
+        return self.loop_info is not None and any(self.loop_info[s].keep < loops.KEEP for s in self.elided)
+
     def elision(self) -> str:
         """How much of the loops the trace ran ('' when it ran them whole)."""
         if not self.elided or self.loop_info is None:
             return ""
-        longest = max(self.loop_info[s].count for s in self.elided)
-        return f"loops of up to {longest:,} iterations traced by {loops.KEEP + 1}"
+        longest = max(self.elided, key=lambda s: self.loop_info[s].count)
+        loop = self.loop_info[longest]
+        return f"loops of up to {loop.count:,} iterations traced by {loop.keep + 1}"
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
                device: torch.device | str = "cpu", foreach: bool = False, padded: bool = True,
                elide: bool = False, cuda_kernels: bool = False, allocations: bool = False,
-               nested: bool = True) -> Trace:
+               nested: bool = True, lean: bool = True) -> Trace:
     """Trace one steady-state training step of the recipe on fake tensors, as one of its processes.
 
     With ``distributed.sharding`` ``full`` or ``grad_op`` the model is sharded by the same
@@ -223,6 +229,9 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
             (:mod:`memtrain.memory.loops`); the caller checks :meth:`Trace.steady`.
         nested: with ``elide``, loops nested in another loop's iteration (LoRA's row chunks in a
             tiled MLP tile) too.
+        lean: with ``elide``, loops steady from their second iteration run one fewer
+            (:data:`memtrain.memory.loops.LEAN_KEEP`); never under a selective checkpoint, which
+            keeps each LoRA chunk's matmul output (its first chunks settle later).
         cuda_kernels: the step is for CUDA: count what its kernels allocate inside a call
             (:func:`memtrain.estimator.trace_events.flash_backward_scratch`), which no fake tensor does.
         allocations: record the device's allocations and frees in order (:attr:`Trace.allocations`).
@@ -257,7 +266,8 @@ def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_le
         meter = TracingMeter(model, optimizer, batch, layers, _ddp_buckets(cfg, model), cuda_kernels)
         if allocations:
             meter.tracker.allocations = []
-        with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(elide, nested):
+        with recipe_stage("model", "a training step on fake tensors"), meter, loops.recording(
+                elide, nested, lean and cfg.memory.checkpointing != "selective"):
             training_step(*step, held_gradients=held, loss_fn=loss_fn)
             marked, elided = loops.loops(), loops.elided()
         done = [r.detail or r.name for r in patches.records(model)]

@@ -8,14 +8,14 @@ costs a test or two.
 
 While :func:`recording` is on (the estimator's trace), the estimator's meter files every op it
 records under the current mark. With ``elide=True`` a long loop also runs only some of its
-iterations: the first ``KEEP`` and the last. Its interior iterations are the same ops on tensors of
-the same shapes, and from the second or third on each frees what it allocates or keeps the same
-bytes as the one before (a selective checkpoint's saved matmul of each LoRA chunk), so the
-skipped ones would have recorded the rows of a kept steady one, shifted by what they keep: the
-step's peak is unchanged, and the trace costs the same at any length (a 900k-token loop of
-256-token tiles runs 5 of its 3,516 tiles). The kept iteration ``KEEP - 2`` stands for the
-skipped ones (:func:`weight`): in the step's work, and in memory, where the estimator's meter
-counts what it keeps once per iteration it stands for
+iterations: the first ``keep`` (:data:`KEEP`, or :data:`LEAN_KEEP` where the loop says so) and the
+last. Its interior iterations are the same ops on tensors of the same shapes, and from the second
+or third on each frees what it allocates or keeps the same bytes as the one before (a selective
+checkpoint's saved matmul of each LoRA chunk), so the skipped ones would have recorded the rows of
+a kept steady one, shifted by what they keep: the step's peak is unchanged, and the trace costs the
+same at any length (a 900k-token loop of 256-token tiles runs 4 or 5 of its 3,516 tiles). The kept
+iteration ``keep - 2`` stands for the skipped ones (:func:`weight`): in the step's work, and in
+memory, where the estimator's meter counts what it keeps once per iteration it stands for
 (:mod:`memtrain.estimator.trace_events`). The estimator checks in every trace that the loop was
 steady (``Trace.steady``, with :func:`elided`); where not, it traces again without elision.
 ``tests/estimator/test_loop_elision.py`` checks elided == whole byte for byte on several
@@ -44,7 +44,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-KEEP = 4  # with elision: the iterations kept at the start of a loop (and the last)
+KEEP = 4  # with elision: the iterations kept at the start of a loop (and the last), by default
+# A loop that passes ``keep=LEAN_KEEP`` runs one fewer: it is steady from its second iteration (each
+# frees what it allocates or keeps what the one before kept: LoRA's row chunks, the lean norm's
+# tiles, the tiled MLP's forward). A loop that needs a third to settle keeps the default (the tiled
+# MLP's backward, whose first tile allocates the weight gradients; the chunked loss, replayed by
+# autograd); a trace checks every loop either way (``Trace.steady``).
+LEAN_KEEP = 3
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Loop:
     rows: int
     size: int
     nested: bool = False
+    keep: int = KEEP  # with elision: the iterations run at its start (and the last)
 
     @property
     def count(self) -> int:
@@ -82,54 +89,55 @@ class _State:
     inside = 0  # loop bodies (steps) running now
     elide = False
     nested = False  # elide nested loops too
+    lean = False  # loops that ask for LEAN_KEEP get it
     levels = (_Level(), _Level())  # the running iteration at the top level and nested in it
     loops: dict[int, Loop] = {}  # noqa: RUF012 (replaced per recording)
     elided: set[int] = set()  # noqa: RUF012 (replaced per recording)
 
 
-def _elides(count: int) -> bool:
+def _elides(count: int, keep: int = KEEP) -> bool:
     """Whether a loop of ``count`` iterations starting at the current depth runs only some."""
-    return (_State.on and _State.elide and count > KEEP + 1
+    return (_State.on and _State.elide and count > keep + 1
             and (_State.inside == 0 or (_State.inside == 1 and _State.nested)))
 
 
-def indices(count: int) -> range | list[int]:
+def indices(count: int, keep: int = KEEP) -> range | list[int]:
     """The iterations of a loop of ``count`` iterations to run: all of them, or with elision on
-    and a long loop, the first ``KEEP`` and the last."""
-    return [*range(KEEP), count - 1] if _elides(count) else range(count)
+    and a long loop, the first ``keep`` and the last."""
+    return [*range(keep), count - 1] if _elides(count, keep) else range(count)
 
 
-def _position(index: int, count: int) -> int:
+def _position(index: int, count: int, keep: int) -> int:
     """The place of iteration ``index`` among those :func:`indices` runs."""
-    return min(index, KEEP) if _elides(count) else index
+    return min(index, keep) if _elides(count, keep) else index
 
 
-def iteration(kind: str, index: int, rows: int, size: int) -> None:
+def iteration(kind: str, index: int, rows: int, size: int, keep: int = KEEP) -> None:
     """Iteration ``index`` of a loop of ``kind`` over ``rows`` rows, ``size`` rows at a time (at
     the top level, or nested inside the running iteration of a top-level loop)."""
     if not _State.on or _State.inside > 1:
         return
     depth = _State.inside
     level = _State.levels[depth]
-    loop = Loop(kind, int(rows), int(size), nested=depth == 1)
-    position = _position(index, loop.count)
+    loop = Loop(kind, int(rows), int(size), nested=depth == 1, keep=keep)
+    position = _position(index, loop.count, keep)
     if (level.serial < 0 or level.kind != kind or abs(level.position - position) != 1
             or _State.loops[level.serial] != loop):
         level.serial = len(_State.loops)
         _State.loops[level.serial] = loop
-    if _elides(loop.count):
+    if _elides(loop.count, keep):
         _State.elided.add(level.serial)
     level.kind, level.index, level.position = kind, index, position
-    level.weight = loop.count - KEEP if _elides(loop.count) and index == KEEP - 2 else 1
+    level.weight = loop.count - keep if _elides(loop.count, keep) and index == keep - 2 else 1
     if depth == 0:
         _State.levels[1].clear()  # a new top-level iteration: no nested loop runs yet
 
 
 @contextlib.contextmanager
-def step(kind: str, index: int, rows: int, size: int) -> Iterator[None]:
+def step(kind: str, index: int, rows: int, size: int, keep: int = KEEP) -> Iterator[None]:
     """The body of iteration ``index`` of a loop of ``kind`` over ``rows`` rows, ``size`` at a time
     (marked, unless it runs inside a nested loop's body)."""
-    iteration(kind, index, rows, size)
+    iteration(kind, index, rows, size, keep)
     _State.inside += 1
     try:
         yield
@@ -137,14 +145,15 @@ def step(kind: str, index: int, rows: int, size: int) -> Iterator[None]:
         _State.inside -= 1
 
 
-def chunks(kind: str, rows: int, size: int) -> Iterator[tuple[int, int, int]]:
+def chunks(kind: str, rows: int, size: int, keep: int = KEEP) -> Iterator[tuple[int, int, int]]:
     """``(index, start, stop)`` of a loop over ``rows`` rows, ``size`` at a time, each yielded inside
-    its :func:`step`: every chunk, or in an eliding trace the first ``KEEP`` and the last."""
+    its :func:`step`: every chunk, or in an eliding trace the first ``keep`` and the last."""
     size = max(1, int(size))
     count = math.ceil(rows / size)
     depth = _State.inside
-    for k in indices(count):
-        with step(kind, k, rows, size):
+    keep = keep if _State.lean else KEEP
+    for k in indices(count, keep):
+        with step(kind, k, rows, size, keep):
             yield k, k * size, min(rows, (k + 1) * size)
     if depth == 0:
         done()
@@ -174,7 +183,7 @@ def inner() -> tuple[int, int]:
 
 def weight() -> int:
     """How many iterations the running op's iteration stands for: 1, or with elision, the kept
-    iteration ``KEEP - 2`` and the skipped ones it stands for, of the top-level loop times those of
+    iteration ``keep - 2`` and the skipped ones it stands for, of the top-level loop times those of
     the nested one (the step's work counts it so)."""
     return _State.levels[0].weight * _State.levels[1].weight
 
@@ -196,15 +205,15 @@ def elided() -> set[int]:
 
 
 @contextlib.contextmanager
-def recording(elide: bool = False, nested: bool = True) -> Iterator[None]:
+def recording(elide: bool = False, nested: bool = True, lean: bool = True) -> Iterator[None]:
     """Turn marks on (from a clean slate) for the duration; ``elide``: long loops run only some of
-    their iterations, ``nested``: loops nested in another loop's iteration too (see the module
-    docstring)."""
-    _State.on, _State.elide, _State.nested = True, elide, elide and nested
+    their iterations, ``nested``: loops nested in another loop's iteration too, ``lean``: a loop
+    that asks for :data:`LEAN_KEEP` runs one fewer (see the module docstring)."""
+    _State.on, _State.elide, _State.nested, _State.lean = True, elide, elide and nested, elide and lean
     _State.loops, _State.elided, _State.inside = {}, set(), 0
     done()
     try:
         yield
     finally:
         done()
-        _State.on, _State.elide, _State.nested = False, False, False
+        _State.on, _State.elide, _State.nested, _State.lean = False, False, False, False

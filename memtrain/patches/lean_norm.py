@@ -170,7 +170,7 @@ class _LeanNorm(torch.autograd.Function):
         out = flat.new_empty(flat.shape, dtype=out_dtype)
         rstd = flat.new_empty((flat.shape[0], 1), dtype=torch.float32)
         with never_saved():
-            for _, start, stop in loops.chunks("lean_norm", flat.shape[0], tile):
+            for _, start, stop in loops.chunks("lean_norm", flat.shape[0], tile, keep=loops.LEAN_KEEP):
                 xf = flat[start:stop].to(torch.float32)
                 r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
                 normed = xf * r
@@ -191,7 +191,8 @@ class _LeanNorm(torch.autograd.Function):
         flat, grads = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(flat) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for _, start, stop in loops.chunks("lean_norm_backward", flat.shape[0], ctx.tile):
+        tiles = loops.chunks("lean_norm_backward", flat.shape[0], ctx.tile, keep=loops.LEAN_KEEP)
+        for _, start, stop in tiles:
             r = rstd[start:stop]
             normed = flat[start:stop] * r  # fp32: forward's x.float() * rstd
             g = grads[start:stop].to(torch.float32, copy=True)  # its own buffer: changed in place

@@ -199,7 +199,7 @@ class _LoraAdd(torch.autograd.Function):
         rows = _chunk_rows(base)
         flat_base, flat_h = base.reshape(-1, base.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1])
         flat_out = out.view(-1, out.shape[-1])
-        for _, start, stop in loops.chunks("lora_add", flat_out.shape[0], rows):
+        for _, start, stop in loops.chunks("lora_add", flat_out.shape[0], rows, keep=loops.LEAN_KEEP):
             piece = nn.functional.linear(flat_h[start:stop], weight_b) * scaling
             part = flat_base[start:stop]
             flat_out[start:stop] = (part + piece.to(base.dtype) if round_first
@@ -215,7 +215,7 @@ class _LoraAdd(torch.autograd.Function):
         grad_h = torch.empty_like(flat_h)
         grad_b = torch.zeros_like(weight_b)
         rows = _chunk_rows(grad)
-        for _, start, stop in loops.chunks("lora_add_backward", flat_g.shape[0], rows):
+        for _, start, stop in loops.chunks("lora_add_backward", flat_g.shape[0], rows, keep=loops.LEAN_KEEP):
             g = flat_g[start:stop].to(weight_b.dtype) * ctx.scaling
             grad_b += g.t() @ flat_h[start:stop]
             grad_h[start:stop] = g @ weight_b

@@ -167,7 +167,7 @@ class _TiledMLP(torch.autograd.Function):
         flat = x.detach().reshape(-1, x.shape[-1])  # tiles that look like no-grad tensors to hooks
         out = rows = None
         with never_saved():
-            for _, start, stop in loops.chunks("tiled_mlp", flat.shape[0], size):
+            for _, start, stop in loops.chunks("tiled_mlp", flat.shape[0], size, keep=loops.LEAN_KEEP):
                 y = run(flat[start:stop])
                 if out is None:
                     # allocated in its final shape and returned as is: a view returned from a custom

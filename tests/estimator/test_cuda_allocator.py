@@ -90,9 +90,9 @@ def test_an_elided_loops_multiplied_storages_are_replayed_and_freed_with_their_c
 
     chunks = loops.chunks
 
-    def keeping(kind: str, rows: int, count: int):
+    def keeping(kind: str, rows: int, count: int, keep: int = loops.KEEP):
         kept = []
-        for found in chunks(kind, rows, count):
+        for found in chunks(kind, rows, count, keep):
             if kind == "lean_norm":
                 kept.append(torch.empty(2**24))  # 64 MiB a tile: the loop holds the peak
             yield found

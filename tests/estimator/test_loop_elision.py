@@ -134,9 +134,9 @@ def test_a_nested_loop_that_keeps_bytes_is_traced_with_the_top_loops_alone_elide
     monkeypatch.setattr(lora, "CHUNK_BYTES", 16 * 1024)
     chunks = loops.chunks
 
-    def keeping(kind: str, rows: int, count: int):
+    def keeping(kind: str, rows: int, count: int, keep: int = loops.KEEP):
         kept = []
-        for found in chunks(kind, rows, count):
+        for found in chunks(kind, rows, count, keep):
             if kind == "lora_add" and loops.inner()[0] >= 0:
                 kept.append(torch.empty(2**26))  # 256 MiB per chunk, nested ones only
             yield found
@@ -167,9 +167,9 @@ def _keeping(monkeypatch, size) -> None:
 
     chunks = loops.chunks
 
-    def keeping(kind: str, rows: int, count: int):
+    def keeping(kind: str, rows: int, count: int, keep: int = loops.KEEP):
         kept = []
-        for found in chunks(kind, rows, count):
+        for found in chunks(kind, rows, count, keep):
             if kind == "lean_norm":
                 kept.append(torch.empty(size(found[0])))
             yield found
@@ -193,6 +193,28 @@ def test_a_loop_that_is_not_steady_is_traced_whole(tmp_path: Path, tiny_text_fil
     loop whole. (Planted: ``Trace.steady`` always true -> fails.)"""
     _keeping(monkeypatch, lambda index: 2**20 * (index + 1))
     _same(_cfg(tmp_path, tiny_text_file, "llama", 4096, {"lean_norm": True}), elided=False)
+
+
+def test_lean_loops_run_one_iteration_fewer(tmp_path: Path, tiny_text_file: Path) -> None:
+    """The loops steady from their second iteration (LoRA's chunks, the lean norm's tiles, the tiled
+    MLP's forward) run three and their last (`loops.LEAN_KEEP`), the others four and their last:
+    the same estimate as every iteration run. (Planted: LEAN_KEEP 2 -> unsteady, retried with four,
+    fails on the method's "traced by 4".)"""
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", LENGTH, {"lean_norm": True})
+    _same(cfg)
+    assert "traced by 4" in estimate(cfg, device="cuda").method
+
+
+def test_a_lean_loop_that_settles_late_is_traced_with_four_iterations(tmp_path: Path, tiny_text_file: Path,
+                                                                      monkeypatch) -> None:
+    """A lean-norm loop whose first tile keeps less than the others (a loop that settles from its
+    third iteration): with three kept its stand-in does not show the skipped tiles, so the estimate
+    traces again with every loop keeping four, not whole, and equals the whole trace. (Planted: the
+    retry goes straight to a whole trace -> fails on `traced by 5`.)"""
+    _keeping(monkeypatch, lambda index: 2**20 if index == 0 else 2**22)
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", 4096, {"lean_norm": True})
+    _same(cfg)
+    assert "traced by 5" in estimate(cfg, device="cuda").method
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -177,9 +177,9 @@ def write(rows: list[tuple], args: argparse.Namespace, load: tuple[float, float,
         "`memory.tiled_mlp_tile_tokens=256` and YaRN (`model.config_overrides`, 1,048,576 positions). "
         f"Plans: the issue's command, {', '.join(f'`{x}`' for x in AUTO)}, no YaRN (the model's 131,072 "
         "positions bound the search). *loops elided*: an estimate runs a long loop's first four "
-        "iterations and its last (memtrain/memory/loops.py; equal to running every iteration byte for "
-        "byte, tests/estimator/test_loop_elision.py). *exact_length=True*: every iteration run, as the "
-        "estimator did before issue 37.",
+        "iterations and its last, three where it settles from its second (memtrain/memory/loops.py; "
+        "equal to running every iteration byte for byte, tests/estimator/test_loop_elision.py). "
+        "*exact_length=True*: every iteration run, as the estimator did before issue 37.",
         "",
         "| what | at | how | seconds | each run | result |",
         "|---|---|---|---:|---|---|",
