@@ -7,6 +7,8 @@ CUDA-only tests); the tested range is :data:`memtrain._compat.versions.TESTED` (
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -22,8 +24,8 @@ from memtrain._compat.versions import private
 
 __all__ = ["FakeTensor", "FakeTensorMode", "active_fake_mode", "backward_hooks", "clear_cublas_workspaces",
            "extra_flop_formulas", "fake_device", "foreach_mul_", "is_fake", "keep_on_device",
-           "module_tensor_tables", "overload_packet",
-           "post_accumulate_grad_hooks", "set_allocator_settings", "tensor_base", "tensor_version",
+           "module_tensor_tables", "overload_packet", "post_accumulate_grad_hooks",
+           "selective_checkpoint_options", "set_allocator_settings", "tensor_base", "tensor_version",
            "tree_leaves", "unset_fake_temporarily"]
 
 _SHIM = "torch_tools"
@@ -43,6 +45,22 @@ def fake_device(tensor: Any) -> torch.device | None:
     if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
         return tensor.fake_device
     return None
+
+
+@functools.cache
+def selective_checkpoint_options() -> dict[str, Any]:
+    """Keyword arguments for ``torch.utils.checkpoint.checkpoint`` under a selective checkpoint:
+    the tensors it keeps stay out of the saved-tensor hooks around it (memtrain's activation
+    offload), as every tested torch has done. torch 2.15 takes ``respect_saved_tensors_hooks``,
+    warns on each checkpointed layer until told, and says a later release routes them through the
+    hooks by default; told ``True``, 2.15 fails the recompute of a layer under an offload's hooks
+    ("aten.to.dtype encountered during backward but not found in storage"), so it is told
+    ``False``. 2.13 and 2.10 have no such argument (and ``checkpoint`` passes keyword arguments it
+    does not know to the checkpointed function): nothing then. Read from the signature."""
+    from torch.utils.checkpoint import checkpoint
+
+    taken = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+    return {"respect_saved_tensors_hooks": False} if taken else {}
 
 
 def clear_cublas_workspaces() -> bool:

@@ -43,6 +43,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from memtrain._compat.torch_tools import selective_checkpoint_options
 from memtrain._compat.transformers_model import disable_own_checkpointing, own_checkpointing_on
 from memtrain.config import RunConfig, decided
 from memtrain.errors import MemtrainError
@@ -146,8 +147,8 @@ def _checkpointed(layer: nn.Module, forward: Callable[..., Any],
                   context_fn: Callable[[], tuple[Any, Any]] | None) -> Callable[..., Any]:
     """``forward`` run under non-reentrant checkpointing while the layer trains with grad."""
     kwargs_ckpt: dict[str, Any] = {"use_reentrant": False}
-    if context_fn is not None:
-        kwargs_ckpt["context_fn"] = context_fn
+    if context_fn is not None:  # selective: what it keeps stays on the device
+        kwargs_ckpt.update(context_fn=context_fn, **selective_checkpoint_options())
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:

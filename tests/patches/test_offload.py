@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from memtrain._compat import torch_tools
 from memtrain.config import OffloadConfig, load_recipe
 from memtrain.errors import MemtrainError
 from memtrain.patches import activation_offload as offload
@@ -57,6 +59,43 @@ def test_offload_without_checkpointing_moves_most_saved_bytes() -> None:
     plain, moved = measured_step(copy.deepcopy(base)), measured_step(offloaded(base))
     assert moved["saved"] + moved["host"] >= plain["saved"] * 0.95
     assert moved["saved"] < 0.5 * plain["saved"]
+
+
+def test_a_selective_checkpoint_keeps_its_matmul_outputs_on_the_device_on_any_torch() -> None:
+    """A selective checkpoint keeps its matmul outputs outside autograd's saved tensors, on the
+    device under an offload, as the estimator traces it. torch 2.15 asks to be told (a FutureWarning
+    per checkpointed layer: a later release routes them through the offload's hooks) and fails the
+    recompute when told to route them; memtrain tells it not to. (Planted on 2.15: nothing told
+    -> the warning fails this; ``True`` told -> the recompute fails; on 2.13 the argument told
+    where the signature lacks it -> test_checkpoint_is_told_only_where_it_can_be.)"""
+    base = build_model(layers=2)
+    plain = measured_step(ckpt.apply(copy.deepcopy(base), "selective"))
+    model = offloaded(base, "selective")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*saved_tensors_hooks context")
+        moved = measured_step(model)
+    assert_same_grads(moved, plain)
+    assert moved["host"] > 0 and moved["saved"] > 0.5 * plain["saved"], (moved, plain["saved"])
+
+
+def test_checkpoint_is_told_only_where_it_can_be(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's checkpoint passes keyword arguments it does not know to the checkpointed function
+    (a layer's forward, which may swallow them): the argument goes only where the signature has it."""
+    from torch.utils import checkpoint as torch_checkpoint
+
+    def old(function: Any, *args: Any, use_reentrant: bool | None = None, **kwargs: Any) -> Any:
+        return None
+
+    def new(function: Any, *args: Any, use_reentrant: bool | None = None,
+            respect_saved_tensors_hooks: bool | None = None, **kwargs: Any) -> Any:
+        return None
+
+    for fake, expected in ((old, {}), (new, {"respect_saved_tensors_hooks": False})):
+        monkeypatch.setattr(torch_checkpoint, "checkpoint", fake)
+        torch_tools.selective_checkpoint_options.cache_clear()
+        assert torch_tools.selective_checkpoint_options() == expected
+    monkeypatch.undo()
+    torch_tools.selective_checkpoint_options.cache_clear()
 
 
 def test_checkpointing_with_offload_is_flat_in_depth() -> None:
