@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from memtrain._compat.peft import quiet_renamed_checkpointing
 from memtrain.config import RunConfig, load_recipe
 from memtrain.data.chat import end_token_id
 from memtrain.errors import MemtrainError
@@ -88,7 +89,8 @@ def _adapter_model(folder: Path, cfg: RunConfig, tokenizer: PreTrainedTokenizerB
         for key in ("quantization_config", "_pre_quantization_dtype"):  # save as unquantized
             if hasattr(base.config, key):
                 delattr(base.config, key)
-    return PeftModel.from_pretrained(base, folder)
+    with quiet_renamed_checkpointing():  # peft reads a name transformers 5.24 renamed: nothing to act on
+        return PeftModel.from_pretrained(base, folder)
 
 
 def label_names(folder: Path, cfg: RunConfig) -> list[str]:

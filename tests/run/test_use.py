@@ -99,6 +99,19 @@ def test_generate_uses_the_chat_template(chat_run: Path) -> None:
     assert chat.exit_code == 0 and chat.output.count("> ") == 2, chat.output
 
 
+def test_loading_a_run_prints_no_deprecation_of_transformers_names(chat_run: Path) -> None:
+    """peft's ``PeftModel.from_pretrained`` reads ``is_gradient_checkpointing``, which transformers
+    5.24 renamed: a FutureWarning for every user of ``load_run`` (the command line hides
+    FutureWarnings; the Python API does not). (Planted: the adapter loaded bare -> this fails on
+    5.24; 5.19-5.23 never warn.)"""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        run = load_run(chat_run)
+    assert run.model is not None
+
+
 def test_generate_writes_alpaca_prompts_like_training(tmp_path: Path) -> None:
     rows = [{"instruction": f"say {w}", "output": w} for w in ("yes", "no", "maybe", "never")] * 3
     f = tmp_path / "a.jsonl"
