@@ -51,11 +51,12 @@ def fake_device(tensor: Any) -> torch.device | None:
 def selective_checkpoint_options() -> dict[str, Any]:
     """Keyword arguments for ``torch.utils.checkpoint.checkpoint`` under a selective checkpoint:
     the tensors it keeps stay out of the saved-tensor hooks around it (memtrain's activation
-    offload), as every tested torch has done. torch 2.15 takes ``respect_saved_tensors_hooks``,
-    warns on each checkpointed layer until told, and says a later release routes them through the
-    hooks by default; told ``True``, 2.15 fails the recompute of a layer under memtrain's offload
-    hooks ("aten.to.dtype encountered during backward but not found in storage"; under torch's
-    own ``save_on_cpu`` it does not: why is not yet known), so it is told ``False``. 2.13 and
+    offload), as every tested torch has done. torch 2.14 and 2.15 take
+    ``respect_saved_tensors_hooks``, warn on each checkpointed layer until told, and say a later
+    release routes them through the hooks by default; told ``True``, 2.15 fails the recompute of a
+    layer under memtrain's offload hooks ("aten.to.dtype encountered during backward but not found
+    in storage"; under torch's own ``save_on_cpu`` it does not: why is not yet known), so they are
+    told ``False``. 2.13 and
     2.10 have no such argument (and ``checkpoint`` passes keyword arguments it does not know to
     the checkpointed function): nothing then. Read from the signature."""
     from torch.utils.checkpoint import checkpoint

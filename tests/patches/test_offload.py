@@ -63,7 +63,7 @@ def test_offload_without_checkpointing_moves_most_saved_bytes() -> None:
 
 def test_a_selective_checkpoint_keeps_its_matmul_outputs_on_the_device_on_any_torch() -> None:
     """A selective checkpoint keeps its matmul outputs outside autograd's saved tensors, on the
-    device under an offload, as the estimator traces it. torch 2.15 asks to be told (a FutureWarning
+    device under an offload, as the estimator traces it. torch 2.14 and 2.15 ask to be told (a FutureWarning
     per checkpointed layer: a later release routes them through the offload's hooks) and fails the
     recompute when told to route them; memtrain tells it not to. (Planted on 2.15: nothing told
     -> the warning fails this; ``True`` told -> the recompute fails; on 2.13 the argument told
