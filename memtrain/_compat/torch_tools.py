@@ -53,12 +53,13 @@ def selective_checkpoint_options() -> dict[str, Any]:
     the tensors it keeps stay out of the saved-tensor hooks around it (memtrain's activation
     offload), as every tested torch has done. torch 2.14 and 2.15 take
     ``respect_saved_tensors_hooks``, warn on each checkpointed layer until told, and say a later
-    release routes them through the hooks by default; told ``True``, 2.15 fails the recompute of a
-    layer under memtrain's offload hooks ("aten.to.dtype encountered during backward but not found
-    in storage"; under torch's own ``save_on_cpu`` it does not: why is not yet known), so they are
-    told ``False``. 2.13 and
-    2.10 have no such argument (and ``checkpoint`` passes keyword arguments it does not know to
-    the checkpointed function): nothing then. Read from the signature."""
+    release routes them through the hooks by default. Told ``True``, 2.15 fails the recompute of a
+    layer under memtrain's offload hooks when a counting dispatch mode runs around the step (as
+    memtrain's meter and memprobe do): "aten.to.dtype encountered during backward but not found in
+    storage" (without such a mode, or with torch's own ``save_on_cpu``, it trains; the cause is not
+    yet known), so they are told ``False``. 2.13 and 2.10 have no such argument (and ``checkpoint``
+    passes keyword arguments it does not know to the checkpointed function): nothing then. Read
+    from the signature."""
     from torch.utils.checkpoint import checkpoint
 
     taken = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
