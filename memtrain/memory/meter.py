@@ -65,6 +65,8 @@ class StepMemory:
     cuda_max_reserved: int | None = None
     timeline: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
     batch: tuple[int, int] | None = None  # (rows, tokens) of the step's largest micro-batch, if known
+    accumulation: int | None = None  # micro-batches per optimizer step when it ran, if known
+    failed_attempt: bool = False  # the step ran out of memory once and was redone in pieces
 
     def to_dict(self, timeline: bool = False) -> dict[str, Any]:
         """JSON-ready dict (the timeline only when asked: it can be long)."""

@@ -79,13 +79,16 @@ def comparison(report: Report) -> str:
     if not measured or not predicted:
         return f"measured: the step with the highest peak; predicted {worst}: {_shape(predicted)}"
     ratio = _ratio(report.compared(), report.measured["peak_bytes"])
+    # every measured step ran out of memory once and was redone in pieces: its peak holds the failed attempt's
+    failed = ("; the measured step also held an attempt that ran out of memory before it was split, so it "
+              "measures more than the step" if report.measured.get("failed_attempt") else "")
     if list(measured) == list(predicted):
         return (f"measured the step that held the run's longest batch, {_shape(measured)}; the prediction "
-                f"is for the same batch{ratio}")
+                f"is for the same batch{ratio}{failed}")
     same = (f"compared with the prediction for that batch{ratio}" if report.same_batch else
             "no prediction for that batch: the comparison is not like for like")
     return (f"the run never held its predicted longest batch ({_shape(predicted)}, {worst}); measured "
-            f"its largest, {_shape(measured)}; {same}")
+            f"its largest, {_shape(measured)}; {same}{failed}")
 
 
 def _shape(batch: Any) -> str:

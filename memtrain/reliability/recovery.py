@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,18 @@ class Fixes:
                         "smaller `training.micro_batch_size`, or the memory savings of `memtrain plan`")
 
 
+_RECOVERIES: weakref.WeakKeyDictionary[Any, MicroBatchRecovery] = weakref.WeakKeyDictionary()
+
+
+def recovery_of(trainer: Any) -> MicroBatchRecovery | None:
+    """The :class:`MicroBatchRecovery` made for ``trainer`` last, if any (memtrain's Trainer and
+    the plugin's ``attach`` each make one)."""
+    try:
+        return _RECOVERIES.get(trainer)
+    except TypeError:  # not weakly referenceable: no recovery was made for it
+        return None
+
+
 class MicroBatchRecovery:
     """Wrap a Trainer's ``training_step`` so that an out-of-memory micro-batch is split and redone.
 
@@ -131,6 +144,7 @@ class MicroBatchRecovery:
         self.budget_bytes = budget_bytes
         self.fixes = fixes or Fixes()
         self.parts = 1  # pieces each micro-batch from the data loader is split into
+        _RECOVERIES[trainer] = self
         self.events: list[dict[str, Any]] = []  # one per recovery, for reports and tests
         self._loss_is_mean: bool | None = None  # found on the first split
         self._over: list[int] = []  # several processes: the ranks that went over budget last time

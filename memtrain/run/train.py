@@ -257,10 +257,15 @@ def _report(cfg: RunConfig, measured: StepMemory, log_history: list[dict[str, An
     longest = [predicted.settings["micro_batch_size"], predicted.settings["seq_len"]]
     worst = predicted.to_dict() | {"batch": longest, "rows": rows.describe(longest[0])}
     same = None
-    if measured.batch and list(measured.batch) != longest:
+    # the accumulation the measured step ran with (an out-of-memory split accumulates its pieces),
+    # which decides whether gradients were held during its forward
+    accumulation = measured.accumulation or batch.accumulation
+    if measured.batch and (list(measured.batch) != longest or (accumulation > 1) != (batch.accumulation > 1)):
         held, tokens = measured.batch
         like = Rows(longest=tokens, uniform=rows.uniform, packed=rows.packed, read=rows.read)
-        again = _predict(planner.with_values(cfg, {"training.micro_batch_size": held}), like)
+        again = _predict(planner.with_values(cfg, {"training.micro_batch_size": held,
+                                                   "training.gradient_accumulation": accumulation,
+                                                   "training.effective_batch_size": None}), like)
         same = again.to_dict() | {"batch": [held, tokens], "rows": like.describe(held)} if again else None
     return build_report(measured, log_history, worst, _run_info(cfg, batch), same)
 

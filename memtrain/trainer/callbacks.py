@@ -30,6 +30,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from memtrain._compat.trl import mark_generation
 from memtrain.memory.meter import MemoryMeter, StepMemory, generating
+from memtrain.reliability.layouts import stacked_pairs
+from memtrain.reliability.recovery import recovery_of
 
 if TYPE_CHECKING:
     from typing import Self
@@ -47,6 +49,21 @@ def batch_shape(inputs: Any) -> Shape | None:
     tensors = [inputs.get("input_ids"), *inputs.values()]
     first = next((t for t in tensors if isinstance(t, torch.Tensor) and t.dim() >= 2), None)
     return None if first is None else (int(first.shape[0]), int(first.shape[1]))
+
+
+def units_shape(trainer: Any, inputs: Any) -> Shape | None:
+    """(units, tokens) of a micro-batch in the units a recipe counts its micro-batch in: preference
+    pairs for TRL's stacked ``[chosen; rejected]`` batches (``input_ids`` holds 2 rows per pair),
+    rows otherwise."""
+    shape = batch_shape(inputs)
+    if shape is None or not isinstance(inputs, Mapping):
+        return shape
+    pairs = stacked_pairs(trainer, dict(inputs))
+    return shape if pairs is None else (pairs.count, shape[1])
+
+
+def _rank(result: StepMemory) -> tuple[bool, int]:
+    return not result.failed_attempt, result.peak_bytes
 
 
 def _size(shape: Shape) -> tuple[int, int]:
@@ -88,6 +105,7 @@ class MemoryMeterCallback(TrainerCallback):
         self._meter: MemoryMeter | None = None
         self._since_log: list[StepMemory] = []
         self._first = 0  # the global step training (re)started at
+        self._trainer: Trainer | None = None  # set by attach
 
     def attach(self, trainer: Trainer) -> Self:
         """Add this callback to ``trainer`` (or move it there) ahead of the reporting integrations,
@@ -96,6 +114,7 @@ class MemoryMeterCallback(TrainerCallback):
         if self in callbacks:
             callbacks.remove(self)
         callbacks.insert(min(1, len(callbacks)), self)  # after DefaultFlowCallback
+        self._trainer = trainer
         self._peek(trainer)
         mark_generation(trainer, generating)  # GRPO: its completions are the "generation" phase
         return self
@@ -109,7 +128,7 @@ class MemoryMeterCallback(TrainerCallback):
 
         def get_batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             batches, items = stock(epoch_iterator, num_batches, device)
-            shapes = [s for s in map(batch_shape, batches) if s is not None]
+            shapes = [s for s in (units_shape(trainer, b) for b in batches) if s is not None]
             self._upcoming = max(shapes, key=_size) if shapes else None
             return batches, items
 
@@ -147,15 +166,31 @@ class MemoryMeterCallback(TrainerCallback):
         self._meter.__exit__(None, None, None)
         result = self._meter.result()
         self._meter = None
-        result.batch = self._shape
+        result.batch, result.accumulation = self._ran(args)
+        recovery = recovery_of(self._trainer) if self._trainer is not None else None
+        result.failed_attempt = recovery is not None and any(e["step"] == state.global_step
+                                                             for e in recovery.events)
         if self._shape is not None:
             self.shapes[state.global_step] = self._shape
-        if self.worst is None or result.peak_bytes > self.worst.peak_bytes:
+        # the step with the highest peak, of the steps that ran as they were meant to where there
+        # are any: a step redone after an out-of-memory error also holds what its failed attempt held
+        if self.worst is None or _rank(result) > _rank(self.worst):
             self.worst = result
         if not self.keep_timeline or result is not self.worst:
             result.timeline = []
         self.steps[state.global_step] = result
         self._since_log.append(result)
+
+    def _ran(self, args: TrainingArguments) -> tuple[Shape | None, int]:
+        """The largest micro-batch the step ran and the micro-batches per optimizer step: after an
+        out-of-memory split (:class:`~memtrain.reliability.recovery.MicroBatchRecovery`), the
+        pieces the step's batches were cut into, each a micro-batch of its own."""
+        accumulation = int(args.gradient_accumulation_steps)
+        recovery = recovery_of(self._trainer) if self._trainer is not None else None
+        if recovery is None or recovery.parts == 1 or self._shape is None:
+            return self._shape, accumulation
+        units, tokens = self._shape
+        return (recovery.micro_batch(units), tokens), accumulation * min(recovery.parts, units)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:

@@ -34,6 +34,7 @@ from rich.console import Console
 from memtrain.config import load_recipe
 from memtrain.data.prepare import prepare_data
 from memtrain.estimator.estimate import estimate
+from memtrain.memory.report import comparison, load_report
 from memtrain.run.train import train
 from scripts.probes.memprobe import trainer_steps
 
@@ -84,15 +85,27 @@ def test_the_estimate_is_the_counted_trainer_step(precompute: bool, tmp_path: Pa
 
 def test_recovery_splits_pairs_and_keeps_the_losses(tmp_path: Path) -> None:
     """A budget between the half and the whole micro-batch: every step is split into two halves of
-    two pairs each, and the losses are those of the run without a budget."""
-    plain = train(_recipe(tmp_path / "plain"), console=Console(quiet=True))
-    budgeted = train(_recipe(tmp_path / "split", memory={"simulate_budget": "110MiB"}),
-                     console=Console(quiet=True))
+    two pairs each, and the losses are those of the run without a budget. The memory report of each
+    run compares like with like: the batch in pairs (TRL stacks 2 rows per pair), the split's pieces
+    accumulated, the step redone after the out-of-memory error left out (it also holds the failed
+    attempt). Planted, each fails: rows counted instead of pairs; the split ignored; the redone step
+    reported; the pieces' accumulation left out of the second prediction (-0.05%: LoRA's gradients)."""
+    plain = train(_recipe(tmp_path / "plain", output={"report": True}), console=Console(quiet=True))
+    budgeted = train(_recipe(tmp_path / "split", memory={"simulate_budget": "110MiB"},
+                             output={"report": True}), console=Console(quiet=True))
     losses = [[h["loss"] for h in run.log_history if "loss" in h] for run in (plain, budgeted)]
     assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-4)
     recovered = [h["memory/recovered_micro_batch"] for h in budgeted.log_history
                  if "memory/recovered_micro_batch" in h]
     assert recovered == [PAIRS // 2], budgeted.log_history  # in pairs: 4 -> 2
+    # the memory report measures in the recipe's units, pairs, and in the pieces the split ran:
+    # compared with the prediction for 2 pairs accumulated twice, not the 4 pairs (or 8 rows) fetched
+    assert (plain.memory.batch, plain.memory.accumulation) == ((PAIRS, LONGEST), 1)
+    assert (budgeted.memory.batch, budgeted.memory.accumulation) == ((PAIRS // 2, LONGEST), 2)
+    for run in (plain, budgeted):
+        report = load_report(run.output_dir)
+        ratio = report.compared()["peak_bytes"] / report.measured["peak_bytes"]
+        assert ratio == pytest.approx(1, abs=1e-4), (comparison(report), report.same_batch)
 
 
 def test_the_planner_decides_the_dpo_fields(tmp_path: Path) -> None:
