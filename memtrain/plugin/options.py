@@ -179,9 +179,9 @@ RULES: tuple[Rule, ...] = (
     Rule("use_transformers_continuous_batching", False, _grpo("use_transformers_continuous_batching"),
          lambda _: ("transformers' continuous batching keeps a paged KV cache sized by its own config; the "
                     "generation phase predicted is HF generate's dynamic cache")),
-    Rule("ref_model", False, _separate_reference, lambda found: (
-        f"the Trainer holds a reference model of its own ({found}, a second copy of the weights): the "
-        "predicted peak counts the trained model, its optimizer and the step, not that copy's bytes "
+    Rule("ref_model", True, _separate_reference, lambda found: (
+        f"the Trainer holds a reference model of its own ({found}, a second copy of the weights): attach "
+        "traces the Trainer's own step, so the predicted peak counts that copy's weights and its forward "
         "(with a peft adapter TRL's reference is the adapter turned off: no copy)")),
     Rule("data_collator", True, _flattening, lambda _: (
         "a batch is one row of sequences: attach traces the Trainer's step on the collator's longest "

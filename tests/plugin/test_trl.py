@@ -271,3 +271,25 @@ def test_sft_packed_with_peft_config_the_printed_plan_is_the_traced_step(
     counted = [s["peak"] for s in counter.steps][1:]
     assert counted and all(0.9 <= callback.predicted / c <= 1.1 for c in counted), (
         callback.predicted, counted)
+
+
+def test_a_separate_reference_model_is_counted_and_said_to_be(tmp_path: Path, tok: Any) -> None:
+    """Full fine-tuning with TRL's ``ref_model``: the step attach traces holds the reference's
+    weights beside the policy's, the plan's note says the peak counts them, and the logged
+    prediction is the measured step's. Planted: the reference left out of the weights the trace
+    fakes (``trainer_loss._trace``) fails it (the step is then not modelled); the note's old text
+    ("not that copy's bytes") fails it."""
+    policy = tiny_model()
+    args = trl.DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, **COMMON)
+    policy, args = memtrain.prepare_for_budget(policy, args, "2GiB", quiet=True)
+    reference = copy.deepcopy(policy)
+    trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args,
+                             train_dataset=preference_pairs(16), processing_class=tok)
+    callback = memtrain.attach(trainer, every=1)
+    found = callback.trainer_estimate
+    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert found.modelled and found.by_category["parameters"] >= 2 * weights, found.by_category
+    said = [n for n in policy.memtrain_plan.notes if n.startswith("ref_model=")]
+    assert len(said) == 1 and ": modelled:" in said[0] and "counts that copy's weights" in said[0], said
+    trainer.train()
+    assert all(0.95 <= r <= 1.15 for r in ratios(trainer)), ratios(trainer)
