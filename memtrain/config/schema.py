@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from memtrain.config.base import MISSING, Auto, DType, FractionOr, Problem, Section, report_problem
 from memtrain.config.checks import batch_problems, in_backward_problems, node_problems, objective_problems
@@ -237,16 +237,16 @@ class TrainingConfig(ObjectiveFields):
         "`max_grad_norm: null`. `auto`: the planner decides.",
     )
 
-    @model_validator(mode="after")
-    def _grad_accumulation_ge_one(self, info: ValidationInfo) -> TrainingConfig:
-        for key in ("micro_batch_size", "gradient_accumulation"):
-            value = getattr(self, key)
-            if isinstance(value, int) and value < 1:
-                report_problem(info, Problem(
-                    f"training.{key}", value, "must be a positive integer or `auto`",
-                    f"set `training.{key}` to 1 or more.",
-                ))
-        return self
+    # a field validator, not the section's: it runs even when another field of the section is
+    # wrong, so that every problem is reported at once
+    @field_validator("micro_batch_size", "gradient_accumulation")
+    @classmethod
+    def _at_least_one(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, int) and value < 1:
+            key = info.field_name
+            report_problem(info, Problem(f"training.{key}", value, "must be a positive integer or `auto`",
+                                         f"set `training.{key}` to 1 or more."))
+        return value
 
 # --------------------------------------------------------------------------------- distributed
 

@@ -75,6 +75,19 @@ def test_all_errors_reported_at_once(tmp_path: Path) -> None:
     assert "`adapter.method`" in joined and "QLoRA" in joined
 
 
+def test_a_batch_size_below_one_is_reported_beside_another_problem_of_its_section(tmp_path: Path) -> None:
+    """The range check of a batch field is the field's own, so a wrong type elsewhere in
+    `training` does not hide it (as a check of the whole section it ran only once every field of
+    the section was valid: an outside user's `validate` listed one problem of three)."""
+    found = problems(recipe(tmp_path), ["training.micro_batch_size=-2", "training.learning_rate=fast",
+                                        "training.gradient_accumulation=0"])
+    joined = "\n".join(found)
+    assert len(found) == 3, joined
+    assert "`training.micro_batch_size`: must be a positive integer or `auto`, got -2" in joined
+    assert "`training.gradient_accumulation`: must be a positive integer or `auto`, got 0" in joined
+    assert "`training.learning_rate`: expected a number, got 'fast'" in joined
+
+
 def test_inconsistent_batch_sizes(tmp_path: Path) -> None:
     found = problems(recipe(tmp_path, training={"effective_batch_size": 30, "micro_batch_size": 4,
                                                 "gradient_accumulation": 2}))
