@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memtrain.config import RunConfig
@@ -76,6 +76,7 @@ class Plan:
     seconds: float  # planning time
     host: HostBudget | None = None  # the host RAM the plan may keep (``memory.host_budget``)
     length: LengthSearch | None = None  # how `data.max_length: auto` was decided
+    notes: list[str] = field(default_factory=list)  # what the user should know about the decision
 
     def settings(self) -> dict[str, Any]:
         """The decided values, as ``dotted.field: value`` (batch fields included)."""
@@ -170,7 +171,21 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     if tune > 0:
         chosen, fits = tune_choice(cfg, search, [chosen, *fits], tune)
     return Plan(total, usable, target, auto, chosen, fits, rejected, search.rates.source,
-                time.perf_counter() - start, host, length)
+                time.perf_counter() - start, host, length, batch_notes(cfg, chosen))
+
+
+def batch_notes(cfg: RunConfig, chosen: Candidate) -> list[str]:
+    """Where the recipe fixes no effective batch and the micro-batch is planned, the effective
+    batch is whatever micro-batch fits times the accumulation: said, with how to keep one."""
+    t = cfg.training
+    if t.micro_batch_size != "auto" or t.effective_batch_size is not None:
+        return []
+    processes = cfg.distributed.processes
+    each = f" x {processes} processes" if processes > 1 else ""
+    return [f"the effective batch follows the planned micro-batch: {chosen.micro} x {chosen.accumulation} "
+            f"accumulated{each} = {chosen.micro * chosen.accumulation * processes} examples per optimizer "
+            "step, as the recipe sets no `training.effective_batch_size`. Set it to keep the effective "
+            "batch whatever micro-batch fits (the accumulation then makes up the rest)."]
 
 
 def tune_choice(cfg: RunConfig, search: Search, fits: list[Candidate], count: int, steps: int = 3
@@ -250,7 +265,8 @@ def describe(p: Plan) -> dict[str, Any]:
             "chosen": row(p.chosen), "alternatives": [row(c) for c in p.alternatives],
             "rejected": [row(c) for c in p.rejected], "rates": p.rates_source,
             "planning_seconds": round(p.seconds, 2), "settings": p.settings(),
-            "max_length": None if p.length is None else {**p.length.to_dict(), "why": p.length.explain()}}
+            "max_length": None if p.length is None else {**p.length.to_dict(), "why": p.length.explain()},
+            "notes": p.notes}
 
 
 __all__ = ["Candidate", "NothingFits", "Plan", "TraceCache", "auto_fields", "budget_bytes", "describe",

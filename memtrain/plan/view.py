@@ -47,6 +47,8 @@ def print_plan(console: Console, plan: Plan) -> None:
         console.print(f"host RAM of the choice (offloaded tensors): {kept} (`memory.host_budget` "
                       f"{plan.host.setting} = {format_bytes(plan.host.total)}, "
                       f"{plan.host.margin:.0%} margin)", highlight=False)
+    for note in plan.notes:
+        console.print(f"note: {note}", style="yellow", highlight=False)
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in plan.chosen.parts.items() if v > 0)
     console.print(f"step time of the choice: {parts}", style="dim", highlight=False)
     console.print(f"speed rates: {plan.rates_source}; planned in {plan.seconds:.1f} s", style="dim",

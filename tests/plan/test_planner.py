@@ -493,6 +493,27 @@ def test_without_an_effective_batch_the_largest_micro_batch_is_found_in_seconds(
     peak = {m: estimate(planner.with_values(cfg, {"training.micro_batch_size": m})).peak_bytes
             for m in (micro, micro + 1)}
     assert 1 < micro < 1024 and peak[micro] <= decided.usable < peak[micro + 1], (micro, peak, decided.usable)
+    # the effective batch follows the micro-batch here: said, with the field that would keep one
+    assert len(decided.notes) == 1 and f"{micro} x 1 accumulated = {micro} examples" in decided.notes[0]
+    assert "`training.effective_batch_size`" in decided.notes[0]
+
+
+@pytest.mark.parametrize(("training", "said"), [
+    ({"micro_batch_size": "auto", "gradient_accumulation": 1}, True),
+    ({"micro_batch_size": "auto", "effective_batch_size": 8}, False),  # kept: nothing to say
+    ({"micro_batch_size": 4, "gradient_accumulation": "auto"}, False),
+])
+def test_a_plan_says_when_the_effective_batch_follows_the_micro_batch(
+        training: dict, said: bool, tmp_path: Path, corpus: Path) -> None:
+    """An outside user planned `training.micro_batch_size=auto` on a recipe with `micro_batch_size:
+    16, gradient_accumulation: 1` and got micro-batch 1: an effective batch of 1 where the recipe
+    had 16, unsaid. Planted: the note for every plan, or for none, fails it."""
+    cfg = load_recipe(causal_recipe(tmp_path, corpus, training=training))
+    chosen = planner.Candidate({}, micro=2, accumulation=4)
+    notes = planner.batch_notes(cfg, chosen)
+    assert bool(notes) == said, notes
+    if said:
+        assert "2 x 4 accumulated = 8 examples per optimizer step" in notes[0]
 
 
 @pytest.mark.slow
