@@ -8,6 +8,7 @@ built from a config and quantized is first saved to a temporary folder and reloa
 
 from __future__ import annotations
 
+import difflib
 import logging
 import tempfile
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import (
+    CONFIG_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -60,6 +62,13 @@ def build_config(cfg: ModelConfig, num_labels: int | None = None) -> PretrainedC
     if cfg.from_config is not None:
         values = dict(cfg.from_config)
         model_type = values.pop("model_type")
+        if model_type not in CONFIG_MAPPING:  # transformers' own error lists every type it knows
+            close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3)
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+            raise RecipeError([Problem("model.from_config.model_type", model_type,
+                                       "not a model type this transformers knows",
+                                       f"{hint}Use the `model_type` of the model's config.json "
+                                       "(`llama`, `qwen2`, `gpt2`, ...).")]) from None
         try:
             config = AutoConfig.for_model(model_type, **values)
         except (ValueError, TypeError, StrictDataclassError) as err:  # the last: sizes that don't divide

@@ -37,7 +37,12 @@ def user_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except MemtrainError as err:
-            err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+            text = str(err)
+            recipe = kwargs.get("recipe")
+            if getattr(err, "source", None) == "recipe" and isinstance(recipe, str):
+                # a recipe's problem found after loading it (e.g. building the model's config): name its file
+                text = recipe + text[len("recipe"):]
+            err_console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
 
     return wrapper  # type: ignore[return-value]

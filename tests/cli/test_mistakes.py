@@ -101,7 +101,10 @@ def test_train_mistakes_exit_2_naming_the_field(tmp_path: Path, corpus: Path) ->
         f"data.source={f['nulltext.jsonl']} data.max_length=1": "`data.max_length`: is too short",
         f"model.name={f['emptymodel']} model.from_config=null": "`model.name`: is an empty folder",
         f"model.name={f['odd']} model.from_config=null": "`model.name`: could not load",
-        "model.from_config.model_type=no-such-model": "`model.from_config`: cannot build a config",
+        "model.from_config.model_type=no-such-model": "`model.from_config.model_type`: not a model type",
+        # a typo: the close names, and the recipe's file in the header (not transformers' 800 types)
+        "model.from_config.model_type=llamaa": f"{recipe}: 1 problem: - `model.from_config.model_type`: "
+        "not a model type this transformers knows, got 'llamaa'. Fix: did you mean 'llama'",
         "model.from_config.num_attention_heads=5": "is not a multiple of the number of attention heads",
         f"output.dir={f['afile']}": "`output.dir`: '" + str(f["afile"]) + "' is a file",
         f"output.dir={f['afile'] / 'run'}": "`output.dir`: '"
