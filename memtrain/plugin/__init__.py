@@ -5,6 +5,8 @@
 
 - :mod:`~memtrain.plugin.prepare` — ``prepare_for_budget``, ``attach`` and the
   ``MemoryBudgetCallback``;
+- :mod:`~memtrain.plugin.checks` — their arguments checked first: a bad one named, with its value
+  and the fix, before anything is traced;
 - :mod:`~memtrain.plugin.describe` — the user's model and arguments as a recipe, and the
   decision (:class:`~memtrain.plugin.describe.BudgetPlan`) as the user sees it;
 - :mod:`~memtrain.plugin.options` — the user's own Trainer options, each modelled or said not to be;

@@ -24,7 +24,8 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from memtrain import patches
-from memtrain.config import RunConfig
+from memtrain.config import MemoryConfig, RunConfig
+from memtrain.config.suggest import did_you_mean
 from memtrain.errors import MemtrainError
 from memtrain.patches import Knob
 from memtrain.plugin.options import planned_attention, planned_optimizer
@@ -278,13 +279,43 @@ def memory_fields(memory: dict[str, Any] | None) -> dict[str, Any]:
         exists = _field_exists(path)
         if path in choosable or (exists and path not in knobs and path not in NOT_FIXED_BY_MEMORY):
             continue
+        key = path.removeprefix("memory.")
         names = ", ".join(f"{p.removeprefix('memory.')!r}" for p in sorted(choosable))
-        why = "is not a field of the recipe's memory section" if not exists else (
-            "is not a setting the plugin applies to your model")
-        raise MemtrainError(f"prepare_for_budget: `memory={{{path.removeprefix('memory.')!r}: ...}}` {why}. "
-                            f"Fix: one of {names}, or a parameter of one (docs/RECIPES.md, the memory "
-                            "section, says what each takes).")
+        fix = (f"memory= takes {names}, or a parameter of one (docs/RECIPES.md, the memory section, says "
+               "what each takes).")
+        if not exists:
+            why = "is not a field of the recipe's memory section"
+            fix = did_you_mean(key, memory_names(), {}, "memory") + fix
+        elif path in OWN_ARGUMENTS:
+            why = f"is prepare_for_budget's own argument `{OWN_ARGUMENTS[path]}`, not a memory setting"
+            fix = f"pass it as prepare_for_budget(..., {OWN_ARGUMENTS[path]}...) and drop it from memory=."
+        else:
+            why = "is not a setting the plugin applies to your model"
+        raise MemtrainError(f"prepare_for_budget: `memory={{{key!r}: ...}}` {why}. Fix: {fix}")
     return fields
+
+
+# memory fields that are prepare_for_budget's own arguments
+OWN_ARGUMENTS = {"memory.budget": "budget=", "memory.margin": "margin=", "memory.allow_approximate":
+                 "allow_approximate="}
+
+
+def memory_names() -> list[str]:
+    """Every key ``memory=`` takes, dotted below ``memory`` (``tiled_mlp``, ``offload.activations``,
+    ``offload.min_tensor_bytes``, ...): the techniques the plugin chooses and their parameters."""
+    choosable = {k.path for k in patch_knobs()}
+    knobs = {k.path for k in patches.knobs()}
+    return [p.removeprefix("memory.") for p in _leaf_fields(MemoryConfig, "memory")
+            if p in choosable or (p not in knobs and p not in NOT_FIXED_BY_MEMORY)]
+
+
+def _leaf_fields(section: Any, prefix: str) -> list[str]:
+    out: list[str] = []
+    for name, info in section.model_fields.items():
+        inner = info.annotation
+        nested = isinstance(inner, type) and hasattr(inner, "model_fields")
+        out += _leaf_fields(inner, f"{prefix}.{name}") if nested else [f"{prefix}.{name}"]
+    return out
 
 
 def _field_exists(path: str) -> bool:
@@ -421,7 +452,7 @@ def planned_length(model: nn.Module, args: TrainingArguments, max_length: int | 
     inner = patches.base_model(model)
     limit = position_limit(inner.config)
     positions = f"the model's {limit} positions" if limit is not None else "no position limit in its config"
-    if max_length:
+    if max_length is not None:  # (checked: at least 1; memtrain.plugin.checks)
         if limit is not None and max_length > limit:
             raise MemtrainError(f"prepare_for_budget: `max_length={max_length}` is more than the {limit} "
                                 f"positions this model ({inner.config.model_type}) has. Fix: max_length= of "

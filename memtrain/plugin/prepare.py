@@ -53,7 +53,9 @@ from memtrain.errors import MemtrainError
 from memtrain.estimator.grpo import phase_peaks
 from memtrain.estimator.trainer_loss import TrainerEstimate
 from memtrain.estimator.vllm_colocate import ColocateShare
+from memtrain.memory.meter import StepMemory
 from memtrain.plugin.apply import IN_PLACE, apply_plan, planned_fields, say
+from memtrain.plugin.checks import check_attach, check_callback, check_prepare
 from memtrain.plugin.colocate import colocated_vllm
 from memtrain.plugin.describe import (
     BudgetPlan,
@@ -114,6 +116,8 @@ class MemoryBudgetCallback(MemoryMeterCallback):
                  predicted: str | int | BudgetPlan | None = None, simulate: bool = False,
                  simulate_budget: str | int | None = None, recover: bool = True,
                  every: int | None = None, estimate: bool | str = "auto") -> None:
+        check_callback("MemoryBudgetCallback", budget, margin=margin, predicted=predicted, simulate=simulate,
+                       simulate_budget=simulate_budget, recover=recover, every=every, estimate=estimate)
         plan = next((p for p in (budget, predicted) if isinstance(p, BudgetPlan)), None)
         self.estimate = estimate if predicted is None or isinstance(predicted, BudgetPlan) else bool(
             estimate is True)  # a prediction you give is kept unless you ask for the trace
@@ -215,6 +219,27 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         would also slow evaluation several times over), held again after."""
         return self._held.paused() if self._held is not None else contextlib.nullcontext()
 
+    def _device_peak(self, measured: StepMemory) -> int:
+        """The peak that runs out: on CUDA (no simulated limit) the allocator's reserved memory plus
+        what the context and libraries hold outside it, not the tensors; else the live tensor bytes."""
+        if measured.cuda_max_reserved is not None and self.limit is None:
+            return measured.cuda_max_reserved + self._outside
+        return measured.peak_bytes
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """Each measured step against the usable budget (every one, logged or not)."""
+        before = len(self._since_log)
+        super().on_step_end(args, state, control, **kwargs)
+        if self.usable is None or len(self._since_log) == before:
+            return  # no budget, or this step was not measured
+        peak = self._device_peak(self._since_log[-1])
+        if peak > self.usable:
+            self.over_budget.append(state.global_step)
+            log.warning("Step %d: measured peak %s exceeds the usable budget %s (budget %s minus the "
+                        "margin).", state.global_step, format_bytes(peak),
+                        format_bytes(self.usable), format_bytes(self.budget or 0))
+
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         measured = max(self._since_log, key=lambda r: r.peak_bytes) if self._since_log else None
@@ -228,18 +253,10 @@ class MemoryBudgetCallback(MemoryMeterCallback):
         for phase, predicted in self.predicted_phases.items():  # GRPO: each phase against its own
             if seen := logs.get(f"memory/{phase}_peak_mib"):
                 extra[f"memory/{phase}_error_pct"] = 100.0 * (predicted / MiB - seen) / seen
-        peak = measured.peak_bytes
         if measured.cuda_max_reserved is not None and self.limit is None:
-            # on CUDA what runs out is the allocator's reserved memory plus the context, not tensors
-            peak = measured.cuda_max_reserved + self._outside
-            extra["memory/device_peak_mib"] = peak / MiB
+            extra["memory/device_peak_mib"] = self._device_peak(measured) / MiB
         if self.usable is not None:
             extra["memory/budget_usable_mib"] = self.usable / MiB
-            if peak > self.usable:
-                self.over_budget.append(state.global_step)
-                log.warning("Step %d: measured peak %s exceeds the usable budget %s (budget %s minus the "
-                            "margin).", state.global_step, format_bytes(peak),
-                            format_bytes(self.usable), format_bytes(self.budget or 0))
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
@@ -263,8 +280,13 @@ def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **opt
 
     Returns:
         The attached callback (its ``recovery``, ``over_budget``, ``steps``, ... for inspection).
+
+    Raises:
+        MemtrainError: ``trainer`` is not a Trainer, an option the callback does not take, or one of
+            the wrong type or out of range (:mod:`memtrain.plugin.checks`).
     """
     check_versions()
+    check_attach(trainer, budget, options, MemoryBudgetCallback)
     if budget is None:
         model = trainer.model
         budget = getattr(patches.base_model(model), "memtrain_plan",
@@ -318,17 +340,16 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
 
     Raises:
         MemtrainError: nothing fits (the message has the smallest reachable peak and the settings
-            that reach it), or the model or arguments are not ones memtrain estimates.
+            that reach it), or the model or arguments are not ones memtrain estimates; an argument of
+            the wrong type or out of range, before anything is traced (:mod:`memtrain.plugin.checks`).
     """
     check_versions()
+    check_prepare(model, args, budget, allow_approximate=allow_approximate, max_length=max_length,
+                  margin=margin, quiet=quiet, peft_config=peft_config, rows=rows, memory=memory)
     from memtrain.plan import planner
 
     configure_allocator()  # the settings the calibrated overheads were measured under
-    try:
-        total = resolve_budget(budget) if isinstance(budget, str) else budget
-    except ValueError as err:
-        raise MemtrainError(f"prepare_for_budget: `budget={budget!r}`: {err}. Fix: a size like '24GiB', "
-                            "a number of bytes, or 'auto' (the device's free memory).") from err
+    total = resolve_budget(budget) if isinstance(budget, str) else int(budget)
     length, length_from, notes = planned_length(model, args, max_length, rows)
     share = colocated_vllm(model, args, int(total), length, built=IN_PLACE.get() is not None)  # type: ignore[arg-type]
     if share is not None:  # TRL's GRPO with vLLM colocated: training gets what vLLM's share leaves

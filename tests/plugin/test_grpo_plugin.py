@@ -190,7 +190,7 @@ def test_an_out_of_memory_grpo_step_is_redone_on_the_same_completions(tmp_path: 
                                   processing_class=tok, peft_config=lora())
         capture = GradCapture()
         trainer.add_callback(capture)
-        memtrain.attach(trainer, budget="2GiB", every=0)
+        memtrain.attach(trainer, budget="2GiB")
         raised: list[int] = []
         backwards = [0]
         mlp = next(m for name, m in trainer.model.named_modules() if name.endswith("layers.0.mlp"))

@@ -56,6 +56,19 @@ def test_callback_warns_over_the_usable_budget(tmp_path: Path, caplog: pytest.Lo
         MemoryBudgetCallback(simulate=True)
 
 
+def test_every_measured_step_is_held_against_the_budget_logged_or_not(tmp_path: Path) -> None:
+    """`every=1` measures each step; each is compared with the usable budget, not only the logged
+    ones (an outside user's 3 steps over budget with the default logging interval reported one:
+    the check ran when the Trainer logged). Planted: the check back in `on_log` -> [] here."""
+    callback = MemoryBudgetCallback("1MiB", recover=False, every=1)
+    trainer = Trainer(model=tiny_model(), args=arguments(tmp_path, 4, 1, 3, logging_steps=50),
+                      train_dataset=token_dataset("causal-lm", [8] * 16), data_collator=collate)
+    callback.attach(trainer)
+    trainer.train()
+    assert not [e for e in trainer.state.log_history if "loss" in e]  # no step was logged
+    assert sorted(callback.steps) == [1, 2, 3] and callback.over_budget == [1, 2, 3]
+
+
 def test_callback_measures_the_logged_steps_by_default(tmp_path: Path) -> None:
     """The meter costs 17-24% of a step (docs/bench/meter_cost.md): by default the callback
     measures the first two steps and then the steps the Trainer logs (the last one too), each log
