@@ -101,17 +101,18 @@ class BudgetPlan:
             table.add_row("(nothing)", "", "", "your settings fit as they are")
         return table
 
-    def summary(self) -> str:
-        """One line: the predicted peak against the budget, and the length it is for."""
+    def summary(self, by: str = "prepare_for_budget") -> str:
+        """One line: who planned (``prepare_for_budget``, or ``attach`` completing its plan), the
+        predicted peak against the budget, and the length it is for."""
         packed = ", packed" if self.settings.get("packed") else ""
-        return (f"memtrain prepare_for_budget: predicted peak {format_bytes(self.predicted_peak)} of "
+        return (f"memtrain {by}: predicted peak {format_bytes(self.predicted_peak)} of "
                 f"{format_bytes(self.usable)} usable (budget {format_bytes(self.budget)}, {self.device}; "
                 f"rows of {self.settings.get('max_length')} tokens{packed}, from {self.length_from})")
 
-    def print(self, console: Console | None = None) -> None:
+    def print(self, console: Console | None = None, by: str = "prepare_for_budget") -> None:
         """Print :meth:`summary` and :meth:`table` (to stderr by default, beside the Trainer's output)."""
         console = console or Console(stderr=True)
-        console.print(self.summary(), highlight=False)
+        console.print(self.summary(by), highlight=False)
         console.print(self.table())
         for note in self.notes:
             console.print(f"note: {note}", highlight=False)

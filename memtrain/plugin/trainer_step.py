@@ -157,7 +157,7 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prep
             plan.settings["max_length"] = found.batch.get("input_ids", (0, plan.settings["max_length"]))[-1]
             plan.length_from = "the Trainer's longest batch, its step traced"
     if not plan.quiet and (plan.pending or (plan.predicted_peak, plan.settings) != shown):
-        plan.print()
+        plan.print(by="attach")
     plan.pending = False
     return found
 

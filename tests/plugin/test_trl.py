@@ -262,7 +262,7 @@ def test_sft_packed_with_peft_config_the_printed_plan_is_the_traced_step(
     found = callback.trainer_estimate
     said = " ".join(capsys.readouterr().err.split())
     assert found.modelled and plan.predicted_peak == found.peak_bytes == callback.predicted
-    assert f"predicted peak {format_bytes(found.peak_bytes)}" in said and "┃ setting" in said
+    assert f"memtrain attach: predicted peak {format_bytes(found.peak_bytes)}" in said and "┃ setting" in said
     micro = (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps)
     assert micro == (found.micro_batch, found.accumulation) == (
         plan.settings["per_device_train_batch_size"], plan.settings["gradient_accumulation_steps"])
