@@ -117,6 +117,22 @@ def _use(trainer: Trainer, micro: int, accumulation: int) -> None:
     set_train_batch_size(trainer, args.train_batch_size)
 
 
+def _adapter_of_the_trainer(trainer: Trainer, plan: BudgetPlan) -> None:
+    """A Trainer that wrapped the model in a LoRA adapter ``prepare_for_budget`` was not told of
+    (TRL's ``peft_config=`` given to the trainer alone): the traced step trains the adapter, so the
+    plan says so, with a note on what its own search did not know."""
+    configs = getattr(trainer.model, "peft_config", None)
+    if plan.settings.get("adapter") != "full" or not configs:
+        return
+    lora = next(iter(configs.values()))
+    rank = getattr(lora, "r", None)
+    plan.settings["adapter"] = "lora" + (f" r={rank}" if rank is not None else "")
+    plan.notes.append(f"the Trainer trains a peft adapter ({plan.settings['adapter']}) that "
+                      "prepare_for_budget was not given: the prediction is the Trainer's traced step with "
+                      "it, but the techniques were planned for full fine-tuning. Pass the same "
+                      "`peft_config=` to prepare_for_budget to plan them for the adapter.")
+
+
 def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prepare: Callable[..., Any]
                   ) -> TrainerEstimate | None:
     """What ``attach`` adds to ``prepare_for_budget``'s plan, now that the Trainer exists.
@@ -156,6 +172,7 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prep
             plan.use_micro_batch(found.micro_batch, found.accumulation, peak)
             plan.settings["max_length"] = found.batch.get("input_ids", (0, plan.settings["max_length"]))[-1]
             plan.length_from = "the Trainer's longest batch, its step traced"
+            _adapter_of_the_trainer(trainer, plan)
     if not plan.quiet and (plan.pending or (plan.predicted_peak, plan.settings) != shown):
         plan.print(by="attach")
     plan.pending = False

@@ -293,3 +293,22 @@ def test_a_separate_reference_model_is_counted_and_said_to_be(tmp_path: Path, to
     assert len(said) == 1 and ": modelled:" in said[0] and "counts that copy's weights" in said[0], said
     trainer.train()
     assert all(0.95 <= r <= 1.15 for r in ratios(trainer)), ratios(trainer)
+
+
+def test_an_adapter_only_the_trainer_was_given_is_in_the_plan(tmp_path: Path, tok: Any) -> None:
+    """TRL's ``peft_config=`` given to the SFTTrainer and not to prepare_for_budget: the traced step
+    trains the adapter, and the plan says it does (it said `full`), with a note that its techniques
+    were planned for full fine-tuning. Planted: the label left as planned -> fails."""
+    rnd = random.Random(0)
+    texts = datasets.Dataset.from_list([{"text": phrase(rnd, 30, 34)} for _ in range(16)])
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, max_length=64,
+                         **COMMON)
+    model, args = memtrain.prepare_for_budget(tiny_model(), args, "2GiB", quiet=True)
+    plan = model.memtrain_plan
+    assert plan.settings["adapter"] == "full"
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=texts, processing_class=tok,
+                             peft_config=lora())
+    callback = memtrain.attach(trainer)
+    assert callback.trainer_estimate.modelled
+    assert plan.settings["adapter"] == "lora r=8", plan.settings
+    assert any("prepare_for_budget was not given" in note for note in plan.notes), plan.notes
