@@ -384,6 +384,15 @@ def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
         out.extend(batch_problems(training, distributed.processes))
     if training is not None:
         out.extend(in_backward_problems(sections))
+    if training is not None and memory is not None and memory.offload.optimizer is True \
+            and training.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        # caught here, not when the optimizer is built: `validate` says so, and the planner skips
+        # the combination (`training.optimizer: auto` beside `memory.offload.optimizer: auto`)
+        out.append(Problem(
+            "memory.offload.optimizer", True, f"cannot offload `training.optimizer: {training.optimizer}` "
+            "(bitsandbytes' 8-bit and paged optimizers manage their own state)",
+            "use `training.optimizer: adamw` with the offload, or set `memory.offload.optimizer: false`.",
+        ))
     return out
 
 

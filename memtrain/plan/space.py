@@ -42,8 +42,11 @@ class Candidate:
         shown = dict(self.values)
         if self.micro:
             shown.update(micro=self.micro, accumulation=self.accumulation)
-        return ", ".join(f"{k.split('.')[-1] if k != 'memory.offload.activations' else 'offload_act'}"
-                         f"={_show(v)}" for k, v in shown.items())
+        return ", ".join(f"{SHORT.get(k, k.split('.')[-1])}={_show(v)}" for k, v in shown.items())
+
+
+# labels of fields whose last name says too little (`optimizer=false` beside `optimizer=adamw_8bit`)
+SHORT = {"memory.offload.activations": "offload_act", "memory.offload.optimizer": "offload_opt"}
 
 
 def auto_fields(cfg: RunConfig) -> list[str]:

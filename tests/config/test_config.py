@@ -88,6 +88,25 @@ def test_a_batch_size_below_one_is_reported_beside_another_problem_of_its_sectio
     assert "`training.learning_rate`: expected a number, got 'fast'" in joined
 
 
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_8bit"])
+def test_an_8bit_optimizer_cannot_be_offloaded_and_the_planner_skips_the_pair(
+        optimizer: str, tmp_path: Path) -> None:
+    """bitsandbytes' optimizers keep their own state: offloading one failed only when the optimizer
+    was built, after `validate` said ok, and a plan with both fields `auto` stopped on it (an
+    outside user's `plan ... training.optimizer=auto memory.offload.optimizer=auto`). Planted: the
+    check removed -> both parts fail."""
+    from memtrain.plan import planner
+
+    found = problems(recipe(tmp_path, adapter={"method": "full"}),
+                     [f"training.optimizer={optimizer}", "memory.offload.optimizer=true"])
+    assert len(found) == 1 and "`memory.offload.optimizer`" in found[0] and optimizer in found[0], found
+    cfg = load_recipe(recipe(tmp_path, adapter={"method": "full"}),
+                      ["training.optimizer=auto", "memory.offload.optimizer=auto"])
+    pairs = {(c.values["training.optimizer"], c.values["memory.offload.optimizer"])
+             for c in planner.Search(cfg, "cuda", 2**30).candidates()}
+    assert (optimizer, True) not in pairs and ("adamw_8bit", False) in pairs and ("adamw", True) in pairs
+
+
 def test_inconsistent_batch_sizes(tmp_path: Path) -> None:
     found = problems(recipe(tmp_path, training={"effective_batch_size": 30, "micro_batch_size": 4,
                                                 "gradient_accumulation": 2}))
