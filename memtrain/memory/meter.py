@@ -67,6 +67,7 @@ class StepMemory:
     batch: tuple[int, int] | None = None  # (rows, tokens) of the step's largest micro-batch, if known
     accumulation: int | None = None  # micro-batches per optimizer step when it ran, if known
     failed_attempt: bool = False  # the step ran out of memory once and was redone in pieces
+    before_optimizer_state: bool = False  # the step began before the optimizer had any state
 
     def to_dict(self, timeline: bool = False) -> dict[str, Any]:
         """JSON-ready dict (the timeline only when asked: it can be long)."""

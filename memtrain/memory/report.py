@@ -81,12 +81,18 @@ def comparison(report: Report) -> str:
     ratio = _ratio(report.compared(), report.measured["peak_bytes"])
     # every measured step ran out of memory once and was redone in pieces: its peak holds the failed attempt's
     failed = ("; the measured step also held an attempt that ran out of memory before it was split, so it "
-              "measures more than the step" if report.measured.get("failed_attempt") else "")
+              "measures more than the step" if report.measured.get("failed_attempt") else
+              "; the measured step is the run's first, before the optimizer's state exists, which the "
+              "prediction (a later step) holds" if report.measured.get("before_optimizer_state") else "")
     if list(measured) == list(predicted):
         return (f"measured the step that held the run's longest batch, {_shape(measured)}; the prediction "
                 f"is for the same batch{ratio}{failed}")
     same = (f"compared with the prediction for that batch{ratio}" if report.same_batch else
             "no prediction for that batch: the comparison is not like for like")
+    if list(report.run.get("largest_batch") or []) == list(predicted):  # held, in an unlike step only
+        return (f"the run held its predicted longest batch ({_shape(predicted)}, {worst}) only in a step "
+                "unlike its others (its first, before the optimizer's state exists, or one redone after "
+                f"an out-of-memory error); measured the largest of the others, {_shape(measured)}; {same}")
     return (f"the run never held its predicted longest batch ({_shape(predicted)}, {worst}); measured "
             f"its largest, {_shape(measured)}; {same}{failed}")
 

@@ -175,7 +175,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     metrics = add_derived_metrics(metrics, cfg, data)
     report = None
     if cfg.output.report and meter.worst is not None:
-        report = _report(cfg, meter.worst, trainer.state.log_history, predicted, batch, rows)
+        report = _report(cfg, meter.worst, trainer.state.log_history, predicted, batch, rows, meter.largest)
     _save_final(trainer, tokenizer, cfg, metrics, out, report, data.label_names)
     _summary(console, metrics, out, report)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
@@ -247,7 +247,8 @@ def _predict(cfg: RunConfig, rows: Rows) -> Estimate | None:
 
 
 def _report(cfg: RunConfig, measured: StepMemory, log_history: list[dict[str, Any]],
-            predicted: Estimate | None, batch: Batch, rows: Rows) -> Report:
+            predicted: Estimate | None, batch: Batch, rows: Rows,
+            largest: tuple[int, int] | None = None) -> Report:
     """The memory report: the measured step beside the prediction for the run's longest batch and,
     when the measured step held a smaller batch (the run ended before the longest), beside a
     prediction for the batch it held."""
@@ -267,7 +268,8 @@ def _report(cfg: RunConfig, measured: StepMemory, log_history: list[dict[str, An
                                                    "training.gradient_accumulation": accumulation,
                                                    "training.effective_batch_size": None}), like)
         same = again.to_dict() | {"batch": [held, tokens], "rows": like.describe(held)} if again else None
-    return build_report(measured, log_history, worst, _run_info(cfg, batch), same)
+    run = _run_info(cfg, batch) | ({"largest_batch": list(largest)} if largest else {})  # the run's largest
+    return build_report(measured, log_history, worst, run, same)
 
 
 def _run_info(cfg: RunConfig, batch: Batch) -> dict[str, Any]:

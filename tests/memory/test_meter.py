@@ -146,3 +146,28 @@ def test_tensors_of_a_nested_fake_mode_are_not_memory() -> None:
         real = torch.empty(2**20)
         tracker._track(_MemRefType.TEMP, real)
         assert total() == before + 4 * 2**20
+
+
+def test_the_report_step_is_one_like_the_others_not_the_first(tmp_path) -> None:
+    """The first optimizer step runs before the optimizer's state exists, which every later step
+    holds and the estimator predicts. Where the run's longest batch comes only in the first step,
+    the step reported (``worst``) is the highest of the later ones, and the run's largest batch is
+    still known. An outside user's full fine-tuning run compared its first step (84 MiB, no Adam
+    state) with the prediction for that batch with state (114.6 MiB): 1.36x. Planted: the rank
+    ignoring the first step's missing state -> the first step is reported, fails."""
+    from plain_trainer import arguments, collate, token_dataset
+    from plain_trainer import tiny_model as plain_model
+    from transformers import Trainer
+
+    from memtrain.trainer.callbacks import MemoryMeterCallback
+
+    meter = MemoryMeterCallback(every=1)
+    # sequential batches of 2: the first holds the longest rows, the next two short ones
+    trainer = Trainer(model=plain_model(), args=arguments(tmp_path, 2, 1, 3),
+                      train_dataset=token_dataset("causal-lm", [64, 64, 8, 8, 8, 8]), data_collator=collate)
+    meter.attach(trainer)
+    trainer.train()
+    assert [meter.steps[s].before_optimizer_state for s in (1, 2, 3)] == [True, False, False]
+    assert meter.steps[1].peak_bytes > max(meter.steps[s].peak_bytes for s in (2, 3))  # the long rows
+    assert meter.worst is not meter.steps[1] and not meter.worst.before_optimizer_state
+    assert meter.largest == (2, 64) and meter.worst.batch == (2, 8)
