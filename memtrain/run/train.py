@@ -399,6 +399,12 @@ def _summary(console: Console, metrics: dict[str, Any], out: Path, report: Repor
         peak = f"measured {format_bytes(report.measured['peak_bytes'])}"
         if compared:
             peak += f", predicted {format_bytes(compared['peak_bytes'])}"
+        host = report.measured.get("host_peak_bytes") or 0
+        if host and report.measured.get("device") == "cpu":  # offloaded tensors: the same RAM here
+            total = (compared or {}).get("total_bytes")
+            peak += (f" on the device, and the offloaded tensors {format_bytes(host)} in the same RAM"
+                     + (f" (predicted total {format_bytes(total)}: what `memory.simulate_budget` and a "
+                        "plan's budget count on a CPU)" if total else ""))
         table.add_row("peak memory", f"{peak}: {comparison(report)}")
     table.add_row("saved to", str(out))
     console.print(table)

@@ -96,3 +96,26 @@ def test_report_command_rerenders(run_dir: Path) -> None:
 def test_report_of_a_folder_without_one(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and REPORT_JSON in result.output
+
+
+def test_on_a_cpu_the_summary_counts_the_offloaded_tensors_the_budget_counts(tmp_path: Path) -> None:
+    """On a CPU the offloaded tensors share the RAM with the device's: a simulated budget and a
+    plan count them, so the run's summary says so beside the device peak (an outside user sized
+    `memory.simulate_budget` from the summary's 76.6 MiB and ran out of memory at 83.8 MiB, with
+    7.5 MiB of embedding tables offloaded). Planted: the host line left out -> fails."""
+    from rich.console import Console
+
+    from memtrain.memory.report import Report
+    from memtrain.run.train import _summary
+
+    measured = {"device": "cpu", "peak_bytes": 76 * 2**20, "host_peak_bytes": 8 * 2**20, "batch": [2, 96],
+                "peak_by_category": {}}
+    predicted = {"peak_bytes": 77 * 2**20, "total_bytes": 85 * 2**20, "batch": [2, 96]}
+    console = Console(record=True, width=400)
+    _summary(console, {}, tmp_path, Report(measured, predicted, {}, {}))
+    said = " ".join(console.export_text().split())
+    assert "the offloaded tensors 8.00 MiB in the same RAM (predicted total 85.00 MiB" in said, said
+    measured["device"] = "cuda"  # a GPU's host is other memory: no such line
+    console = Console(record=True, width=400)
+    _summary(console, {}, tmp_path, Report(measured, predicted, {}, {}))
+    assert "same RAM" not in console.export_text()
