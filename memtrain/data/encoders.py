@@ -137,11 +137,13 @@ def _encode_chat(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
 
 def _encode_tokenized(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
                       names: list[str] | None) -> Dataset:
-    """Token ids as given; ``labels`` when the data has them, else every token is trained."""
+    """Token ids as given; ``labels`` where a row has them, else every token of the row is trained
+    (a row without them in a file where others have them reads as null: the same as a file without)."""
     has_labels = "labels" in ds.column_names
 
     def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
-        ids, labels = row["input_ids"], row["labels"] if has_labels else row["input_ids"]
+        ids = row["input_ids"]
+        labels = row["labels"] if has_labels and row["labels"] is not None else ids
         if not ids or not all(isinstance(t, int) for t in ids):
             raise RowError(cfg, row[ROW], "format", "`input_ids` must be a non-empty list of "
                            "integers", "store token ids as lists of integers.")

@@ -170,6 +170,20 @@ def test_tokenized_rows_pass_through(tmp_path: Path, tokenizer) -> None:
     assert sorted(data.train["labels"]) == [[-100, 6, 7], [-100, 9]]
 
 
+def test_a_tokenized_row_without_labels_trains_every_token(tmp_path: Path, tokenizer) -> None:
+    """`labels` is optional per row too (docs/DATA.md): a row without them, in a file where others
+    have them, trains every token (it was refused: "`labels` has 0 entries", an outside user's file).
+    A row whose labels do not match its ids is still refused. Planted: the null read as 0 labels ->
+    fails."""
+    f = write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+                                           {"input_ids": [8, 9]}, {"input_ids": [4, 3], "labels": None}])
+    data = prepare_data(recipe(tmp_path, f, format="tokenized"), tokenizer)
+    assert sorted(data.train["labels"]) == [[-100, 6, 7], [4, 3], [8, 9]]
+    f = write_jsonl(tmp_path / "u.jsonl", [{"input_ids": [5, 6, 7], "labels": [6, 7]}])
+    with pytest.raises(RecipeError, match=r"row 1: `labels` has 2 entries for 3 `input_ids`"):
+        prepare_data(recipe(tmp_path, f, format="tokenized"), tokenizer)
+
+
 def test_plain_text_ends_with_an_end_token(tmp_path: Path, tokenizer) -> None:
     f = write_jsonl(tmp_path / "t.jsonl", [{"text": "to be or not"}] * 2)
     row = prepare_data(recipe(tmp_path, f, format="text"), tokenizer).train[0]
