@@ -167,7 +167,8 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             f"{format_bytes(smallest.min_peak)}, with {smallest.label() or 'the recipe as written'}. "
             f"Fix: raise `memory.budget` to at "
             f"least {format_bytes(int(smallest.min_peak / (1 - margin)) + 1)}, set more fields "
-            "to `auto` (or `memory.allow_approximate: true`), or train a smaller model.", smallest)
+            f"to `auto`{'' if cfg.memory.allow_approximate else ' (or `memory.allow_approximate: true`)'}, "
+            "or train a smaller model.", smallest)
     if tune > 0:
         chosen, fits = tune_choice(cfg, search, [chosen, *fits], tune)
     return Plan(total, usable, target, auto, chosen, fits, rejected, search.rates.source,
