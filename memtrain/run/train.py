@@ -146,7 +146,7 @@ def train(cfg: RunConfig, console: Console | None = None,
                                     fsdp_plugin=distributed.fsdp_plugin(model, cfg))
         meter.attach(trainer)  # ahead of the reporting integrations: they log its memory entries
         if choices:
-            batch = _confirm_batch(trainer, cfg, batch, choices, rows)
+            batch = _confirm_batch(trainer, cfg, batch, choices, console, rows)
             cfg = planner.with_values(cfg, {"training.micro_batch_size": batch.micro,
                                             "training.gradient_accumulation": batch.accumulation})
         resumed_at, trainer.runtime_before = checkpoints.progress(resume_from) if resume_from else (0, 0.0)
@@ -216,10 +216,10 @@ def _out_of_memory(err: BaseException, step: int, out: Path) -> MemtrainError:
 
 
 def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],
-                   rows: Rows) -> Batch:
-    """``micro_batch_size: auto``: one real probe step confirms (or steps down) the predicted batch
-    (:func:`memtrain.plan.autofit.confirm` logs what it found: the command line shows memtrain's INFO)."""
+                   console: Console, rows: Rows) -> Batch:
+    """``micro_batch_size: auto``: one real probe step confirms (or steps down) the predicted batch."""
     probe = autofit.confirm(trainer, cfg, batch, choices=choices, rows=rows)
+    console.print(autofit.describe(probe, rows.longest))
     return probe.batch
 
 
