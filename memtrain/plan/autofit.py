@@ -210,7 +210,9 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
             "`data.max_length`, or save memory (`memtrain plan`).")
     set_batch(trainer, probe.batch)
     _forget_probe_metrics(trainer)
-    log.info(describe(probe, rows.longest))
+    # debug: memtrain.run.train prints the same line (every process, any caller), and the command
+    # line shows memtrain's INFO records (it printed the line twice)
+    log.debug(describe(probe, rows.longest))
     return probe
 
 
