@@ -177,7 +177,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     if cfg.output.report and meter.worst is not None:
         report = _report(cfg, meter.worst, trainer.state.log_history, predicted, batch, rows, meter.largest)
     _save_final(trainer, tokenizer, cfg, metrics, out, report, data.label_names)
-    _summary(console, metrics, out, report)
+    print_summary(console, metrics, out, report)
     return TrainResult(out, metrics, batch, [r.detail for r in patches.records(model)],
                        meter.worst, list(trainer.state.log_history), model)
 
@@ -386,7 +386,8 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
     console.print(table)
 
 
-def _summary(console: Console, metrics: dict[str, Any], out: Path, report: Report | None) -> None:
+def print_summary(console: Console, metrics: dict[str, Any], out: Path, report: Report | None) -> None:
+    """The run's result table: its metrics, the measured and predicted peak memory, where it was saved."""
     keys = [k for k in ("train_loss", "eval_loss", "eval_accuracy", "eval_majority_baseline",
                         "eval_perplexity", "train_runtime") if k in metrics]
     table = Table(title="result", show_header=False, title_justify="left")

@@ -106,16 +106,16 @@ def test_on_a_cpu_the_summary_counts_the_offloaded_tensors_the_budget_counts(tmp
     from rich.console import Console
 
     from memtrain.memory.report import Report
-    from memtrain.run.train import _summary
+    from memtrain.run.train import print_summary
 
     measured = {"device": "cpu", "peak_bytes": 76 * 2**20, "host_peak_bytes": 8 * 2**20, "batch": [2, 96],
                 "peak_by_category": {}}
     predicted = {"peak_bytes": 77 * 2**20, "total_bytes": 85 * 2**20, "batch": [2, 96]}
     console = Console(record=True, width=400)
-    _summary(console, {}, tmp_path, Report(measured, predicted, {}, {}))
+    print_summary(console, {}, tmp_path, Report(measured, predicted, {}, {}))
     said = " ".join(console.export_text().split())
     assert "the offloaded tensors 8.00 MiB in the same RAM (predicted total 85.00 MiB" in said, said
     measured["device"] = "cuda"  # a GPU's host is other memory: no such line
     console = Console(record=True, width=400)
-    _summary(console, {}, tmp_path, Report(measured, predicted, {}, {}))
+    print_summary(console, {}, tmp_path, Report(measured, predicted, {}, {}))
     assert "same RAM" not in console.export_text()
