@@ -79,7 +79,7 @@ def comparison(report: Report) -> str:
     if not measured or not predicted:
         return f"measured: the step with the highest peak; predicted {worst}: {_shape(predicted)}"
     ratio = _ratio(report.compared(), report.measured["peak_bytes"])
-    # every measured step ran out of memory once and was redone in pieces: its peak holds the failed attempt's
+    # the reported step is unlike the run's others only where no measured step was like them
     failed = ("; the measured step also held an attempt that ran out of memory before it was split, so it "
               "measures more than the step" if report.measured.get("failed_attempt") else
               "; the measured step is the run's first, before the optimizer's state exists, which the "

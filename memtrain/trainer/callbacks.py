@@ -31,7 +31,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from memtrain._compat.trl import mark_generation
 from memtrain.memory.meter import MemoryMeter, StepMemory, generating
 from memtrain.reliability.layouts import stacked_pairs
-from memtrain.reliability.recovery import recovery_of
+from memtrain.reliability.recovery import MicroBatchRecovery, recovery_of
 
 if TYPE_CHECKING:
     from typing import Self
@@ -186,8 +186,8 @@ class MemoryMeterCallback(TrainerCallback):
         self._meter.__exit__(None, None, None)
         result = self._meter.result()
         self._meter = None
-        result.batch, result.accumulation = self._ran(args)
         recovery = recovery_of(self._trainer) if self._trainer is not None else None
+        result.batch, result.accumulation = self._ran(args, recovery)
         result.failed_attempt = recovery is not None and any(e["step"] == state.global_step
                                                              for e in recovery.events)
         result.before_optimizer_state = self._stateless
@@ -205,12 +205,11 @@ class MemoryMeterCallback(TrainerCallback):
         self.steps[state.global_step] = result
         self._since_log.append(result)
 
-    def _ran(self, args: TrainingArguments) -> tuple[Shape | None, int]:
+    def _ran(self, args: TrainingArguments, recovery: MicroBatchRecovery | None) -> tuple[Shape | None, int]:
         """The largest micro-batch the step ran and the micro-batches per optimizer step: after an
-        out-of-memory split (:class:`~memtrain.reliability.recovery.MicroBatchRecovery`), the
-        pieces the step's batches were cut into, each a micro-batch of its own."""
+        out-of-memory split by ``recovery``, the pieces the step's batches were cut into, each a
+        micro-batch of its own."""
         accumulation = int(args.gradient_accumulation_steps)
-        recovery = recovery_of(self._trainer) if self._trainer is not None else None
         if recovery is None or recovery.parts == 1 or self._shape is None:
             return self._shape, accumulation
         units, tokens = self._shape
