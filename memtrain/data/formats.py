@@ -54,20 +54,20 @@ class BadRows(RecipeError):
         for split, f in found:
             key = (split, f["path"], json.dumps(f["value"]), f["message"], f["fix"])
             groups.setdefault(key, []).append(f["row"])
-        problems = [Problem(path, json.loads(value), f"{_row_numbers(split, rows)}: {message}", fix)
+        problems = [Problem(path, json.loads(value), f"{row_numbers(split, rows)}: {message}", fix)
                     for (split, path, value, message, fix), rows in groups.items()]
         super().__init__(problems[:LISTED], cfg.source)
         lines = [f"  - {p}" for p in problems[:LISTED]]
         if len(problems) > LISTED:
             rest = sorted(row for rows in list(groups.values())[LISTED:] for row in rows)
             more = len(problems) - LISTED
-            lines.append(f"  - and {more} more kinds of problem, in {_row_numbers('', rest)}")
+            lines.append(f"  - and {more} more kinds of problem, in {row_numbers('', rest)}")
         self.problems, self.count = problems, len(found)
         self.args = (f"{cfg.source}: {len(found)} of the {used} rows cannot be used (rows count from "
                      "1, in the order of the data):\n" + "\n".join(lines),)
 
 
-def _row_numbers(split: str, rows: Sequence[int]) -> str:
+def row_numbers(split: str, rows: Sequence[int]) -> str:
     """``row 5``, ``rows 1, 2 and 3`` or ``rows 1, ..., 10 and 20 more`` (of a named split)."""
     where = f"{split} " if split else ""
     if len(rows) == 1:

@@ -20,6 +20,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 
 from memtrain.config import DataConfig, Problem, RecipeError
+from memtrain.data.formats import row_numbers
 
 log = logging.getLogger("memtrain.data.prepare")
 LENGTH = "prompt_tokens"  # the column holding each prompt's token count (removed before training)
@@ -29,21 +30,29 @@ def is_conversational(ds: Dataset, cfg: DataConfig) -> bool:
     return len(ds) > 0 and isinstance(ds[0][cfg.prompt_column], list)
 
 
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
 def _check_shapes(ds: Dataset, cfg: DataConfig, row_key: str) -> None:
-    """Every prompt a non-empty string, or a non-empty list of {role, content} messages, alike."""
-    conversational = is_conversational(ds, cfg)
-    for row, value in zip(ds[row_key], ds[cfg.prompt_column], strict=True):
-        if conversational:
-            good = isinstance(value, list) and value and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in value)
-        else:
-            good = isinstance(value, str) and value.strip()
-        if not good:
-            want = "a non-empty list of {role, content} messages" if conversational else "a non-empty string"
-            raise RecipeError([Problem(cfg.key("prompt_column"), cfg.prompt_column, f"row {row} holds "
-                                       f"{type(value).__name__} {str(value)[:60]!r}, and the first "
-                                       f"row's prompt makes every prompt {want}", "store every prompt "
-                                       "the same way: all strings, or all message lists.")], cfg.source)
+    """Every prompt a non-empty string, or every prompt a non-empty list of {role, content}
+    messages. The shape most rows have is the one asked of all (the earliest row's on a tie); the
+    others are named in the order of the data."""
+    rows = sorted(zip(ds[row_key], ds[cfg.prompt_column], strict=True), key=lambda r: r[0])
+    lists = sum(isinstance(value, list) for _, value in rows)
+    conversational = lists * 2 > len(rows) or (lists * 2 == len(rows) and isinstance(rows[0][1], list))
+    good = _is_messages if conversational else (lambda v: isinstance(v, str) and bool(v.strip()))
+    bad = [(row, value) for row, value in rows if not good(value)]
+    if bad:
+        want = "a non-empty list of {role, content} messages" if conversational else "a non-empty string"
+        row, value = bad[0]
+        verb = "is not" if len(bad) == 1 else "are not"
+        raise RecipeError([Problem(cfg.key("prompt_column"), cfg.prompt_column,
+                                   f"{row_numbers('', [r for r, _ in bad])} of {len(rows)} {verb} {want}, as "
+                                   f"most prompts are (row {row} holds {type(value).__name__} "
+                                   f"{str(value)[:60]!r})", "store every prompt the same way: all "
+                                   "non-empty strings, or all non-empty message lists.")], cfg.source)
 
 
 def encode_prompts(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase, row_key: str) -> Dataset:

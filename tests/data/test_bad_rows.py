@@ -23,9 +23,9 @@ def prepare(tmp_path: Path, rows: list[dict], tokenizer, overrides: list[str] = 
     return prepare_data(cfg, tokenizer)
 
 
-def message(tmp_path: Path, rows: list[dict], tokenizer, **data) -> str:
+def message(tmp_path: Path, rows: list[dict], tokenizer, overrides: list[str] = (), **data) -> str:
     with pytest.raises(RecipeError) as err:
-        prepare(tmp_path, rows, tokenizer, **data)
+        prepare(tmp_path, rows, tokenizer, overrides, **data)
     return str(err.value)
 
 
@@ -103,3 +103,18 @@ def test_a_conversation_format_fix_names_what_works(tmp_path: Path, tokenizer, r
     fix = text.split("Fix: ", 1)[1]
     assert applied(fix) == names, text
     assert len(prepare(tmp_path, rows * 3, tokenizer, applied(fix), **data).train) == 3  # it works
+
+
+@pytest.mark.parametrize(("odd", "named"), [((2, 11), "rows 3 and 12 of 20 are not"),
+                                            ((0,), "row 1 of 20 is not")])
+def test_grpo_prompts_of_another_shape_are_named_in_the_order_of_the_data(
+        tmp_path: Path, tokenizer, odd: tuple[int, ...], named: str) -> None:
+    """The shape most prompts have is asked of all, and the others are named by their row in the
+    file. It named one row, in shuffled order, against the shape of whichever row came first."""
+    rows = [{"prompt": f"line {i}", "answer": "x"} for i in range(20)]
+    for i in odd:
+        rows[i]["prompt"] = CHAT[:1]
+    text = message(tmp_path, rows, tokenizer, ["training.objective=grpo", "training.grpo_rewards=[format]",
+                   "training.grpo_num_generations=2"], format="prompt")
+    assert f"`data.prompt_column`: {named} a non-empty string, as most prompts are (row {odd[0] + 1} " \
+           "holds list" in text
