@@ -1,5 +1,5 @@
-"""Tokenize a dataset per format: one encoder per ``data.format`` (``_ENCODERS``), then cut
-(:func:`encode_splits`).
+"""Tokenize a dataset per format: one encoder per ``data.format`` (``_ENCODERS``; preference pairs
+have their own, since all their splits render one way), then cut (:func:`encode_splits`).
 
 Each encoder maps loaded rows to ``input_ids`` and ``labels`` (``IGNORE_INDEX`` where no loss is
 taken); :mod:`memtrain.data.prepare` loads and checks the rows first and collates the result.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from datasets import ClassLabel, Dataset
@@ -182,21 +183,19 @@ def _cut(ds: Dataset, max_length: int) -> Dataset:
 
 
 def _encode_preference(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
-                       names: list[str] | None) -> Dataset:
-    """preference: prompt/chosen/rejected token ids (:mod:`memtrain.data.preference`). The tokenizer
-    the run saves keeps a chat template only for conversational pairs (the one they were rendered
-    with), so that ``memtrain generate`` writes prompts as the pairs were written."""
+                       names: list[str] | None, *, conversational: bool) -> Dataset:
+    """preference: prompt/chosen/rejected token ids (:mod:`memtrain.data.preference`), every split
+    rendered one way (``conversational`` is decided over all of them). The tokenizer the run saves
+    keeps a chat template only for conversational pairs (the one they were rendered with), so that
+    ``memtrain generate`` writes prompts as the pairs were written."""
     from memtrain.data import preference
 
-    template = None
-    if len(ds) and preference.is_conversational(cfg, ds[0]):
-        template = resolve_chat_template(cfg, tok)
+    template = resolve_chat_template(cfg, tok) if conversational else None
     tok.chat_template = template
     return preference.encode_preference(ds, cfg, tok, template)
 
 
 _ENCODERS: dict[str, Encoder] = {
-    "preference": _encode_preference,
     "classification": _encode_classification,
     "text": _encode_text,
     "completion": _encode_pair,
@@ -227,7 +226,12 @@ def encode_splits(data: DataConfig, tokenizer: PreTrainedTokenizerBase, label_na
     """The loaded (train, eval) splits of one dataset, ``read`` rows in all, tokenized by the encoder
     of its format: bad rows refused together (:func:`without_bad_rows`), causal examples cut at
     ``data.max_length`` (unless packed text) and those left with no answer token dropped."""
-    encode = _ENCODERS[data.kind]
+    if data.kind == "preference":
+        from memtrain.data.preference import is_conversational
+
+        encode = partial(_encode_preference, conversational=is_conversational(data, splits))
+    else:
+        encode = _ENCODERS[data.kind]
     splits = [encode(s, data, tokenizer, label_names) if s is not None else None for s in splits]
     splits = without_bad_rows(data, splits, read)
     if data.kind not in ("classification", "preference") and not (data.packing and data.kind == "text"):

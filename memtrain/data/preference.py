@@ -30,12 +30,13 @@ from transformers import PreTrainedTokenizerBase
 
 from memtrain.config import DataConfig, Problem, RecipeError
 from memtrain.data.chat import IGNORE_INDEX, encode_spans, render
-from memtrain.data.formats import PROBLEM, ROW, Message, RowError, column_text, read_message
+from memtrain.data.formats import PROBLEM, ROW, Message, RowError, column_text, read_message, row_numbers
 
 log = logging.getLogger("memtrain.data.prepare")
 
 COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 ANSWERS = ("chosen_column", "rejected_column")
+MERGED = "_merged"  # hidden column: the row's number where the prompt's last tokens merged, else 0
 
 
 def _messages(cfg: DataConfig, row: Mapping[str, Any], field: str, default_role: str) -> list[Message]:
@@ -50,8 +51,21 @@ def _messages(cfg: DataConfig, row: Mapping[str, Any], field: str, default_role:
             for i, turn in enumerate(value)]
 
 
-def is_conversational(cfg: DataConfig, row: Mapping[str, Any]) -> bool:
-    return any(isinstance(row.get(getattr(cfg, f)), list) for f in ("prompt_column", *ANSWERS))
+def is_conversational(cfg: DataConfig, splits: list[Dataset | None]) -> bool:
+    """Whether the pairs are conversational: a message list in any column of any row of any split,
+    so that every split renders the same way. Plain strings among them are then read as one
+    message each (said once, with their count)."""
+    columns = [getattr(cfg, f) for f in ("prompt_column", *ANSWERS)]
+    lists: list[bool] = []  # per pair: does it hold a message list?
+    for ds in (s for s in splits if s is not None):
+        present = [c for c in columns if c in ds.column_names]
+        lists += [any(isinstance(v, list) for v in values)
+                  for values in zip(*(ds[c] for c in present), strict=True)]
+    if any(lists) and not all(lists):
+        log.warning("%d of the %d preference pairs hold only strings while the others hold message "
+                    "lists: each of their strings is read as one message and rendered with the chat "
+                    "template", lists.count(False), len(lists))
+    return any(lists)
 
 
 def _sequence(cfg: DataConfig, tok: PreTrainedTokenizerBase, row: Mapping[str, Any], answer: str,
@@ -73,7 +87,8 @@ def _sequence(cfg: DataConfig, tok: PreTrainedTokenizerBase, row: Mapping[str, A
 
 def encode_pair(cfg: DataConfig, tok: PreTrainedTokenizerBase, row: Mapping[str, Any],
                 template: str | None) -> dict[str, list[int]]:
-    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` of one row (``template`` None: plain)."""
+    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` of one row (``template`` None: plain), and
+    in :data:`MERGED` the row's number if tokens merged across the prompt's end (else 0)."""
     chosen = _sequence(cfg, tok, row, "chosen_column", template)
     rejected = _sequence(cfg, tok, row, "rejected_column", template)
     starts = []
@@ -85,12 +100,9 @@ def encode_pair(cfg: DataConfig, tok: PreTrainedTokenizerBase, row: Mapping[str,
         if a != b:
             break
         shared += 1
-    cut = min(*starts, shared)
-    if cut < max(starts):
-        log.warning("row %s: the prompt's last tokens differ between the chosen and the rejected "
-                    "sequence (tokens merged across the boundary); they count as answer tokens", row[ROW])
+    cut = min(*starts, shared)  # below an answer's start: the prompt's last tokens differ (merged)
     return {"prompt_ids": chosen["input_ids"][:cut], "chosen_ids": chosen["input_ids"][cut:],
-            "rejected_ids": rejected["input_ids"][cut:]}
+            "rejected_ids": rejected["input_ids"][cut:], MERGED: row[ROW] if cut < max(starts) else 0}
 
 
 def encode_preference(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
@@ -102,9 +114,15 @@ def encode_preference(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase
         try:
             return {**encode_pair(cfg, tok, row, template), PROBLEM: ""}
         except RowError as err:  # reported with every other bad row (encoders.without_bad_rows)
-            return {**{key: [] for key in COLUMNS}, PROBLEM: err.record()}
+            return {**{key: [] for key in COLUMNS}, MERGED: 0, PROBLEM: err.record()}
 
     out = ds.map(encode, remove_columns=ds.column_names, desc="tokenizing pairs")
+    merged = sorted(row for row in out[MERGED] if row)
+    if merged:
+        log.warning("%s: the prompt's last tokens differ between the chosen and the rejected sequence "
+                    "(tokens merged across the prompt's end); they count as answer tokens",
+                    row_numbers("", merged))
+    out = out.remove_columns(MERGED)
     kept = out.filter(lambda row: len(row["prompt_ids"]) < cfg.max_length, desc="checking")
     if len(kept) == 0:
         raise RecipeError([Problem("data.max_length", cfg.max_length, "leaves no answer tokens in any "

@@ -70,6 +70,41 @@ def test_conversations_mark_the_rendered_assistant_turn(tmp_path: Path, tokenize
     assert tokenizer.chat_template == CHATML  # saved with the run, for `memtrain generate`
 
 
+def test_pairs_of_both_shapes_all_render_as_conversations(tmp_path: Path, tokenizer: Any,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A message list anywhere makes every pair, in every split, a conversation (a string is one
+    message), said once. It was decided by each split's first row after shuffling: a plain first
+    row refused the others with "expected text, found list", and the two splits could render
+    differently."""
+    chat = {"prompt": [{"role": "user", "content": "name a pet"}], "chosen": "a cat", "rejected": "a rock"}
+    rows = [{"prompt": f"line {i}", "chosen": " yes", "rejected": " no"} for i in range(9)] + [chat]
+    with caplog.at_level("WARNING", logger="memtrain.data.prepare"):
+        _, data = _prepare(tmp_path, rows, tokenizer, chat_template=CHATML, eval_split=0.5)
+    start = tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"]
+    pairs = list(data.train) + list(data.eval)
+    assert len(pairs) == 10 and all(p["prompt_ids"][:len(start)] == start for p in pairs)
+    said = [r.getMessage() for r in caplog.records if "preference pairs hold only strings" in r.getMessage()]
+    assert said == ["9 of the 10 preference pairs hold only strings while the others hold message lists: "
+                    "each of their strings is read as one message and rendered with the chat template"]
+
+
+def test_pairs_whose_prompt_merges_into_the_answer_are_said_once_in_order(
+        tmp_path: Path, tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """"the ca" + "t sat" tokenizes "cat" across the prompt's end, and "car" differs from it: those
+    tokens count as the answer's. One warning names the rows in the order of the data (it was one
+    warning per row, in shuffled order)."""
+    rows = [{"prompt": "the dog", "chosen": " sat", "rejected": " went"} for _ in range(6)]
+    for i in (5, 1, 3):
+        rows[i] = {"prompt": "the ca", "chosen": "t sat", "rejected": "r went"}
+    with caplog.at_level("WARNING", logger="memtrain.data.prepare"):
+        _, data = _prepare(tmp_path, rows, tokenizer, eval_split=0.0)
+    said = [r.getMessage() for r in caplog.records if "merged" in r.getMessage()]
+    assert said == ["rows 2, 4 and 6: the prompt's last tokens differ between the chosen and the rejected "
+                    "sequence (tokens merged across the prompt's end); they count as answer tokens"]
+    merged = [p for p in data.train if tokenizer.decode(p["chosen_ids"]).startswith("cat")]
+    assert len(merged) == 3 and set(data.train.column_names) == {"prompt_ids", "chosen_ids", "rejected_ids"}
+
+
 def test_a_missing_answer_names_its_column(tmp_path: Path, tokenizer: Any) -> None:
     rows = [{"prompt": "a", "chosen": "b", "rejected": None}, {"prompt": "c", "chosen": "d", "rejected": "e"}]
     with pytest.raises(RecipeError) as err:
