@@ -93,12 +93,18 @@ def validate(recipe: Recipe, overrides: Overrides = None,
              show: Annotated[bool, typer.Option(
                  "--show", help="Then print the recipe fully resolved (every default filled in), as "
                  "YAML on stdout.")] = False) -> None:
-    """Check a recipe: every mistake at once, each with its fix (with --data, its data's too)."""
+    """Check a recipe: every mistake at once, each with its fix (with --data, its data's too).
+
+    The model is checked from its config, without weights: `data.max_length` within its
+    positions, and each technique the recipe fixes applies to it (a fake build).
+    """
     from memtrain.config import dump_recipe, load_recipe
     from memtrain.estimator.setup import check_max_length
+    from memtrain.plan.search import check_patches
 
     cfg = load_recipe(recipe, overrides or [])
     check_max_length(cfg)  # within the model's positions (its config only: no weights, no network)
+    check_patches(cfg)  # each fixed technique finds what it patches (a fake model from the config)
     if data:
         from memtrain.data.check import check_data
 

@@ -24,7 +24,7 @@ from memtrain.estimator import derive
 from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.grpo import generation_phase
-from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
+from memtrain.estimator.setup import ConfigNotFound, recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
 from memtrain.patches import CostInputs, ModelShape, NoMatchError
 from memtrain.plan import costmodel, space
@@ -774,14 +774,43 @@ class Search:
 
 def _patch_error(cfg: RunConfig, config: Any) -> str | None:
     """Why the recipe's patches cannot be applied to a fake model of ``config`` (None: they can)."""
+    err = _no_match(cfg, config)
+    return None if err is None else str(err).split(" Fix:")[0]
+
+
+def _no_match(cfg: RunConfig, config: Any) -> NoMatchError | None:
     try:
         with fake_tensor_mode(packed=cfg.data.packing), quiet_libraries():
             build_fake_model(cfg, config)
     except NoMatchError as err:
-        return str(err).split(" Fix:")[0]
+        return err
     except Exception:  # any other failure is the trace's to report, naming its field
         return None
     return None
+
+
+def check_patches(cfg: RunConfig) -> None:
+    """The techniques the recipe fixes apply to its model, as ``memtrain train`` finds once the
+    model loads: each patch finds what it patches in a fake model built from the config (no
+    weights; 2 layers, a failure confirmed at the model's depth). Fields left ``auto`` are off here
+    (the planner skips a technique that does not apply). Quiet when the config needs the network.
+
+    Raises:
+        NoMatchError: a technique finds nothing to patch (lean norm on GPT-2's LayerNorm, embedding
+            offload under a tied head); its message names the field and the fix.
+    """
+    try:
+        config, _ = resolve_config(cfg.model)
+        cfg = with_values(cfg, space.plain(space.auto_fields(cfg)))
+    except (ConfigNotFound, ValueError, MemtrainError):
+        return  # the config is out of reach, or the recipe's other checks report it
+    depth = int(getattr(config, "num_hidden_layers", 0) or 0)
+    err = None
+    for layers in sorted({min(2, depth), depth}) if depth else [None]:
+        err = _no_match(cfg, config if layers is None else with_depth(config, layers))
+        if err is None:
+            return
+    raise err
 
 
 def _largest(batches: list[tuple[int, int]], fit_at: Any, known: Iterable[int] = ()) -> Any:

@@ -76,3 +76,26 @@ def test_a_bad_recipe_still_exits_2_before_anything_is_read(tmp_path: Path, flag
     path = recipe_file(tmp_path, [{"messages": CHAT}], format="messages")
     code, out, err = validate(path, "adapter.rank=4", flag)
     assert code == 2 and out == "" and "`adapter.rank`: unknown key. Fix: did you mean `r`?" in err, err
+
+
+@pytest.mark.parametrize(("arch", "memory", "said"), [
+    ("gpt2", {"lean_norm": True},
+     "`memory.lean_norm`: got true, but GPT2LMHeadModel has no norm this patch knows"),
+    ("llama", {"offload": {"embeddings": True}, "tiled_mlp": "auto"},
+     "`memory.offload.embeddings`: the output head shares the input embedding's weight"),
+])
+def test_a_technique_the_model_cannot_take_is_refused_before_anything_loads(
+        tmp_path: Path, tiny_text_file: Path, arch: str, memory: dict, said: str) -> None:
+    """Caught by a fake build from the config (it was only once the model loaded); what the fix
+    says validates, and an `auto` field is the planner's to skip, not a mistake."""
+    recipe = causal_recipe(tmp_path, tiny_text_file, arch, memory=memory)
+    recipe["model"]["from_config"]["tie_word_embeddings"] = True
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, _, err = validate(str(path))
+    assert code == 2 and said in err, err
+    field = said.split("`")[1]
+    code, _, err = validate(str(path), f"{field}=false")
+    assert code == 0, err
+    code, _, err = validate(str(path), f"{field}=auto")
+    assert code == 0, err
