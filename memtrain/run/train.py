@@ -374,9 +374,7 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
                       f"{cfg.data.max_length}-token rows ({data.fill['unpacked']:.1%} with one "
                       "example per row)")
     table.add_row("batch", str(batch))
-    t = cfg.training
-    length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epoch(s)"
-    table.add_row("optimizer", f"{t.optimizer}, lr {t.learning_rate:g} ({t.lr_scheduler}), {length}")
+    table.add_row("optimizer", optimizer_line(cfg))
     for record in patches.records(model):
         table.add_row(f"patch: {record.name}", record.detail)
     if kept_pages:
@@ -384,6 +382,18 @@ def _startup_table(console: Console, cfg: RunConfig, model: Any, data: PreparedD
                       "above 32 MiB; memtrain.memory.hostmem)")
     table.add_row("output", cfg.output.dir)
     console.print(table)
+
+
+def optimizer_line(cfg: RunConfig) -> str:
+    """The run table's optimizer row: the optimizer, its schedule, the run's length, and where its
+    state and step are when a technique moves them."""
+    t = cfg.training
+    length = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epoch(s)"
+    where = [said for said, on in (("state and step on the host (memory.offload.optimizer)",
+                                    cfg.memory.offload.optimizer is True),
+                                   ("stepped inside backward (training.optimizer_in_backward)",
+                                    t.optimizer_in_backward is True)) if on]
+    return ", ".join([f"{t.optimizer}, lr {t.learning_rate:g} ({t.lr_scheduler})", length, *where])
 
 
 def print_summary(console: Console, metrics: dict[str, Any], out: Path, report: Report | None) -> None:
