@@ -362,8 +362,9 @@ def _label_names(ds: Dataset, cfg: RunConfig) -> list[str]:
         values = sorted(set(ds[column]), key=lambda v: (str(type(v)), v))
         if all(isinstance(v, int) for v in values):
             if min(values) < 0:
-                raise RecipeError([Problem(f"data.{column}", min(values), "labels must be 0 or more",
-                                           "use labels 0..N-1 or class names.")])
+                raise RecipeError([Problem(cfg.data.key("label_column"), column, f"holds the label "
+                                           f"{min(values)}; number labels must be 0 or more",
+                                           "use labels 0..N-1 or class names.")], cfg.data.source)
             names = [str(i) for i in range(max(values) + 1)]
         else:
             names = [str(v) for v in values]

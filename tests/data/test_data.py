@@ -90,6 +90,16 @@ def test_labels_out_of_range(tmp_path: Path, tokenizer) -> None:
         prepare_data(cfg, tokenizer)
 
 
+def test_a_negative_label_names_the_label_column(tmp_path: Path, tokenizer) -> None:
+    """It named `data.label`, which is not a recipe field, and not the label it found."""
+    f = write_jsonl(tmp_path / "c.jsonl", [{"text": f"t {i}", "y": i % 3 - 1} for i in range(6)])
+    cfg = load_recipe({"model": {"name": MINILM, "task": "sequence-classification"},
+                       "data": {"source": str(f), "format": "classification", "label_column": "y"}})
+    with pytest.raises(RecipeError, match=r"`data.label_column`: holds the label -1; number labels must be "
+                                          r"0 or more, got 'y'. Fix: use labels 0..N-1 or class names."):
+        prepare_data(cfg, tokenizer)
+
+
 def test_data_errors_come_before_the_model_loads(tmp_path: Path, monkeypatch) -> None:
     from memtrain.run import train as runner
 
