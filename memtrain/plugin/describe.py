@@ -232,13 +232,16 @@ def _precision(model: nn.Module) -> dict[str, Any]:
 
 
 def _adapter(model: nn.Module, given: Any = None) -> dict[str, Any]:
+    """The adapter section: ``given`` (TRL's ``peft_config=``, checked to be a LoraConfig by
+    :mod:`memtrain.plugin.checks`), else the adapter the model carries, else full fine-tuning."""
     peft_config = getattr(model, "peft_config", None)
     if given is None and not peft_config:
         return {"method": "full"}
     lora = given if given is not None else next(iter(peft_config.values()))  # type: ignore[union-attr]
     if type(lora).__name__ != "LoraConfig":
-        raise MemtrainError(f"prepare_for_budget: `peft_config` is a {type(lora).__name__}; memtrain "
-                            "estimates LoRA adapters. Fix: a peft `LoraConfig`, or leave `peft_config` out.")
+        raise MemtrainError(f"prepare_for_budget: the model carries a {type(lora).__name__} adapter; "
+                            "memtrain estimates LoRA adapters. Fix: wrap the model with a peft `LoraConfig`, "
+                            "or pass the model without its adapter.")
     targets = lora.target_modules
     return {"method": "lora", "r": lora.r, "alpha": lora.lora_alpha, "dropout": lora.lora_dropout,
             "target_modules": "all-linear" if targets == "all-linear" else sorted(targets)}

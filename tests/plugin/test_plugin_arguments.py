@@ -144,6 +144,17 @@ def test_a_bad_argument_is_named_with_its_value_and_fix_before_any_planning(
     assert "validation error" not in message, message
 
 
+def test_a_model_carrying_another_kind_of_adapter_is_named_as_the_model_s(tmp_path: Path) -> None:
+    """It was blamed on a `peft_config` argument the user never passed."""
+    from peft import IA3Config, get_peft_model
+
+    model = get_peft_model(tiny_model(), IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                                   feedforward_modules=["down_proj"]))
+    with pytest.raises(MemtrainError) as err:
+        memtrain.prepare_for_budget(model, arguments(tmp_path, 8, 1, 1), "1GiB", max_length=32, quiet=True)
+    assert "the model carries a IA3Config adapter" in str(err.value) and "peft_config" not in str(err.value)
+
+
 def test_good_arguments_pass_the_checks(tmp_path: Path) -> None:
     """What the checks take: sizes as str or bytes (a float too), ``auto``, ``margin=0``, every kind of
     ``memory=`` value the docs show, a plan as attach's budget."""
