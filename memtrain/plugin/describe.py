@@ -278,10 +278,9 @@ def memory_fields(memory: dict[str, Any] | None) -> dict[str, Any]:
     """
     fields = _dotted(memory or {}, "memory")
     choosable = {k.path for k in patch_knobs()}
-    knobs = {k.path for k in patches.knobs()}
     for path in fields:
         exists = _field_exists(path)
-        if path in choosable or (exists and path not in knobs and path not in NOT_FIXED_BY_MEMORY):
+        if exists and _settable(path):
             continue
         key = path.removeprefix("memory.")
         names = ", ".join(f"{p.removeprefix('memory.')!r}" for p in sorted(choosable))
@@ -307,10 +306,14 @@ OWN_ARGUMENTS = {"memory.budget": "budget=", "memory.margin": "margin=", "memory
 def memory_names() -> list[str]:
     """Every key ``memory=`` takes, dotted below ``memory`` (``tiled_mlp``, ``offload.activations``,
     ``offload.min_tensor_bytes``, ...): the techniques the plugin chooses and their parameters."""
-    choosable = {k.path for k in patch_knobs()}
+    return [p.removeprefix("memory.") for p in _leaf_fields(MemoryConfig, "memory") if _settable(p)]
+
+
+def _settable(path: str) -> bool:
+    """Whether ``memory=`` may set the memory field ``path``: a technique the plugin chooses, or a
+    parameter that no registered knob decides and that is not one of prepare_for_budget's own."""
     knobs = {k.path for k in patches.knobs()}
-    return [p.removeprefix("memory.") for p in _leaf_fields(MemoryConfig, "memory")
-            if p in choosable or (p not in knobs and p not in NOT_FIXED_BY_MEMORY)]
+    return path in {k.path for k in patch_knobs()} or (path not in knobs and path not in NOT_FIXED_BY_MEMORY)
 
 
 def _leaf_fields(section: Any, prefix: str) -> list[str]:
