@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -155,8 +156,16 @@ def plan(
         console.print_json(json.dumps(planner.describe(result), default=str))
     else:
         print_plan(console, result)
-        overrides_line = " ".join(f"{k}={_yaml_value(v)}" for k, v in result.settings().items())
-        console.print(f"train with: memtrain train {recipe} {overrides_line}", highlight=False)
+        console.print(f"train with: {train_command(recipe, overrides or [], result.settings())}",
+                      highlight=False, markup=False, soft_wrap=True)  # one line, as typed
+
+
+def train_command(recipe: str, overrides: list[str], settings: dict[str, Any]) -> str:
+    """The `memtrain train` command of a plan: the overrides the plan was made with (those it
+    decides replaced by its settings), then its settings, each quoted for the shell."""
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in settings]
+    decided = [f"{k}={_yaml_value(v)}" for k, v in settings.items()]
+    return shlex.join(["memtrain", "train", recipe, *kept, *decided])
 
 
 def _yaml_value(value: Any) -> str:

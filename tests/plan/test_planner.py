@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -141,9 +142,16 @@ def test_plan_command_prints_the_choice_and_a_train_command(tmp_path: Path, corp
 
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(_recipe(tmp_path, corpus)))
-    result = CliRunner().invoke(app, ["plan", str(path), "--budget", "4GiB"])
+    given = ["training.learning_rate=5e-4", "model.config_overrides={attention_dropout: 0.0}",
+             "training.grpo_rewards=[format]", "training.micro_batch_size=auto"]
+    result = CliRunner().invoke(app, ["plan", str(path), *given, "--budget", "4GiB"])
     assert result.exit_code == 0, result.output
-    assert "chosen" in result.output and "training.micro_batch_size=16" in result.output
+    assert "chosen" in result.output
+    # the command trains what was planned: the overrides it was planned with, one line for the shell
+    line = next(t for t in result.output.splitlines() if t.startswith("train with: "))
+    assert shlex.split(line.removeprefix("train with: ")) == [
+        "memtrain", "train", str(path), *given[:3], "training.micro_batch_size=16",
+        "training.gradient_accumulation=1"]
 
 
 @pytest.mark.slow
