@@ -164,6 +164,13 @@ class MemoryConfig(Section):
         return v
 
     @property
+    def budget_field(self) -> str:
+        """The field whose budget plans and checks use, as fixes name it: ``memory.budget``, or the
+        simulated one when it is the only budget."""
+        simulated = self.budget is None and self.simulate_budget is not None
+        return "memory.simulate_budget" if simulated else "memory.budget"
+
+    @property
     def margin_fraction(self) -> float:
         """``margin`` as a number: ``auto`` is 0 when the only budget is the simulated one, else 0.1.
 

@@ -206,7 +206,7 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
         raise MemtrainError(
             f"`training.micro_batch_size: auto`: not even micro-batch {probe.tried[-1][0]} of "
             f"{rows.longest} tokens fits {_limit_text(limit)} (probe step on the real model"
-            f"{_where(probe, probe.tried[-1][0])}). Fix: raise `memory.budget`, shorten "
+            f"{_where(probe, probe.tried[-1][0])}). Fix: raise `{_limit_field(cfg)}`, shorten "
             "`data.max_length`, or save memory (`memtrain plan`).")
     set_batch(trainer, probe.batch)
     _forget_probe_metrics(trainer)
@@ -339,6 +339,11 @@ def _where(probe: Probe, micro: int) -> str:
 
 def _device(model: nn.Module) -> torch.device:
     return model_device(model)
+
+
+def _limit_field(cfg: RunConfig) -> str:
+    """The field of the limit :func:`budget_limit` reads (a simulated budget comes first)."""
+    return "memory.simulate_budget" if cfg.memory.simulate_budget is not None else "memory.budget"
 
 
 def _limit_text(limit: int | None) -> str:

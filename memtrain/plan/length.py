@@ -127,8 +127,8 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
         raise MemtrainError(
             f"`data.max_length`: `auto` finds no length that fits: {step} tokens need "
             f"{format_bytes(found.probes[step])} with the leanest settings, more than the "
-            f"{format_bytes(usable)} usable. Fix: raise `memory.budget`, set more fields to `auto`, "
-            "or train a smaller model.")
+            f"{format_bytes(usable)} usable. Fix: raise `{cfg.memory.budget_field}`, set more fields to "
+            "`auto`, or train a smaller model.")
     found.chosen, found.estimate = lo, at(lo)
     return found
 

@@ -165,7 +165,7 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             f"Nothing fits the budget: {format_bytes(usable)} usable ({format_bytes(total)} minus the "
             f"{margin:.0%} margin, `memory.margin`). The smallest reachable peak is "
             f"{format_bytes(smallest.min_peak)}, with {smallest.label() or 'the recipe as written'}. "
-            f"Fix: raise `memory.budget` to at "
+            f"Fix: raise `{cfg.memory.budget_field}` to at "
             f"least {format_bytes(int(smallest.min_peak / (1 - margin)) + 1)}, set more fields "
             f"to `auto`{'' if cfg.memory.allow_approximate else ' (or `memory.allow_approximate: true`)'}, "
             "or train a smaller model.", smallest)
@@ -241,8 +241,8 @@ def fit_micro_batch(cfg: RunConfig, usable: int, *, device: str | None = None,
         raise NothingFits(f"Micro-batch {cand.micro}: {host.shortfall(cand.host)}")
     if cand.seconds == math.inf:
         raise NothingFits(f"Micro-batch {cand.micro} needs {format_bytes(cand.min_peak)}, more than the "
-                          f"{format_bytes(usable)} usable. Fix: raise `memory.budget` or use techniques "
-                          "that save memory (`memtrain plan`).")
+                          f"{format_bytes(usable)} usable. Fix: raise `{cfg.memory.budget_field}` or use "
+                          "techniques that save memory (`memtrain plan`).")
     return cand.micro, cand.accumulation, cand.peak
 
 

@@ -155,7 +155,7 @@ def train(cfg: RunConfig, console: Console | None = None,
         except torch.OutOfMemoryError as err:  # what recovery could not fix (it raises MemtrainErrors)
             if isinstance(err, MemtrainError):
                 raise
-            raise _out_of_memory(err, trainer.state.global_step + 1, out) from None
+            raise _out_of_memory(err, trainer.state.global_step + 1, out, cfg) from None
         finally:  # leave the dispatch modes in reverse order, also when a step raised
             for guard in reversed(guards):
                 guard.close()
@@ -206,13 +206,28 @@ def _whole_run(metrics: dict[str, Any], state: Any, resumed_at: int, runtime_bef
     return metrics
 
 
-def _out_of_memory(err: BaseException, step: int, out: Path) -> MemtrainError:
-    first = first_line(err)
-    return MemtrainError(
-        f"Out of memory in optimizer step {step}: {first} {checkpoints.kept_sentence(out)} Fix: a "
-        "larger `memory.budget` (or `memory.simulate_budget`), a smaller `training.micro_batch_size`, "
-        "`memory.checkpointing: full`, a shorter `data.max_length`, LoRA or quantization; then add "
-        "`training.resume=true` to continue from the checkpoint.")
+def _out_of_memory(err: BaseException, step: int, out: Path, cfg: RunConfig) -> MemtrainError:
+    resume = ("; then add `training.resume=true` to continue from the checkpoint"
+              if checkpoints.newest_finite(out) is not None else "")
+    return MemtrainError(f"Out of memory in optimizer step {step}: {first_line(err)} "
+                         f"{checkpoints.kept_sentence(out)} Fix: {memory_fixes(cfg)}{resume}.")
+
+
+def memory_fixes(cfg: RunConfig) -> str:
+    """What can make the recipe's step fit, leaving out what it does already."""
+    m, t = cfg.memory, cfg.training
+    fixes = ["a larger `memory.simulate_budget`" if m.simulate_budget is not None else
+             "a larger `memory.budget` (a larger GPU)"]
+    if t.micro_batch_size != 1:
+        fixes.append("a smaller `training.micro_batch_size` (`auto` probes what fits)")
+    if m.checkpointing != "full":
+        fixes.append("`memory.checkpointing: full`")
+    fixes.append("a shorter `data.max_length`")
+    if cfg.adapter.method == "full":
+        fixes.append("LoRA (`adapter.method: lora`)")
+    elif cfg.model.quantization == "none":
+        fixes.append("QLoRA (`model.quantization: nf4`)")
+    return ", ".join(fixes) + ", or the settings `memtrain plan` chooses for fields set to `auto`"
 
 
 def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],

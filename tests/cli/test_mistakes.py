@@ -110,7 +110,12 @@ def test_train_mistakes_exit_2_naming_the_field(tmp_path: Path, corpus: Path) ->
         f"output.dir={f['afile'] / 'run'}": "`output.dir`: '"
         + str(f["afile"] / "run")
         + "' cannot be created",
-        "memory.simulate_budget=1MiB": "Out of memory in optimizer step 1",
+        # the fixes fit the recipe (its simulated budget, no checkpoint to resume from, LoRA already)
+        "memory.simulate_budget=1MiB": "Out of memory in optimizer step 1: Simulated: tried to allocate past "
+        "the budget", "memory.simulate_budget=1MiB data.max_length=16": "No checkpoint had been saved yet. "
+        "Fix: a larger `memory.simulate_budget`, a smaller `training.micro_batch_size` (`auto` probes what "
+        "fits), `memory.checkpointing: full`, a shorter `data.max_length`, QLoRA (`model.quantization: "
+        "nf4`), or the settings `memtrain plan` chooses for fields set to `auto`.",
         "training.learning_rate=true": "`training.learning_rate`: expected a number, got True",
     }
     for overrides, expected in cases.items():

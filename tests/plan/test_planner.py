@@ -135,6 +135,11 @@ def test_an_impossible_budget_exits_2_with_the_numbers(tmp_path: Path, corpus: P
     assert "Traceback" not in result.output
     needed = result.output.split("at least ")[1].split(",")[0].replace("\n", "").replace(" ", "")
     assert parse_size(needed) > parse_size("1MiB")
+    assert "raise `memory.budget` to at least" in " ".join(result.output.split())
+    # the fix names the budget the plan read: a simulated one, when it is the only one
+    simulated = CliRunner().invoke(app, ["plan", str(path), "memory.simulate_budget=1MiB"])
+    assert simulated.exit_code == 2, simulated.output
+    assert "raise `memory.simulate_budget` to at least" in " ".join(simulated.output.split())
 
 
 def test_plan_command_prints_the_choice_and_a_train_command(tmp_path: Path, corpus: Path) -> None:
