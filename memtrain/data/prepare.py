@@ -26,7 +26,7 @@ from memtrain.config import DataConfig, Problem, RecipeError, RunConfig
 from memtrain.data import mixing, packing
 from memtrain.data.chat import IGNORE_INDEX, resolve_chat_template
 from memtrain.data.encoders import encode_splits
-from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW, missing_column_fix
+from memtrain.data.formats import CONVERSATION_READERS, REQUIRED_COLUMNS, ROW, missing_column_fix, row_numbers
 from memtrain.data.rows import Rows, rows_of
 from memtrain.errors import TRL_MISSING, MemtrainError
 
@@ -132,10 +132,29 @@ def _prompts(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedTokenizerBas
 
     train, evaluation = load_splits(data, cfg.training.seed)
     _require_columns(train, data)
+    if "exact_answer" in cfg.training.grpo_rewards:
+        _check_answers([train, evaluation], data, cfg.training.grpo_answer_column)
     if isinstance(train[0][data.prompt_column], list):  # conversations: the template TRL will apply
         tokenizer.chat_template = resolve_chat_template(data, tokenizer)
     splits = [encode_prompts(s, data, tokenizer, ROW) if s is not None else None for s in (train, evaluation)]
     return PreparedData(splits[0], splits[1], lambda rows: rows)
+
+
+def _check_answers(splits: list[Dataset | None], data: DataConfig, column: str) -> None:
+    """The column the ``exact_answer`` reward compares completions with: present, and filled in."""
+    field = "training.grpo_answer_column"
+    if column not in splits[0].column_names:
+        others = ", ".join(c for c in splits[0].column_names if c not in (ROW, data.prompt_column))
+        raise RecipeError([Problem(field, column, "is not a column of the data (the `exact_answer` reward "
+                                   "compares each completion with it)", f"set it to the column holding the "
+                                   f"answers; the data has: {others or 'no other column'}.")], data.source)
+    empty = sorted(row for ds in splits if ds is not None
+                   for row, answer in zip(ds[ROW], ds[column], strict=True)
+                   if answer is None or not str(answer).strip())
+    if empty:
+        raise RecipeError([Problem(field, column, f"{row_numbers('', empty)} (in the order of the data) "
+                                   "hold no answer", "fill in or remove those rows: `exact_answer` would "
+                                   "score completions against nothing.")], data.source)
 
 
 def _encode_dataset(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, *,

@@ -118,3 +118,22 @@ def test_grpo_prompts_of_another_shape_are_named_in_the_order_of_the_data(
                    "training.grpo_num_generations=2"], format="prompt")
     assert f"`data.prompt_column`: {named} a non-empty string, as most prompts are (row {odd[0] + 1} " \
            "holds list" in text
+
+
+@pytest.mark.parametrize(("column", "said"), [
+    ("title", "`training.grpo_answer_column`: is not a column of the data (the `exact_answer` reward "
+              "compares each completion with it), got 'title'. Fix: set it to the column holding the "
+              "answers; the data has: answer."),
+    ("answer", "`training.grpo_answer_column`: rows 3 and 7 (in the order of the data) hold no answer, got "
+               "'answer'. Fix: fill in or remove those rows"),
+])
+def test_the_exact_answer_column_must_be_there_and_filled_in(tmp_path: Path, tokenizer, column: str,
+                                                              said: str) -> None:
+    """A wrong column got the fix for a user's own reward function ("take **kwargs"); empty answers
+    were scored against "None"."""
+    rows = [{"prompt": f"line {i}", "answer": "x"} for i in range(10)]
+    rows[2]["answer"], rows[6]["answer"] = None, " "
+    grpo = ["training.objective=grpo", "training.grpo_rewards=[exact_answer]",
+            "training.grpo_num_generations=2", f"training.grpo_answer_column={column}"]
+    text = message(tmp_path, rows, tokenizer, grpo, format="prompt", eval_split=0.2)
+    assert said in " ".join(text.split()), text
