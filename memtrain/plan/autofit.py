@@ -73,6 +73,7 @@ class Probe:
     limit_bytes: int | None = None
     seconds: float = 0.0
     over_budget: dict[int, list[int]] = field(default_factory=dict)  # several processes: who did not fit
+    step: str = ""  # what the probe step ran, where it is not the model's own loss on the longest rows
 
     @property
     def failed(self) -> int:
@@ -190,6 +191,10 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
     pairs = [p for p in choices if p[0] < micro] + [(micro, top)]
     probe = Probe(batch, limit_bytes=limit)
     loss_fn = _trainer_loss(trainer, cfg)
+    if cfg.training.objective == "grpo":
+        probe.step = (f"TRL's GRPO training step on {rows.longest}-token prompts + "
+                      f"{cfg.training.grpo_max_completion_length}-token completions (the generation "
+                      "phase is predicted, not probed)")
     with _probe_optimizer(trainer, cfg, model, loss_fn) as optimizer:
         for micro, accum in sorted(pairs, reverse=True):
             fits, peak = _try_step(cfg, model, optimizer, micro, min(accum, 2), rows, limit, loss_fn)
@@ -217,11 +222,25 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
 
 
 def _trainer_loss(trainer: Any, cfg: RunConfig) -> Any:
-    """The probe's loss: the model's own, or for DPO the Trainer's ``compute_loss`` (TRL's: 2B rows
-    and the reference forward), as the training step computes it."""
-    if cfg.training.objective != "dpo":
+    """The probe's loss, as the training step computes it: the model's own; for DPO the Trainer's
+    ``compute_loss`` (TRL's: 2B rows and the reference forward); for GRPO TRL's ``compute_loss`` on
+    what generation hands it, the worst case (:func:`memtrain.estimator.grpo.step_batch`: every
+    completion full length after the longest prompt), in place of the example batch's rows."""
+    if cfg.training.objective == "dpo":
+        return lambda model, batch: trainer.compute_loss(model, batch)
+    if cfg.training.objective != "grpo":
         return None
-    return lambda model, batch: trainer.compute_loss(model, batch)
+    from memtrain.estimator.grpo import step_batch
+
+    def grpo_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        rows, prompt = batch["input_ids"].shape
+        device = batch["input_ids"].device
+        inputs = {k: v.to(device) for k, v in step_batch(trainer, rows, prompt=prompt).items()}
+        if not hasattr(trainer, "current_gradient_accumulation_steps"):  # the training loop sets it
+            trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+        return trainer.compute_loss(model, inputs)
+
+    return grpo_loss
 
 
 def _forget_probe_metrics(trainer: Any) -> None:
@@ -356,5 +375,5 @@ def describe(probe: Probe, seq_len: int) -> str:
     steps = ", ".join(f"{m} {'fits' if ok else 'out of memory'}{_where(probe, m)}" for m, ok in probe.tried)
     peak = f", peak {format_bytes(probe.peak_bytes)}" if probe.peak_bytes is not None else ""
     return (f"auto-fit: micro-batch {b.micro} × {b.accumulation} accumulated (effective {b.effective}) "
-            f"confirmed by a probe step of {seq_len} tokens per example under "
+            f"confirmed by a probe step of {probe.step or f'{seq_len} tokens per example'} under "
             f"{_limit_text(probe.limit_bytes)} ({steps}{peak}; {probe.seconds:.1f} s)")

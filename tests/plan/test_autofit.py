@@ -184,3 +184,28 @@ def test_on_cuda_the_probe_is_confirmed_by_the_allocator(tmp_path: Path, tiny_te
     assert probe.tried == [(4, True)] and probe.peak_bytes is not None
     assert outside_allocator_bytes(compute_device()) < probe.peak_bytes <= 2 * 2**30
     assert torch.cuda.memory_reserved() < 2**30  # the cap is lifted and the cache given back
+
+
+def test_a_grpo_probe_runs_trl_s_training_step_on_full_length_completions(tmp_path: Path) -> None:
+    """The probe steps through TRL's compute_loss on the worst case generation hands it, so its peak
+    is the traced training step's. It ran the model's own loss on prompt-length rows: no
+    completions, no log-probability head (178 MiB where the step holds 446 MiB), and said
+    "confirmed"."""
+    from memtrain.data.prepare import prepare_data
+    from memtrain.estimator.estimate import estimate
+    from memtrain.model import load_tokenizer
+    from memtrain.trainer.grpo import build_grpo_trainer
+
+    cfg = load_recipe("recipes/tiny-llama-grpo.yaml", [
+        "data.max_examples=64", "training.micro_batch_size=8", "training.gradient_accumulation=4",
+        "memory.simulate_budget=2GiB", f"output.dir={tmp_path / 'run'}"])
+    tokenizer = load_tokenizer(cfg.model)
+    data = prepare_data(cfg, tokenizer)
+    model = build_model(cfg, None, tokenizer.pad_token_id)
+    trainer = build_grpo_trainer(cfg, model, tokenizer, data, Batch(8, 4), cfg.output.dir)
+    rows = data.rows(cfg)
+    probe = autofit.confirm(trainer, cfg, Batch(8, 4), rows=rows)
+    assert probe.tried == [(8, True)]
+    assert "TRL's GRPO training step on" in autofit.describe(probe, rows.longest)
+    predicted = estimate(cfg, rows=rows).peak_bytes
+    assert abs(probe.peak_bytes / predicted - 1) < 0.01, (probe.peak_bytes, predicted)
