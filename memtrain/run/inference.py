@@ -12,9 +12,11 @@ ones the adapter was trained against, and the result is an ordinary Hugging Face
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,8 +81,11 @@ def _adapter_model(folder: Path, cfg: RunConfig, tokenizer: PreTrainedTokenizerB
     from peft import PeftModel
 
     labels = label_names(folder, cfg) if cfg.model.task == "sequence-classification" else None
-    base = load_model(cfg.model, len(labels) if labels else None, tokenizer.pad_token_id,
-                      cfg.training.seed)
+    # a classifier's base loads with a new head, which transformers reports as MISSING weights
+    # "newly initialized": the adapter saved the trained head (peft's modules_to_save) and puts it back
+    with _quiet_transformers() if labels else contextlib.nullcontext():
+        base = load_model(cfg.model, len(labels) if labels else None, tokenizer.pad_token_id,
+                          cfg.training.seed)
     if labels:
         base.config.id2label = dict(enumerate(labels))
         base.config.label2id = {n: i for i, n in enumerate(labels)}
@@ -91,6 +96,18 @@ def _adapter_model(folder: Path, cfg: RunConfig, tokenizer: PreTrainedTokenizerB
                 delattr(base.config, key)
     with quiet_renamed_checkpointing():  # peft reads a name transformers 5.24 renamed: nothing to act on
         return PeftModel.from_pretrained(base, folder)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def label_names(folder: Path, cfg: RunConfig) -> list[str]:

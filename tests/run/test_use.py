@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import MINILM, TINY_CONFIGS, causal_recipe
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from memtrain.cli.app import app
@@ -185,6 +187,34 @@ def test_the_documented_examples_train_and_generate(kind: str, tmp_path: Path) -
     assert json.loads((run_dir / "metrics.json").read_text())["eval_loss"] > 0
     result = cli.invoke(app, ["generate", str(run_dir), "Who wrote Hamlet?", "--max-new-tokens", "3"])
     assert result.exit_code == 0, result.output
+
+
+def test_a_pretrained_classifier_loads_without_transformers_reporting_its_head_missing(
+        tmp_path: Path) -> None:
+    """The base loads with a new head, which transformers reports as MISSING ("newly initialized ...
+    consider training"); the adapter then puts the trained head back. The report read as if
+    predictions came from a random head. (Planted: the base loaded unquieted -> fails.)"""
+    f = tmp_path / "cls.csv"
+    f.write_text("text,label\n" + "".join(f"the {a} {i},{a}\n" for i in range(4) for a in ("cat", "dog")))
+    cfg = {"model": {"name": MINILM, "task": "sequence-classification"},
+           "data": {"source": str(f), "format": "classification", "max_length": 16, "eval_split": 0.0},
+           "adapter": {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+           "training": {"micro_batch_size": 8, "gradient_accumulation": 1, "max_steps": 1,
+                        "save_strategy": "no"},
+           "output": {"dir": str(tmp_path / "run"), "report": False}}
+    trained = train(load_recipe(cfg))
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)  # its records do not propagate
+    try:
+        run = load_run(trained.output_dir)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in said if "MISSING" in m], said
+    head = run.model.base_model.model.classifier.modules_to_save["default"].weight
+    saved = load_file(trained.output_dir / "adapter_model.safetensors")
+    assert torch.equal(head, next(v for k, v in saved.items() if k.endswith("classifier.weight")))
 
 
 def test_predict_refuses_rows_without_text(classifier_run: Path, tmp_path: Path) -> None:
