@@ -34,7 +34,7 @@ from memtrain.cli.common import (
     err_console,
     user_errors,
 )
-from memtrain.errors import first_line
+from memtrain.errors import MemtrainError, first_line
 
 app = typer.Typer(
     add_completion=False,
@@ -79,6 +79,11 @@ def train(recipe: Recipe, overrides: Overrides = None,
     from memtrain.run.train import train as run_training
 
     _setup_logging(verbose)
+    given = [o.split("=", 1)[1].strip() for o in overrides or [] if o.split("=", 1)[0].strip() ==
+             "distributed.processes"]
+    if nproc is not None and given and given[-1] != str(nproc):
+        raise MemtrainError(f"`--nproc {nproc}` and `distributed.processes={given[-1]}` ask for different "
+                            "numbers of processes. Fix: give one of them.")
     extra = [f"distributed.processes={nproc}"] if nproc is not None else []
     cfg = load_recipe(recipe, [*(overrides or []), *extra])
     run_training(cfg, console=console)

@@ -92,7 +92,8 @@ def node_problems(d: Any) -> list[Problem]:
     out = []
     if isinstance(d.master_port, int) and not 0 < d.master_port < 65536:
         out.append(Problem("distributed.master_port", d.master_port, "is not a TCP port",
-                           "choose a free port between 1024 and 65535 (29500 is torchrun's default)."))
+                           "choose a free port from 1 to 65535 (29500 is torchrun's default; below 1024 "
+                           "needs root)."))
     if isinstance(d.node_rank, int) and not 0 <= d.node_rank < d.nodes:
         out.append(Problem(
             "distributed.node_rank", d.node_rank, f"must be between 0 and `distributed.nodes` - 1 = "

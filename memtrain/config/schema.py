@@ -393,6 +393,15 @@ def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
             "(bitsandbytes' 8-bit and paged optimizers manage their own state)",
             "use `training.optimizer: adamw` with the offload, or set `memory.offload.optimizer: false`.",
         ))
+    if memory is not None and distributed is not None and memory.offload.parameters \
+            and (distributed.processes < 2 or distributed.sharding == "none"):
+        # FSDP2's CPU offload of the parameter shards: without shards nothing would move
+        out.append(Problem(
+            "memory.offload.parameters", True, "keeps FSDP's parameter shards on the CPU, which needs "
+            f"several processes that shard (`distributed.processes: {distributed.processes}`, "
+            f"`distributed.sharding: {distributed.sharding}`)", "set `distributed.processes` to 2 or "
+            "more with `distributed.sharding: full` or `grad_op`, or offload the optimizer instead "
+            "(`memory.offload.optimizer: true`)."))
     return out
 
 

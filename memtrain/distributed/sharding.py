@@ -24,13 +24,7 @@ def sharded(cfg: RunConfig) -> bool:
                             "training. Fix: set it to `full` (FSDP2), `grad_op` (FSDP2, ZeRO-2) or "
                             "`none` (replicas, DDP), or run `memtrain plan`.")
     sharded = cfg.distributed.processes > 1 and cfg.distributed.sharding in SHARDED
-    if cfg.memory.offload.parameters and not sharded:  # nothing would move: say so
-        raise MemtrainError(
-            "`memory.offload.parameters`: true keeps FSDP's parameter shards on the CPU, which needs "
-            f"several processes and `distributed.sharding: full` or `grad_op` (got processes="
-            f"{cfg.distributed.processes}, sharding={cfg.distributed.sharding}). Fix: set "
-            "`distributed.processes` to 2 or more with sharding, or offload the optimizer "
-            "instead (`memory.offload.optimizer: true`).")
+    # `memory.offload.parameters` without shards is a recipe problem (memtrain.config.schema)
     if sharded and cfg.training.optimizer in NOT_ON_SHARDS:
         raise MemtrainError(
             f"`training.optimizer`: {cfg.training.optimizer} cannot update FSDP2's sharded parameters "

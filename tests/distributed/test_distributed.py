@@ -213,6 +213,13 @@ def test_cli_nproc_sets_the_number_of_processes(tmp_path: Path, text_file: Path,
     result = CliRunner().invoke(app, ["train", str(recipe), "--nproc", "2"])
     assert result.exit_code == 0, result.output
     assert seen[0].distributed.processes == 2
+    agreeing = CliRunner().invoke(app, ["train", str(recipe), "distributed.processes=2", "--nproc", "2"])
+    assert agreeing.exit_code == 0, agreeing.output
+    # both, disagreeing: refused (--nproc silently won)
+    both = CliRunner().invoke(app, ["train", str(recipe), "distributed.processes=3", "--nproc", "2"])
+    assert both.exit_code == 2 and len(seen) == 2
+    said = " ".join(both.output.split())
+    assert "`--nproc 2` and `distributed.processes=3` ask for different numbers" in said
 
 
 # ---------------------------------------------------------------- real runs with 2 processes
