@@ -66,6 +66,13 @@ def launch_needed(cfg: RunConfig) -> bool:
     return False
 
 
+def forget_launch() -> None:
+    """In a process a launched one starts (to trace, say): not one of the launched processes."""
+    for name in [n for n in os.environ if n.startswith(("TORCHELASTIC_", "GROUP_", "ROLE_"))] + [
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]:
+        os.environ.pop(name, None)
+
+
 def bind_device() -> None:
     """In a launched process on a CUDA machine: take the GPU of this local rank, before the
     model (or a quantized model's weights, placed on the current device) lands on GPU 0."""

@@ -119,11 +119,12 @@ def train(cfg: RunConfig, console: Console | None = None,
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     check_positions(model.config, rows.longest)  # the loaded config (a hub id the check above could not read)
+    # before the processes' group exists: the estimate traces sharding in a group of its own
+    predicted = _predict(cfg, rows) if cfg.output.report else None
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
     rundir.clear_old_run(cfg, out)  # only now: a data or model mistake leaves the old run whole
     rundir.claim(out)
     _startup_table(console, cfg, model, data, batch, kept_pages)
-    predicted = _predict(cfg, rows) if cfg.output.report else None
     meter = MemoryMeterCallback(every=cfg.training.logging_steps,
                                 predicted_bytes=predicted.peak_bytes if predicted else None)
     guards: list[TrainerCallback] = [meter]
@@ -251,14 +252,29 @@ def _plan(cfg: RunConfig, console: Console, rows: Rows | None) -> RunConfig:
 
 
 def _predict(cfg: RunConfig, rows: Rows) -> Estimate | None:
-    """The estimator's prediction of this run's longest step (for the report), or None if it cannot say."""
-    if cfg.distributed.processes > 1:
-        return None  # the report shows each process's measurement; sharding is not estimated
+    """The estimator's prediction of this run's longest step (for the report), or None if it cannot
+    say; with several processes, the most one process holds. The estimate traces sharding in a
+    process group of its own, so once the run's group exists it runs in a fresh process (rank 0's
+    report only: the others' are not kept)."""
+    import torch.distributed as dist
+
+    if cfg.distributed.processes > 1 and dist.is_available() and dist.is_initialized():
+        return _predict_apart(cfg, rows) if dist.get_rank() == 0 else None
     try:
         return estimate(cfg, rows=rows)
     except (MemtrainError, RuntimeError, ValueError, NotImplementedError) as err:
         log.warning("no memory prediction for the report: %s", err)
         return None
+
+
+def _predict_apart(cfg: RunConfig, rows: Rows) -> Estimate | None:
+    """:func:`_predict` in a new process, outside the launcher's environment and process group."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=launch.forget_launch) as pool:
+        return pool.submit(_predict, cfg, rows).result()
 
 
 def _report(cfg: RunConfig, measured: StepMemory, log_history: list[dict[str, Any]],
