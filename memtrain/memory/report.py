@@ -77,7 +77,9 @@ def comparison(report: Report) -> str:
     measured, predicted = report.measured.get("batch"), report.predicted.get("batch")
     worst = format_bytes(report.predicted["peak_bytes"])
     if not measured or not predicted:
-        return f"measured: the step with the highest peak; predicted {worst}: {_shape(predicted)}"
+        return (f"measured: the step with the highest peak, whose batch shape is not known (GRPO: its "
+                f"completions are generated in the step); predicted {worst} for the worst case, "
+                f"{_shape(predicted)}: the comparison is not like for like")
     ratio = _ratio(report.compared(), report.measured["peak_bytes"])
     # the reported step is unlike the run's others only where no measured step was like them
     failed = ("; the measured step also held an attempt that ran out of memory before it was split, so it "
