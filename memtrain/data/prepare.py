@@ -128,10 +128,11 @@ def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> Prepared
 
 
 def _prompts(data: DataConfig, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
-    from memtrain.data.prompts import encode_prompts
+    from memtrain.data.prompts import check_prompts, encode_prompts
 
     train, evaluation = load_splits(data, cfg.training.seed)
     _require_columns(train, data)
+    check_prompts([train, evaluation], data, ROW)
     if "exact_answer" in cfg.training.grpo_rewards:
         _check_answers([train, evaluation], data, cfg.training.grpo_answer_column)
     if isinstance(train[0][data.prompt_column], list):  # conversations: the template TRL will apply
@@ -285,6 +286,8 @@ def _check_json_lines(path: Path, cfg: DataConfig) -> None:
 
 def _check_nulls(ds: Dataset, cfg: DataConfig, split: str) -> None:
     """Empty values in the columns a format reads are mistakes: name the first rows that have them."""
+    if cfg.kind == "prompt":  # reported with every other bad prompt (memtrain.data.prompts.check_prompts)
+        return
     problems = []
     for key in REQUIRED_COLUMNS[cfg.kind]:
         column = getattr(cfg, key)

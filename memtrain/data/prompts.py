@@ -35,29 +35,40 @@ def _is_messages(value: Any) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
-def _check_shapes(ds: Dataset, cfg: DataConfig, row_key: str) -> None:
-    """Every prompt a non-empty string, or every prompt a non-empty list of {role, content}
-    messages. The shape most rows have is the one asked of all (the earliest row's on a tie); the
-    others are named in the order of the data."""
-    rows = sorted(zip(ds[row_key], ds[cfg.prompt_column], strict=True), key=lambda r: r[0])
+def check_prompts(splits: list[Dataset | None], cfg: DataConfig, row_key: str) -> None:
+    """Every prompt of every split a non-empty string, or every prompt a non-empty list of {role,
+    content} messages: the shape most rows have is the one asked of all (the earliest row's on a
+    tie). Every bad row is named, in the order of the data, grouped by what is wrong."""
+    rows = sorted((pair for ds in splits if ds is not None
+                   for pair in zip(ds[row_key], ds[cfg.prompt_column], strict=True)), key=lambda r: r[0])
     lists = sum(isinstance(value, list) for _, value in rows)
     conversational = lists * 2 > len(rows) or (lists * 2 == len(rows) and isinstance(rows[0][1], list))
-    good = _is_messages if conversational else (lambda v: isinstance(v, str) and bool(v.strip()))
-    bad = [(row, value) for row, value in rows if not good(value)]
-    if bad:
-        want = "a non-empty list of {role, content} messages" if conversational else "a non-empty string"
-        row, value = bad[0]
-        verb = "is not" if len(bad) == 1 else "are not"
-        raise RecipeError([Problem(cfg.key("prompt_column"), cfg.prompt_column,
-                                   f"{row_numbers('', [r for r, _ in bad])} of {len(rows)} {verb} {want}, as "
-                                   f"most prompts are (row {row} holds {type(value).__name__} "
-                                   f"{str(value)[:60]!r})", "store every prompt the same way: all "
-                                   "non-empty strings, or all non-empty message lists.")], cfg.source)
+    want = "a list of {role, content} messages" if conversational else "a string"
+    groups: dict[tuple[str, str], list[tuple[int, Any]]] = {}
+    for row, value in rows:
+        if value is None or value == [] or (isinstance(value, str) and not value.strip()):
+            why = ("the prompt is empty", "fill in or remove those rows.")
+        elif conversational != isinstance(value, list):
+            why = (f"expected {want}, as most prompts are", "store every prompt the same way: all strings, "
+                   "or all message lists.")
+        elif conversational and not _is_messages(value):
+            why = ("a message has no `role` or no `content`", "give every message both.")
+        else:
+            continue
+        groups.setdefault(why, []).append((row, value))
+    problems = []
+    for (message, fix), bad in groups.items():
+        (first, value), numbers = bad[0], row_numbers("", [r for r, _ in bad])
+        held = f"row {first} holds {type(value).__name__} {repr(value)[:60]}"
+        problems.append(Problem(cfg.key("prompt_column"), cfg.prompt_column,
+                                f"{numbers} of {len(rows)}: {message} ({held})", fix))
+    if problems:
+        raise RecipeError(problems, cfg.source)
 
 
 def encode_prompts(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase, row_key: str) -> Dataset:
-    """The rows as TRL reads them (``prompt`` plus the other columns) with each prompt's token count."""
-    _check_shapes(ds, cfg, row_key)
+    """The rows as TRL reads them (``prompt`` plus the other columns) with each prompt's token count
+    (the prompts checked first: :func:`check_prompts`)."""
     if cfg.prompt_column != "prompt":
         if "prompt" in ds.column_names:
             ds = ds.remove_columns("prompt")

@@ -105,19 +105,30 @@ def test_a_conversation_format_fix_names_what_works(tmp_path: Path, tokenizer, r
     assert len(prepare(tmp_path, rows * 3, tokenizer, applied(fix), **data).train) == 3  # it works
 
 
-@pytest.mark.parametrize(("odd", "named"), [((2, 11), "rows 3 and 12 of 20 are not"),
-                                            ((0,), "row 1 of 20 is not")])
-def test_grpo_prompts_of_another_shape_are_named_in_the_order_of_the_data(
-        tmp_path: Path, tokenizer, odd: tuple[int, ...], named: str) -> None:
-    """The shape most prompts have is asked of all, and the others are named by their row in the
-    file. It named one row, in shuffled order, against the shape of whichever row came first."""
+GRPO = ["training.objective=grpo", "training.grpo_rewards=[format]", "training.grpo_num_generations=2"]
+
+
+def test_every_bad_grpo_prompt_is_named_at_once_in_the_order_of_the_data(tmp_path: Path, tokenizer) -> None:
+    """Every kind of bad prompt, in both splits, in one message, each kind with its fix; the shape
+    most prompts have is asked of all. It named one row per run (nulls first, then one shape
+    problem, met in shuffled order) against the shape of whichever row came first."""
     rows = [{"prompt": f"line {i}", "answer": "x"} for i in range(20)]
-    for i in odd:
-        rows[i]["prompt"] = CHAT[:1]
-    text = message(tmp_path, rows, tokenizer, ["training.objective=grpo", "training.grpo_rewards=[format]",
-                   "training.grpo_num_generations=2"], format="prompt")
-    assert f"`data.prompt_column`: {named} a non-empty string, as most prompts are (row {odd[0] + 1} " \
-           "holds list" in text
+    rows[0]["prompt"], rows[11]["prompt"] = CHAT[:1], CHAT  # another shape
+    rows[2]["prompt"], rows[5]["prompt"], rows[8]["prompt"] = None, "  ", []  # empty
+    text = " ".join(message(tmp_path, rows, tokenizer, GRPO, format="prompt", eval_split=0.25).split())
+    assert ("`data.prompt_column`: rows 1 and 12 of 20: expected a string, as most prompts are (row 1 holds "
+            "list") in text
+    assert "Fix: store every prompt the same way: all strings, or all message lists." in text
+    assert ("`data.prompt_column`: rows 3, 6 and 9 of 20: the prompt is empty (row 3 holds NoneType None), "
+            "got 'prompt'. Fix: fill in or remove those rows.") in text, text
+
+
+def test_conversational_prompts_name_messages_without_a_role(tmp_path: Path, tokenizer) -> None:
+    rows = [{"prompt": CHAT[:1], "answer": "x"} for _ in range(6)]
+    rows[4]["prompt"] = [{"content": "hi"}]
+    text = " ".join(message(tmp_path, rows, tokenizer, GRPO, format="prompt").split())
+    assert ("`data.prompt_column`: row 5 of 6: a message has no `role` or no `content` (row 5 holds list "
+            "[{'content': 'hi'}]), got 'prompt'. Fix: give every message both.") in text
 
 
 @pytest.mark.parametrize(("column", "said"), [
@@ -133,7 +144,6 @@ def test_the_exact_answer_column_must_be_there_and_filled_in(tmp_path: Path, tok
     were scored against "None"."""
     rows = [{"prompt": f"line {i}", "answer": "x"} for i in range(10)]
     rows[2]["answer"], rows[6]["answer"] = None, " "
-    grpo = ["training.objective=grpo", "training.grpo_rewards=[exact_answer]",
-            "training.grpo_num_generations=2", f"training.grpo_answer_column={column}"]
+    grpo = [GRPO[0], "training.grpo_rewards=[exact_answer]", GRPO[2], f"training.grpo_answer_column={column}"]
     text = message(tmp_path, rows, tokenizer, grpo, format="prompt", eval_split=0.2)
     assert said in " ".join(text.split()), text
