@@ -64,7 +64,9 @@ class StepMemory:
     cuda_max_allocated: int | None = None
     cuda_max_reserved: int | None = None
     timeline: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
-    batch: tuple[int, int] | None = None  # (rows, tokens) of the step's largest micro-batch, if known
+    # (rows, tokens) of the step's largest micro-batch, if known; GRPO's: (completions, prompt
+    # tokens, completion tokens) of the generated batch
+    batch: tuple[int, ...] | None = None
     accumulation: int | None = None  # micro-batches per optimizer step when it ran, if known
     failed_attempt: bool = False  # the step ran out of memory once and was redone in pieces
     before_optimizer_state: bool = False  # the step began before the optimizer had any state

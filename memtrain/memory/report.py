@@ -100,6 +100,8 @@ def comparison(report: Report) -> str:
 
 
 def _shape(batch: Any) -> str:
+    if batch and len(batch) == 3:  # GRPO's generated batch
+        return f"{batch[0]} completions of {batch[2]} tokens after {batch[1]}-token prompts"
     return f"{batch[0]} rows x {batch[1]} tokens" if batch else "batch shape unknown"
 
 

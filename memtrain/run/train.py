@@ -287,18 +287,23 @@ def _report(cfg: RunConfig, measured: StepMemory, log_history: list[dict[str, An
         return build_report(measured, log_history, None, _run_info(cfg, batch))
     # the batch the estimate traced (auto-fit may have stepped the micro-batch down since)
     longest = [predicted.settings["micro_batch_size"], predicted.settings["seq_len"]]
+    if cfg.training.objective == "grpo":  # completions of their longest length after the prompts
+        longest.append(cfg.training.grpo_max_completion_length)
     worst = predicted.to_dict() | {"batch": longest, "rows": rows.describe(longest[0])}
     same = None
     # the accumulation the measured step ran with (an out-of-memory split accumulates its pieces),
     # which decides whether gradients were held during its forward
     accumulation = measured.accumulation or batch.accumulation
     if measured.batch and (list(measured.batch) != longest or (accumulation > 1) != (batch.accumulation > 1)):
-        held, tokens = measured.batch
+        held, tokens, *completion = measured.batch
         like = Rows(longest=tokens, uniform=rows.uniform, packed=rows.packed, read=rows.read)
-        again = _predict(planner.with_values(cfg, {"training.micro_batch_size": held,
-                                                   "training.gradient_accumulation": accumulation,
-                                                   "training.effective_batch_size": None}), like)
-        same = again.to_dict() | {"batch": [held, tokens], "rows": like.describe(held)} if again else None
+        values = {"training.micro_batch_size": held, "training.gradient_accumulation": accumulation,
+                  "training.effective_batch_size": None}
+        if completion:  # GRPO: completions as long as the measured step's
+            values["training.grpo_max_completion_length"] = completion[0]
+        again = _predict(planner.with_values(cfg, values), like)
+        same = (again.to_dict() | {"batch": list(measured.batch), "rows": like.describe(held)}
+                if again else None)
     run = _run_info(cfg, batch) | ({"largest_batch": list(largest)} if largest else {})  # the run's largest
     return build_report(measured, log_history, worst, run, same)
 

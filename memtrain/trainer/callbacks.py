@@ -161,6 +161,8 @@ class MemoryMeterCallback(TrainerCallback):
                       model: torch.nn.Module | None = None, optimizer: Any = None,
                       **kwargs: Any) -> None:
         step = state.global_step + 1
+        if isinstance(getattr(self._trainer, "completion_batches", None), list):
+            self._trainer.completion_batches.clear()  # GRPO: this step's generated batches from here
         shape, self._upcoming = self._upcoming, None
         largest = shape is not None and (self.largest is None or _size(shape) > _size(self.largest))
         if largest:
@@ -188,6 +190,9 @@ class MemoryMeterCallback(TrainerCallback):
         self._meter = None
         recovery = recovery_of(self._trainer) if self._trainer is not None else None
         result.batch, result.accumulation = self._ran(args, recovery)
+        generated = getattr(self._trainer, "completion_batches", None)
+        if result.batch is None and generated:  # GRPO: (rows, prompt tokens, completion tokens)
+            result.batch = max(generated, key=lambda b: (b[0] * (b[1] + b[2]), b[2]))
         result.failed_attempt = recovery is not None and any(e["step"] == state.global_step
                                                              for e in recovery.events)
         result.before_optimizer_state = self._stateless

@@ -55,10 +55,20 @@ class MemtrainGRPOTrainer(MemtrainTrainer, GRPOTrainer):
     """TRL's GRPOTrainer behind memtrain's guards and checkpoints (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.completion_batches: list[tuple[int, int, int]] = []  # this step's, see compute_loss
         super().__init__(*args, **kwargs)
         model = self.model
         if hasattr(model, "peft_config") and "ref" in model.peft_config:
             model.delete_adapter("ref")  # the reference is the base model: adapter disabled
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """TRL's loss, noting the (rows, prompt tokens, completion tokens) of the generated batch it
+        is handed: the memory meter reports a step's batch from them (the Trainer fetched prompts)."""
+        prompt, completion = inputs.get("prompt_ids"), inputs.get("completion_ids")
+        if isinstance(prompt, torch.Tensor) and isinstance(completion, torch.Tensor):
+            self.completion_batches.append((int(prompt.shape[0]), int(prompt.shape[1]),
+                                            int(completion.shape[1])))
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
 
 def loss_types() -> tuple[str, ...]:

@@ -64,6 +64,14 @@ def test_grpo_recipe_reward_rises(tmp_path: Path) -> None:
         values = [log[key] for log in logs]
         first, last = sum(values[:3]) / 3, sum(values[-3:]) / 3
         assert last > first + 0.15, (key, first, last, values)
+    # the report compares the measured step with a prediction for its own generated batch (its
+    # prompts' and completions' lengths), not with the worst case (+23% when it was)
+    from memtrain.memory.report import load_report
+
+    report = load_report(result.output_dir)
+    rows, prompt, completion = report.measured["batch"]
+    assert (rows, completion) == (32, 2) and prompt <= report.predicted["batch"][1]
+    assert report.compared()["peak_bytes"] == pytest.approx(report.measured["peak_bytes"], rel=0.01)
 
 
 @pytest.mark.slow
