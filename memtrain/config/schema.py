@@ -393,6 +393,17 @@ def cross_section_problems(sections: Mapping[str, Any]) -> list[Problem]:
             "(bitsandbytes' 8-bit and paged optimizers manage their own state)",
             "use `training.optimizer: adamw` with the offload, or set `memory.offload.optimizer: false`.",
         ))
+    sketched = memory is not None and memory.randomized_linear not in (None, "auto")
+    if sketched and memory.checkpointing == "selective":
+        # selective checkpointing caches the sketch product of the first forward, while the
+        # recompute draws the layer's next seed: the backward would sketch the gradient with another
+        # sketch (a weight gradient of mean zero), where full or n-of-L checkpointing recomputes both
+        out.append(Problem(
+            "memory.randomized_linear", memory.randomized_linear.model_dump(), "cannot run under "
+            "`memory.checkpointing: selective`: the checkpoint keeps the input's sketch from the first "
+            "forward and the recompute draws a new one, so the weight gradients would be wrong",
+            "use `memory.checkpointing: full` (or a number of layers) with it, or set "
+            "`memory.randomized_linear: null`."))
     if memory is not None and distributed is not None and memory.offload.parameters \
             and (distributed.processes < 2 or distributed.sharding == "none"):
         # FSDP2's CPU offload of the parameter shards: without shards nothing would move

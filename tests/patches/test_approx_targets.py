@@ -15,6 +15,7 @@ from memtrain.config import FewBitConfig, RandomizedLinearConfig, load_recipe
 from memtrain.patches import fewbit, randomized_linear
 from memtrain.patches._targets import blocks
 from memtrain.plan import costmodel, planner
+from memtrain.plan.search import Search
 
 CATALOG = tiny_catalog_configs()
 
@@ -68,3 +69,26 @@ def test_allow_approximate_plans_on_every_catalog_architecture(arch: str, tmp_pa
     combos = [c.values for c in [decided.chosen, *decided.alternatives]]
     assert {(v["memory.activation_bits"], v["memory.randomized_linear"] is not None) for v in combos} == {
         (None, False), (3, False), (None, True), (3, True)}
+
+
+def test_the_randomized_backward_and_selective_checkpointing_are_never_paired(
+        tmp_path: Path, tiny_text_file: Path) -> None:
+    """Selective checkpointing caches the sketch of the first forward while the recompute draws the
+    layer's next seed: the weight gradient would pair two sketches (mean zero). Refused when fixed,
+    with the fix; skipped when planned. The planner reached the pair with `allow_approximate` and
+    every plan died in its trace ("Tensor cached during selective activation checkpoint has been
+    mutated")."""
+    from memtrain.config import RecipeError
+
+    recipe = causal_recipe(tmp_path, tiny_text_file, data={"max_length": 16}, adapter={"method": "full"},
+                           memory={"randomized_linear": {"ratio": 0.2}, "checkpointing": "selective"})
+    said = r"`memory.randomized_linear`: cannot run under `memory.checkpointing: selective`"
+    with pytest.raises(RecipeError, match=said + r".*Fix: use `memory.checkpointing: full`"):
+        load_recipe(recipe)
+    recipe["memory"]["checkpointing"] = "full"
+    load_recipe(recipe)
+    recipe["memory"] = {"allow_approximate": True, "randomized_linear": "auto", "checkpointing": "auto"}
+    search = Search(load_recipe(recipe), "cpu", 2**30)
+    pairs = {(c.values["memory.randomized_linear"] is not None, c.values["memory.checkpointing"])
+             for c in search.candidates()}
+    assert {(True, "full"), (False, "selective")} <= pairs and (True, "selective") not in pairs
