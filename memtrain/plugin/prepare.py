@@ -221,10 +221,12 @@ class MemoryBudgetCallback(MemoryMeterCallback):
 
     def _device_peak(self, measured: StepMemory) -> int:
         """The peak that runs out: on CUDA (no simulated limit) the allocator's reserved memory plus
-        what the context and libraries hold outside it, not the tensors; else the live tensor bytes."""
+        what the context and libraries hold outside it, not the tensors; else the live tensor bytes,
+        on a CPU with the offloaded ones (the host is the same RAM, and the plan counts them: an
+        activation offload's prediction read 59% above a device-only measurement)."""
         if measured.cuda_max_reserved is not None and self.limit is None:
             return measured.cuda_max_reserved + self._outside
-        return measured.peak_bytes
+        return _tensors(measured)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
@@ -248,8 +250,8 @@ class MemoryBudgetCallback(MemoryMeterCallback):
             return
         extra: dict[str, float] = {}
         if self.predicted is not None:  # memory/predicted_peak_mib: logged by MemoryMeterCallback
-            error = (self.predicted - measured.peak_bytes) / measured.peak_bytes
-            extra["memory/predicted_error_pct"] = 100.0 * error
+            held = _tensors(measured)
+            extra["memory/predicted_error_pct"] = 100.0 * (self.predicted - held) / held
         for phase, predicted in self.predicted_phases.items():  # GRPO: each phase against its own
             if seen := logs.get(f"memory/{phase}_peak_mib"):
                 extra[f"memory/{phase}_error_pct"] = 100.0 * (predicted / MiB - seen) / seen
@@ -295,6 +297,11 @@ def attach(trainer: Trainer, budget: str | int | BudgetPlan | None = None, **opt
 
 
 # ---------------------------------------------------------------------------- prepare_for_budget
+
+
+def _tensors(measured: StepMemory) -> int:
+    """A measured step's peak live tensor bytes, on a CPU with the offloaded ones (the same RAM)."""
+    return measured.peak_bytes + (measured.host_peak_bytes if measured.device.startswith("cpu") else 0)
 
 
 def _is_classifier(model: nn.Module) -> bool:

@@ -116,6 +116,22 @@ def test_prepare_for_budget_fits_a_plain_trainer_run(tmp_path: Path) -> None:
         prepare_for_budget(tiny_model(), args, "1MiB", max_length=32, memory=few)  # (fewer searched: faster)
 
 
+def test_on_a_cpu_an_activation_offload_is_measured_with_its_host_tensors(tmp_path: Path) -> None:
+    """On a CPU the host is the same RAM: the plan counts the offloaded tensors, so the logged error
+    compares with the device's and the host's tensors together (it read +59% for an exact prediction,
+    against the device's alone)."""
+    args = arguments(tmp_path, 4, 1, 2)
+    model, new_args = prepare_for_budget(tiny_model(), args, "1GiB", max_length=128, quiet=True,
+                                         memory={"offload": {"activations": True, "min_tensor_bytes": 1024}})
+    trainer = Trainer(model=model, args=new_args, train_dataset=token_dataset("causal-lm", [128] * 8),
+                      data_collator=collate)
+    memtrain.attach(trainer)
+    trainer.train()
+    last = [h for h in trainer.state.log_history if "memory/predicted_error_pct" in h][-1]
+    assert last["memory/host_peak_mib"] > 0.015 * last["memory/peak_mib"]  # the offload moved tensors
+    assert abs(last["memory/predicted_error_pct"]) < 0.5, last
+
+
 def test_callback_keeps_accumulated_classifier_gradients_equal_to_one_big_batch(tmp_path: Path) -> None:
     # Transformers 5 alone would not divide a sequence classifier's loss by the accumulation.
     from plain_trainer import GradCapture, max_grad_difference
