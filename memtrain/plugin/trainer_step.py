@@ -133,6 +133,27 @@ def _adapter_of_the_trainer(trainer: Trainer, plan: BudgetPlan) -> None:
                       "`peft_config=` to prepare_for_budget to plan them for the adapter.")
 
 
+def _check_stated_length(trainer: Trainer, plan: BudgetPlan) -> None:
+    """A ``max_length=`` shorter than the Trainer's longest batch: its steps hold more than planned
+    (on a GPU, an out-of-memory error in the first long step). Said in the plan's notes and logged."""
+    from memtrain._compat.trl import is_grpo
+
+    if is_grpo(trainer):  # prompts: the batch is the generation's worst case, not the data's
+        return
+    stated = plan.settings.get("max_length")
+    try:
+        _, rows = longest_batch_rows(trainer, trainer.args.per_device_train_batch_size)
+    except Exception:  # data attach cannot read: not this check's to report
+        return
+    if isinstance(stated, int) and rows.longest > stated:
+        note = (f"the Trainer's longest batch has rows of {rows.longest} tokens, more than the "
+                f"max_length={stated} planned for, so its steps hold more than planned. Fix: cut the data "
+                f"at {stated} tokens (the tokenizer's truncation or your collator), or pass "
+                f"max_length={rows.longest} to prepare_for_budget")
+        plan.notes.append(note)
+        log.warning("memtrain: %s.", note)
+
+
 def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prepare: Callable[..., Any]
                   ) -> TrainerEstimate | None:
     """What ``attach`` adds to ``prepare_for_budget``'s plan, now that the Trainer exists.
@@ -160,6 +181,8 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prep
         else:
             flattened = rows.packed and batch["input_ids"].shape[0] == 1
             _replan(trainer, plan, rows, prepare)
+    elif plan.length_from == "max_length=":
+        _check_stated_length(trainer, plan)
     plan.notes += option_notes(Seen(trainer.args, trainer.model, trainer.data_collator, trainer),
                                only=lambda rule: rule.option in ("data_collator", "ref_model"))
     flattened = flattened or any("DataCollatorWithFlattening" in note for note in plan.notes)

@@ -132,6 +132,27 @@ def test_on_a_cpu_an_activation_offload_is_measured_with_its_host_tensors(tmp_pa
     assert abs(last["memory/predicted_error_pct"]) < 0.5, last
 
 
+@pytest.mark.parametrize("longest", [32, 128])
+def test_a_stated_length_shorter_than_the_data_is_said_at_attach(
+        tmp_path: Path, longest: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Planned for max_length=32 while the data's rows reach 128 tokens: the steps hold more than
+    planned, which was first seen as a step over the budget (on a GPU, out of memory)."""
+    model, args = prepare_for_budget(tiny_model(), arguments(tmp_path, 4, 1, 1), "1GiB", max_length=32,
+                                     quiet=True)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset("causal-lm", [16, longest, 24]),
+                      data_collator=collate)
+    with caplog.at_level(logging.WARNING, logger="memtrain"):
+        memtrain.attach(trainer)
+    said = [n for n in model.memtrain_plan.notes if "the Trainer's longest batch has rows of" in n]
+    if longest == 32:
+        assert not said
+        return
+    assert said == ["the Trainer's longest batch has rows of 128 tokens, more than the max_length=32 planned "
+                    "for, so its steps hold more than planned. Fix: cut the data at 32 tokens (the "
+                    "tokenizer's truncation or your collator), or pass max_length=128 to prepare_for_budget"]
+    assert any(said[0] in r.getMessage() for r in caplog.records)
+
+
 def test_callback_keeps_accumulated_classifier_gradients_equal_to_one_big_batch(tmp_path: Path) -> None:
     # Transformers 5 alone would not divide a sequence classifier's loss by the accumulation.
     from plain_trainer import GradCapture, max_grad_difference
