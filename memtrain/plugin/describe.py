@@ -422,7 +422,11 @@ def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, arg
     parts.append(f"checkpointing {mode}")
     optim = optim_name(args) if optimizer == planned_optimizer(args) else EIGHT_BIT_OPTIM
     parts.append(f"optim={optim!r}" + (" (8-bit AdamW)" if optim == EIGHT_BIT_OPTIM else ""))
-    parts += [f"{k.split('.')[-1]} {v}" for k, v in values.items() if k != "training.optimizer"]
+    knobs = {k.path: k for k in patches.knobs()}
+    on = [f"{setting_name(knobs[k]) if k in knobs else k.split('.')[-1]}={v!r}" for k, v in values.items()
+          if k != "training.optimizer" and not (k in knobs and v == knobs[k].off)]  # what is turned on
+    if on:
+        parts.append(f"memory: {', '.join(on)}")
     usable = int(total * (1 - margin))
     needed = int(smallest.min_peak / (1 - margin)) + 1
     yours = min((e.smallest.min_peak for o, e in failures if o == planned_optimizer(args)), default=None)

@@ -106,6 +106,8 @@ def test_switching_to_8bit_adamw_is_stated_and_nothing_fits_speaks_the_plugins_a
     assert "optim='adamw_bnb_8bit' (8-bit AdamW)" in message  # the smallest peak's optimizer is named
     assert "with your optim='adamw_torch_fused'" in message
     assert "per_device_train_batch_size=1, gradient_accumulation_steps=16" in message  # its settings
+    # the techniques it turns on, by their memory= names; not every one left off ("activations False")
+    assert " False" not in message and " None" not in message, message
 
 
 def layer_calls(model: torch.nn.Module) -> list[int]:
