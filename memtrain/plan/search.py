@@ -24,7 +24,7 @@ from memtrain.estimator import derive
 from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
 from memtrain.estimator.grpo import generation_phase
-from memtrain.estimator.setup import ConfigNotFound, recipe_value, resolve_config, trace_setup
+from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
 from memtrain.patches import CostInputs, ModelShape, NoMatchError
 from memtrain.plan import costmodel, space
@@ -802,8 +802,8 @@ def check_patches(cfg: RunConfig) -> None:
     try:
         config, _ = resolve_config(cfg.model)
         cfg = with_values(cfg, space.plain(space.auto_fields(cfg)))
-    except (ConfigNotFound, ValueError, MemtrainError):
-        return  # the config is out of reach, or the recipe's other checks report it
+    except (ValueError, MemtrainError):
+        return  # the config is out of reach (ConfigNotFound), or the recipe's other checks report it
     depth = int(getattr(config, "num_hidden_layers", 0) or 0)
     err = None
     for layers in sorted({min(2, depth), depth}) if depth else [None]:
