@@ -79,6 +79,7 @@ from torch import nn
 
 from memtrain._compat.transformers_trainer import prepare_inputs
 from memtrain._compat.trl import generation_steps
+from memtrain.config import RunConfig
 from memtrain.distributed.together import drop_gradients, flagged_ranks, world
 from memtrain.errors import MemtrainError
 from memtrain.reliability.generation import GenerationRecovery
@@ -112,6 +113,29 @@ class Fixes:
                         "`data.max_length`, LoRA or quantization")
     micro_batch: str = ("`training.micro_batch_size: auto` with `memory.budget` (it probes what fits), or a "
                         "smaller `training.micro_batch_size`, or the memory savings of `memtrain plan`")
+
+    @classmethod
+    def for_recipe(cls, cfg: RunConfig) -> Fixes:
+        """A recipe's fixes (:func:`memory_fixes`), for one example that does not fit."""
+        return cls(one_example=memory_fixes(cfg, micro_batch=False))
+
+
+def memory_fixes(cfg: RunConfig, *, micro_batch: bool = True) -> str:
+    """What can make the recipe's step fit, leaving out what it does already (``micro_batch``: the
+    micro-batch may still shrink)."""
+    m, t = cfg.memory, cfg.training
+    fixes = ["a larger `memory.simulate_budget`" if m.simulate_budget is not None else
+             "a larger `memory.budget` (a larger GPU)"]
+    if micro_batch and t.micro_batch_size != 1:
+        fixes.append("a smaller `training.micro_batch_size` (`auto` probes what fits)")
+    if m.checkpointing != "full":
+        fixes.append("`memory.checkpointing: full`")
+    fixes.append("a shorter `data.max_length`")
+    if cfg.adapter.method == "full":
+        fixes.append("LoRA (`adapter.method: lora`)")
+    elif cfg.model.quantization == "none":
+        fixes.append("QLoRA (`model.quantization: nf4`)")
+    return ", ".join(fixes) + ", or the settings `memtrain plan` chooses for fields set to `auto`"
 
 
 _RECOVERIES: weakref.WeakKeyDictionary[Any, MicroBatchRecovery] = weakref.WeakKeyDictionary()

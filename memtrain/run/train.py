@@ -39,6 +39,7 @@ from memtrain.plan import autofit, planner
 from memtrain.reliability import checkpoints, rundir
 from memtrain.reliability.budget import SimulatedBudgetCallback
 from memtrain.reliability.guards import GracefulStop, Interrupted, StopOnSignal
+from memtrain.reliability.recovery import memory_fixes
 from memtrain.run import launch
 from memtrain.trainer.build import build_model
 from memtrain.trainer.callbacks import MemoryMeterCallback
@@ -212,23 +213,6 @@ def _out_of_memory(err: BaseException, step: int, out: Path, cfg: RunConfig) -> 
               if checkpoints.newest_finite(out) is not None else "")
     return MemtrainError(f"Out of memory in optimizer step {step}: {first_line(err)} "
                          f"{checkpoints.kept_sentence(out)} Fix: {memory_fixes(cfg)}{resume}.")
-
-
-def memory_fixes(cfg: RunConfig) -> str:
-    """What can make the recipe's step fit, leaving out what it does already."""
-    m, t = cfg.memory, cfg.training
-    fixes = ["a larger `memory.simulate_budget`" if m.simulate_budget is not None else
-             "a larger `memory.budget` (a larger GPU)"]
-    if t.micro_batch_size != 1:
-        fixes.append("a smaller `training.micro_batch_size` (`auto` probes what fits)")
-    if m.checkpointing != "full":
-        fixes.append("`memory.checkpointing: full`")
-    fixes.append("a shorter `data.max_length`")
-    if cfg.adapter.method == "full":
-        fixes.append("LoRA (`adapter.method: lora`)")
-    elif cfg.model.quantization == "none":
-        fixes.append("QLoRA (`model.quantization: nf4`)")
-    return ", ".join(fixes) + ", or the settings `memtrain plan` chooses for fields set to `auto`"
 
 
 def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tuple[int, int]],

@@ -29,7 +29,7 @@ from memtrain.errors import MemtrainError
 from memtrain.reliability import checkpoints
 from memtrain.reliability.eval_recovery import EvalBatchRecovery
 from memtrain.reliability.guards import NonFiniteLossGuard
-from memtrain.reliability.recovery import MicroBatchRecovery
+from memtrain.reliability.recovery import Fixes, MicroBatchRecovery
 from memtrain.units import parse_size
 
 if TYPE_CHECKING:  # data preparation (and `datasets`) is not needed to build an optimizer
@@ -142,7 +142,7 @@ class MemtrainTrainer(TrainerHooks, Trainer):
     def __init__(self, *args: Any, max_nonfinite_steps: int = 5, offload_optimizer: bool = False,
                  fsdp_plugin: Any = None, recover_oom: bool = True, budget_bytes: int | None = None,
                  optimizer_in_backward: bool = False, host_budget: tuple[int, str] | None = None,
-                 **kwargs: Any) -> None:
+                 oom_fixes: Fixes | None = None, **kwargs: Any) -> None:
         self.offload_optimizer = offload_optimizer
         self.host_budget = host_budget  # (bytes, what they are): the offloaded optimizer's RAM check
         self.optimizer_in_backward = optimizer_in_backward
@@ -154,7 +154,7 @@ class MemtrainTrainer(TrainerHooks, Trainer):
         self.add_callback(self.nonfinite)
         # Recovery splits a micro-batch into accumulated halves, which the step inside backward
         # cannot do (it steps at the end of every backward).
-        self.oom_recovery = (MicroBatchRecovery(self, super().training_step, budget_bytes)
+        self.oom_recovery = (MicroBatchRecovery(self, super().training_step, budget_bytes, fixes=oom_fixes)
                              if recover_oom and not optimizer_in_backward else None)
         self.eval_recovery = EvalBatchRecovery(self, super().prediction_step) if recover_oom else None
 
@@ -312,7 +312,7 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
             "budget_bytes": parse_size(budget) if budget else None,
             "host_budget": ((host_budget_bytes(cfg.memory.host_budget),
                              f"`memory.host_budget` ({cfg.memory.host_budget})") if offload else None),
-            "optimizer_in_backward": cfg.training.optimizer_in_backward}
+            "optimizer_in_backward": cfg.training.optimizer_in_backward, "oom_fixes": Fixes.for_recipe(cfg)}
 
 
 def adopt_fsdp(trainer: Any, plugin: Any) -> None:

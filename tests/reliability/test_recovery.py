@@ -276,3 +276,24 @@ def test_a_real_allocation_failure_in_one_of_several_processes_is_a_clear_error(
     with pytest.raises(OutOfMemoryInOneProcess, match=expected):
         rec.training_step(torch.nn.Linear(1, 1), {"input_ids": torch.zeros(4, 3, dtype=torch.long)})
     assert rec.events == []
+
+
+@pytest.mark.parametrize(("overrides", "said", "not_said"), [
+    ([], "QLoRA (`model.quantization: nf4`)", "LoRA (`adapter.method: lora`)"),
+    (["adapter.method=full", "memory.simulate_budget=64MiB", "memory.checkpointing=full"],
+     "LoRA (`adapter.method: lora`)", "`memory.checkpointing: full`"),
+])
+def test_a_recipe_run_s_recovery_suggests_what_the_recipe_does_not_do(
+        tmp_path: Path, tiny_text_file: Path, overrides: list[str], said: str, not_said: str) -> None:
+    """One example that does not fit: the fixes of `memtrain train`'s final out-of-memory message
+    (reliability.recovery.memory_fixes), never a smaller micro-batch (it is 1 already) nor what the
+    recipe does already; they were a fixed list ("LoRA or quantization" to a QLoRA run)."""
+    from memtrain.trainer.trainer import trainer_options
+
+    cfg = load_recipe(causal_recipe(tmp_path, tiny_text_file), overrides)
+    fixes = trainer_options(cfg)["oom_fixes"]
+    assert said in fixes.one_example and not_said not in fixes.one_example
+    assert "micro_batch_size" not in fixes.one_example
+    assert ("memory.simulate_budget" in fixes.one_example) == bool(overrides)
+    trainer = MemtrainTrainer(model=tiny_model(), args=arguments(tmp_path, 2, 1, 1), oom_fixes=fixes)
+    assert trainer.oom_recovery.fixes is fixes
