@@ -82,13 +82,14 @@ class MemoryConfig(Section):
     margin: Annotated[float | Auto, FractionOr] = Field(
         "auto",
         description="Fraction of the budget kept free for what estimates miss. `auto`: 0.1, or 0 "
-        "when planning against `simulate_budget` alone (it counts the live tensor bytes the "
-        "estimator predicts exactly).",
+        "when `simulate_budget` is set (it counts the live tensor bytes the estimator predicts "
+        "exactly).",
     )
     simulate_budget: str | None = Field(
         None,
         description="Raise an out-of-memory error when tracked live tensor bytes exceed this size, "
-        "e.g. `2GiB` (tests auto-fit and recovery on CPU).",
+        "e.g. `2GiB` (tests auto-fit and recovery on CPU). When set, it is the budget the run is "
+        "planned for, probed against and held to, in place of `budget`.",
     )
     checkpointing: Checkpointing | int = Field(
         "none",
@@ -164,15 +165,22 @@ class MemoryConfig(Section):
         return v
 
     @property
+    def budget_setting(self) -> str | None:
+        """The budget a run is planned for, probed against and held to: ``simulate_budget`` when set
+        (the run raises an out-of-memory error past it, so a plan for a larger ``budget`` could not
+        run), else ``budget`` (a size or ``auto``); None when neither is set. The one rule: the
+        planner, the auto-fit probe, the Trainer's guards and every fix that names the field
+        (:attr:`budget_field`) read it here."""
+        return self.simulate_budget if self.simulate_budget is not None else self.budget
+
+    @property
     def budget_field(self) -> str:
-        """The field whose budget plans and checks use, as fixes name it: ``memory.budget``, or the
-        simulated one when it is the only budget."""
-        simulated = self.budget is None and self.simulate_budget is not None
-        return "memory.simulate_budget" if simulated else "memory.budget"
+        """The field of :attr:`budget_setting`, as fixes name it."""
+        return "memory.simulate_budget" if self.simulate_budget is not None else "memory.budget"
 
     @property
     def margin_fraction(self) -> float:
-        """``margin`` as a number: ``auto`` is 0 when the only budget is the simulated one, else 0.1.
+        """``margin`` as a number: ``auto`` is 0 when the budget is the simulated one, else 0.1.
 
         A simulated budget counts live tensor bytes, which the estimator predicts exactly
         (docs/bench/estimate.md); a real device also holds what no trace sees (allocator caching
@@ -180,7 +188,7 @@ class MemoryConfig(Section):
         """
         if self.margin != "auto":
             return float(self.margin)
-        return 0.0 if self.budget is None and self.simulate_budget is not None else 0.1
+        return 0.0 if self.simulate_budget is not None else 0.1
 
     @field_validator("checkpointing")
     @classmethod

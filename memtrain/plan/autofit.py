@@ -58,7 +58,7 @@ from memtrain.reliability.budget import budget_guard, resolve_budget, usable_byt
 from memtrain.reliability.oom import free_memory
 from memtrain.reliability.recovery import reset_module_tracking
 from memtrain.trainer.step import hold_gradients, training_step
-from memtrain.units import format_bytes, parse_size
+from memtrain.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,9 @@ class Probe:
 
 
 def budget_limit(cfg: RunConfig) -> int | None:
-    """The bytes a probe step must stay under: the simulated budget, else the budget's usable part."""
-    if cfg.memory.simulate_budget is not None:
-        return parse_size(cfg.memory.simulate_budget)
-    budget = resolve_budget(cfg.memory.budget)
+    """The bytes a probe step must stay under: the budget's usable part (``memory.budget_setting``,
+    less ``memory.margin``), as the planner plans for it; None without a budget."""
+    budget = resolve_budget(cfg.memory.budget_setting)
     return None if budget is None else usable_bytes(budget, cfg.memory.margin_fraction)
 
 
@@ -101,7 +100,7 @@ def predict(cfg: RunConfig, usable: int | None = None,
         MemtrainError: no budget to fit into, or not even the smallest micro-batch fits.
     """
     if usable is None:
-        total = resolve_budget(cfg.memory.budget or cfg.memory.simulate_budget)
+        total = resolve_budget(cfg.memory.budget_setting)
         if total is None:
             raise MemtrainError("`training.micro_batch_size: auto` needs a budget to fit into. Fix: set "
                                 "`memory.budget` (e.g. `24GiB` or `auto`), or a number of examples.")
@@ -129,7 +128,7 @@ def for_estimate(cfg: RunConfig, device: str | None = None,
 
     pairs = valid_batches(cfg.training, cfg.distributed.processes)
     micro, accum = pairs[0]
-    setting = cfg.memory.budget or cfg.memory.simulate_budget
+    setting = cfg.memory.budget_setting
     if setting is None:
         return with_batch(cfg, micro, accum), (
             f"training.micro_batch_size is auto and no memory.budget is set: estimated the smallest "
@@ -211,7 +210,7 @@ def confirm(trainer: Any, cfg: RunConfig, batch: Batch, *, choices: list[tuple[i
         raise MemtrainError(
             f"`training.micro_batch_size: auto`: not even micro-batch {probe.tried[-1][0]} of "
             f"{rows.longest} tokens fits {_limit_text(limit)} (probe step on the real model"
-            f"{_where(probe, probe.tried[-1][0])}). Fix: raise `{_limit_field(cfg)}`, shorten "
+            f"{_where(probe, probe.tried[-1][0])}). Fix: raise `{cfg.memory.budget_field}`, shorten "
             "`data.max_length`, or save memory (`memtrain plan`).")
     set_batch(trainer, probe.batch)
     _forget_probe_metrics(trainer)
@@ -358,11 +357,6 @@ def _where(probe: Probe, micro: int) -> str:
 
 def _device(model: nn.Module) -> torch.device:
     return model_device(model)
-
-
-def _limit_field(cfg: RunConfig) -> str:
-    """The field of the limit :func:`budget_limit` reads (a simulated budget comes first)."""
-    return "memory.simulate_budget" if cfg.memory.simulate_budget is not None else "memory.budget"
 
 
 def _limit_text(limit: int | None) -> str:

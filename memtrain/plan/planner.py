@@ -98,10 +98,11 @@ def needs_plan(cfg: RunConfig) -> bool:
 
 
 def budget_bytes(cfg: RunConfig, budget: str | int | None = None, device: str | None = None) -> int:
-    """The budget in bytes: the argument, else ``memory.budget``, else the simulated one, else free memory."""
+    """The budget in bytes: the argument, else the recipe's (``memory.budget_setting``: the simulated
+    budget, else ``memory.budget``), else the device's free memory."""
     if isinstance(budget, int):
         return budget
-    chosen = budget or cfg.memory.budget or cfg.memory.simulate_budget or "auto"
+    chosen = budget or cfg.memory.budget_setting or "auto"
     if chosen != "auto":
         return parse_size(chosen)
     return int(resolve_budget("auto", device))
@@ -114,8 +115,9 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
 
     Args:
         cfg: a validated recipe.
-        budget: bytes or a size like ``"24GiB"``; default ``memory.budget`` (or the simulated
-            budget, or the device's free memory).
+        budget: bytes or a size like ``"24GiB"``; default the recipe's
+            (``memory.budget_setting``: the simulated budget, else ``memory.budget``), else the
+            device's free memory.
         device: ``cuda`` or ``cpu``, where the run trains (default: CUDA when present).
         tune: time this many of the fastest-predicted settings, each at up to four micro-batches
             that fit, with real steps on this machine and choose the fastest measured

@@ -85,7 +85,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     # Trainer exists, among the batches the recipe as written allows
     choices = valid_batches(cfg.training, cfg.distributed.processes) if (
         cfg.training.micro_batch_size == "auto") else autofit_choices
-    if choices and cfg.memory.budget is None and cfg.memory.simulate_budget is None:
+    if choices and cfg.memory.budget_setting is None:
         raise MemtrainError(
             "`training.micro_batch_size`: `auto` picks the largest micro-batch that fits "
             "`memory.budget`, and no budget is set (it would plan against all of this machine's "

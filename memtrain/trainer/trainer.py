@@ -306,7 +306,7 @@ def trainer_options(cfg: RunConfig) -> dict[str, Any]:
     if offload and cfg.model.dtype == "fp16":
         raise MemtrainError("`memory.offload.optimizer` does not work with fp16 loss scaling "
                             "(`model.dtype: fp16`). Fix: use bf16 or fp32, or turn offload off.")
-    budget = cfg.memory.simulate_budget or (cfg.memory.budget if cfg.memory.budget != "auto" else None)
+    budget = cfg.memory.budget_setting if cfg.memory.budget_setting != "auto" else None
     decided(cfg.training.optimizer_in_backward, "training.optimizer_in_backward", "true or false")
     return {"max_nonfinite_steps": cfg.training.max_nonfinite_steps, "offload_optimizer": bool(offload),
             "budget_bytes": parse_size(budget) if budget else None,

@@ -44,15 +44,29 @@ def test_overrides_parse_yaml_values(tmp_path: Path) -> None:
     assert cfg.memory.randomized_linear is not None and cfg.memory.randomized_linear.ratio == 0.3
 
 
-def test_margin_auto_is_zero_only_against_a_simulated_budget_alone(tmp_path: Path) -> None:
+def test_margin_auto_is_zero_only_against_a_simulated_budget(tmp_path: Path) -> None:
     margin = lambda *o: load_recipe(recipe(tmp_path), list(o)).memory.margin_fraction  # noqa: E731
     assert margin() == 0.1
     assert margin("memory.budget=2GiB") == 0.1
     assert margin("memory.simulate_budget=1GiB") == 0.0  # exact: it counts what the estimate predicts
-    assert margin("memory.simulate_budget=1GiB", "memory.budget=2GiB") == 0.1
+    assert margin("memory.simulate_budget=1GiB", "memory.budget=2GiB") == 0.0  # the budget read
     assert margin("memory.simulate_budget=1GiB", "memory.margin=0.2") == 0.2
     found = problems(recipe(tmp_path), ["memory.margin=1.5"])
     assert any("`memory.margin`" in p and "1.5" in p for p in found)
+
+
+def test_the_planner_the_probe_and_the_fixes_read_one_budget(tmp_path: Path) -> None:
+    """With both budgets set, the plan is for the one the run is held to (the simulated one), the
+    auto-fit probe checks that one, and a fix names it: one rule (MemoryConfig.budget_setting)."""
+    from memtrain.plan.autofit import budget_limit
+    from memtrain.plan.planner import budget_bytes
+
+    cfg = load_recipe(recipe(tmp_path), ["memory.simulate_budget=1GiB", "memory.budget=2GiB"])
+    assert budget_bytes(cfg) == budget_limit(cfg) == 2**30
+    assert cfg.memory.budget_field == "memory.simulate_budget"
+    cfg = load_recipe(recipe(tmp_path), ["memory.budget=2GiB"])
+    assert budget_bytes(cfg) == 2 * 2**30 and budget_limit(cfg) == int(0.9 * 2 * 2**30)
+    assert cfg.memory.budget_field == "memory.budget"
 
 
 def test_all_errors_reported_at_once(tmp_path: Path) -> None:
