@@ -16,6 +16,7 @@ import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -103,29 +104,64 @@ def validate(recipe: Recipe, overrides: Overrides = None,
     The model is checked from its config, without weights: `data.max_length` within its
     positions, and each technique the recipe fixes applies to it (a fake build).
     """
-    from memtrain.config import dump_recipe, load_recipe
+    from memtrain.config import RecipeError, dump_recipe, load_recipe
     from memtrain.estimator.setup import check_max_length
     from memtrain.plan.search import check_patches
 
-    cfg = load_recipe(recipe, overrides or [])
-    check_max_length(cfg)  # within the model's positions (its config only: no weights, no network)
-    check_patches(cfg)  # each fixed technique finds what it patches (a fake model from the config)
-    if data:
+    found: list[MemtrainError] = []
+    try:
+        cfg = load_recipe(recipe, overrides or [])
+    except RecipeError as err:  # a missing file alone leaves a valid recipe to check the model of
+        try:
+            cfg = load_recipe(recipe, overrides or [], require=())
+        except RecipeError:
+            raise err from None
+        found.append(err)
+    loaded = not found  # every file the recipe names exists
+
+    def check(stage: Callable[[], object]) -> object:  # every stage runs: one hides no other
+        try:
+            return stage()
+        except MemtrainError as err:
+            found.append(err)
+            return None
+
+    check(lambda: check_max_length(cfg))  # within the model's positions (its config: no weights, no network)
+    check(lambda: check_patches(cfg))  # each fixed technique finds what it patches (a fake model)
+    prepared = None
+    if data and loaded:  # the data, when every file it needs is there
         from memtrain.data.check import check_data
 
-        read = f"data read: {check_data(cfg)}"
+        read = check(lambda: f"data read: {check_data(cfg)}")
     else:
-        read = "its data was not read (--data reads it)"
+        read = None
     if cfg.training.objective == "grpo":  # loss type, rewards (with --data: called on the first row), lengths
-        from memtrain.data.prepare import prepare_data
         from memtrain.estimator.grpo import check_grpo
-        from memtrain.model import load_tokenizer
 
-        check_grpo(cfg, prepare_data(cfg, load_tokenizer(cfg.model)) if data else None)
+        if read is not None:
+            from memtrain.data.prepare import prepare_data
+            from memtrain.model import load_tokenizer
+
+            prepared = check(lambda: prepare_data(cfg, load_tokenizer(cfg.model)))
+        check(lambda: check_grpo(cfg, prepared))
+    if found:
+        raise _all_problems(recipe, found)
+    read = read or "its data was not read (--data reads it)"
     err_console.print(f"[green]ok:[/] {recipe} is a valid recipe; {escape(read)}", highlight=False,
                       soft_wrap=True)
     if show:  # not wrapped to the terminal: the YAML stays valid when saved
         console.print(dump_recipe(cfg), highlight=False, markup=False, soft_wrap=True)
+
+
+def _all_problems(recipe: str, found: list[MemtrainError]) -> MemtrainError:
+    """One error listing what every stage of ``validate`` found (the one error itself when alone)."""
+    from memtrain.config import RecipeError
+
+    if len(found) == 1:
+        return found[0]
+    items = [str(p) for err in found for p in (err.problems if isinstance(err, RecipeError) else [err])]
+    lines = "\n".join("  - " + item.replace("\n", "\n    ") for item in items)
+    return MemtrainError(f"{recipe}: {len(items)} problems:\n{lines}")
 
 
 @app.command()

@@ -99,3 +99,20 @@ def test_a_technique_the_model_cannot_take_is_refused_before_anything_loads(
     assert code == 0, err
     code, _, err = validate(str(path), f"{field}=auto")
     assert code == 0, err
+
+
+def test_every_stage_reports_one_hides_no_other(tmp_path: Path, tiny_text_file: Path) -> None:
+    """A missing data file, a length past the model's positions and a technique the model cannot
+    take: all three in one error (validate stopped at the first, and the fix of one showed the next).
+    (Planted: the stages raising as they find -> fails.)"""
+    recipe = causal_recipe(tmp_path, tiny_text_file, "gpt2", memory={"lean_norm": True})
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, _, err = validate(str(path), f"data.source={tmp_path / 'gone.jsonl'}", "data.max_length=99999",
+                            "--data")
+    assert code == 2 and "r.yaml: 3 problems:" in err, err
+    for said in ("`data.source`: cannot be found", "`data.max_length`: 99,999 tokens exceed",
+                 "`memory.lean_norm`: got true"):
+        assert err.count(said) == 1, (said, err)
+    code, _, err = validate(str(path), "data.max_length=99999")  # a file that exists: two, data read
+    assert code == 2 and "r.yaml: 2 problems:" in err and "cannot be found" not in err, err
