@@ -411,8 +411,10 @@ def _trades(knob: Knob) -> str:
 
 
 def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, args: TrainingArguments,
-                 user_checkpointing: bool, lora: bool = False) -> MemtrainError:
-    """The error when no optimizer tried fits: the smallest reachable peak and what reaches it."""
+                 user_checkpointing: bool, lora: bool = False,
+                 by: str = "prepare_for_budget") -> MemtrainError:
+    """The error when no optimizer tried fits: the smallest reachable peak and what reaches it;
+    ``by`` names the call that planned (``attach``, when it re-plans for the Trainer's data)."""
     optimizer, err = min(failures, key=lambda f: f[1].smallest.min_peak)
     smallest = err.smallest
     values = dict(smallest.values)
@@ -433,7 +435,7 @@ def nothing_fits(failures: list[tuple[str, Any]], total: int, margin: float, arg
     own = (f" (with your optim={optim_name(args)!r}: {format_bytes(yours)})"
            if yours is not None and optim != optim_name(args) else "")
     return MemtrainError(
-        f"prepare_for_budget: nothing fits budget={format_bytes(total)} ({format_bytes(usable)} usable with "
+        f"{by}: nothing fits budget={format_bytes(total)} ({format_bytes(usable)} usable with "
         f"margin={margin}). The smallest reachable peak is {format_bytes(smallest.min_peak)}, with "
         f"{', '.join(parts)}{own}. Fix: budget= of at least {format_bytes(needed)}, a shorter "
         "max_length=, allow_approximate=True, "

@@ -399,8 +399,11 @@ def prepare_for_budget(model: nn.Module, args: TrainingArguments, budget: str | 
             result.changes += vllm_changes(share, args)
         return apply_plan(model, args, decided, _finish(result, model, args, budget, length, length_from,
                                                         notes, base.data.packing, quiet, request), planned)
+    replanned = IN_PLACE.get() is not None  # attach, planning for the Trainer's longest batch
     error = nothing_fits(failures, int(total), margin, args, user_checkpointing,  # type: ignore[arg-type]
-                         lora=base.adapter.method == "lora")
+                         lora=base.adapter.method == "lora",
+                         by=f"attach (the Trainer's longest batch, rows of {length} tokens)" if replanned
+                         else "prepare_for_budget")
     if share is not None:  # the budget was what vLLM's colocated share left: say so, and what frees it
         error = MemtrainError(
             f"{error} (This budget is what vLLM's colocated share leaves: it takes "

@@ -154,3 +154,21 @@ def test_importing_the_plugin_prints_nothing() -> None:
         done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done.stderr
+
+
+def test_when_attach_re_plans_and_nothing_fits_it_says_attach_and_the_rows(tmp_path: Path) -> None:
+    """Nothing fits the assumed length, so prepare_for_budget leaves the plan to attach; when nothing
+    fits the Trainer's batch either, the error is attach's and names the rows it planned for (it
+    read 'prepare_for_budget: nothing fits', a call that had returned)."""
+    # the techniques fixed and an 8-bit optimizer (no other is tried): the searches are of the batch
+    # alone (every technique planned: minutes, two searches of the whole space)
+    fixed = {"checkpointing": "full", "loss": "chunked", "offload.activations": False,
+             "offload.embeddings": False, "tiled_mlp": False, "lean_norm": False}
+    model, args = memtrain.prepare_for_budget(mistral(), arguments(tmp_path, 8, 1, 3, optim="adamw_bnb_8bit"),
+                                              "1MiB", quiet=True, memory=fixed)
+    assert model.memtrain_plan.pending
+    trainer = Trainer(model=model, args=args, train_dataset=rows([38, 30] * 8), data_collator=collate)
+    with pytest.raises(MemtrainError) as err:
+        memtrain.attach(trainer)
+    assert str(err.value).startswith("attach (the Trainer's longest batch, rows of 38 tokens): nothing fits "
+                                     "budget=1.00 MiB"), err.value
