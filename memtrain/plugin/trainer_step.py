@@ -193,7 +193,14 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prep
         if found.modelled and found.peak_bytes is not None:
             peak = _with_generation(trainer, plan, found)
             plan.use_micro_batch(found.micro_batch, found.accumulation, peak)
-            plan.settings["max_length"] = found.batch.get("input_ids", (0, plan.settings["max_length"]))[-1]
+            before = plan.settings["max_length"]
+            traced = found.batch.get("input_ids", (0, before))[-1]
+            plan.settings["max_length"] = traced
+            one_row = found.batch.get("input_ids", (0,))[0] == 1
+            if (flattened or plan.settings.get("packed")) and one_row and traced > before:  # laid end to end
+                plan.notes.append(f"the traced step's batch is one flattened row of {traced:,} tokens (the "
+                                  f"collator lays its rows of up to {before:,} tokens end to end): the "
+                                  "plan's length is that row's")
             plan.length_from = "the Trainer's longest batch, its step traced"
             _adapter_of_the_trainer(trainer, plan)
     if not plan.quiet and (plan.pending or (plan.predicted_peak, plan.settings) != shown):

@@ -269,6 +269,11 @@ def test_sft_packed_with_peft_config_the_printed_plan_is_the_traced_step(
     said = " ".join(capsys.readouterr().err.split())
     assert found.modelled and plan.predicted_peak == found.peak_bytes == callback.predicted
     assert f"memtrain attach: predicted peak {format_bytes(found.peak_bytes)}" in said and "┃ setting" in said
+    # TRL packs padding-free: the traced batch is one row of the packed rows end to end, and the plan's
+    # length is that row's, which the notes say beside the rows of 256 they read
+    assert found.batch["input_ids"][0] == 1 and plan.settings["max_length"] > 256
+    assert (f"one flattened row of {plan.settings['max_length']:,} tokens (the collator lays its rows of up "
+            "to 256 tokens end to end)") in " ".join(plan.notes), plan.notes
     micro = (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps)
     assert micro == (found.micro_batch, found.accumulation) == (
         plan.settings["per_device_train_batch_size"], plan.settings["gradient_accumulation_steps"])
