@@ -94,7 +94,14 @@ class BudgetPlan:
 
     def table(self) -> Table:
         """The decision as a rich table: one row per change, then the predicted peak."""
-        table = Table("setting", "yours", "now", "why")
+        table = Table()
+        # the names whole (a narrow terminal cut `per_device_train_batch_size` to `per_device_tr…`):
+        # the reasons wrap instead
+        names = [c.setting for c in self.changes] or ["(nothing)"]
+        table.add_column("setting", no_wrap=True, min_width=max(map(len, names)))
+        table.add_column("yours", overflow="fold")
+        table.add_column("now", overflow="fold")
+        table.add_column("why", ratio=1)
         for change in self.changes:
             table.add_row(change.setting, change.yours, change.now, change.why)
         if not self.changes:

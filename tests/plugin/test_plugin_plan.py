@@ -4,6 +4,7 @@ errors speak the plugin's arguments, re-runs are idempotent, the user's checkpoi
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +194,21 @@ def test_a_plain_trainer_script_per_architecture_plans_logs_and_recovers(arch: s
     assert callback.predicted == model.memtrain_plan.predicted_peak
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert logged and all("memory/peak_mib" in e and "memory/predicted_peak_mib" in e for e in logged)
+
+
+def test_the_plan_table_keeps_setting_names_whole_in_a_narrow_terminal() -> None:
+    """At 80 columns the long reasons wrap and the names stay whole (they were cut to
+    `per_device_tr…`). (Planted: the default columns -> fails.)"""
+    from rich.console import Console
+
+    from memtrain.plugin.describe import Change
+
+    names = ["per_device_train_batch_size", "gradient_accumulation_steps", "memory.offload.activations"]
+    why = "the largest micro-batch that fits the budget; accumulation keeps your effective batch " * 2
+    plan = BudgetPlan(2**30, 2**29, "cuda", 2**28, {"max_length": 512},
+                      changes=[Change(name, "adamw_torch_fused", "adamw_bnb_8bit", why) for name in names])
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(plan.table())
+    text = console.export_text()
+    assert all(name in text for name in names), text
+    assert max(map(len, text.splitlines())) <= 80
