@@ -536,7 +536,9 @@ def test_plan_picks_sharding_under_a_budget_and_every_rank_stays_under_it(tmp_pa
     assert shown.exit_code == 0, shown.output
     assert "sharding=full" in " ".join(shown.output.split())
 
-    result = train(load_recipe(path, [f"memory.budget={BUDGET}", f"memory.simulate_budget={BUDGET}"]))
+    # held to the simulated budget, planned with the margin of the plan above (a real budget's)
+    result = train(load_recipe(path, [f"memory.budget={BUDGET}", f"memory.simulate_budget={BUDGET}",
+                                      "memory.margin=0.1"]))
     assert "FSDP2 over 2 processes (sharding full)" in result.patches[-1]
     assert not any("memory/recovered_micro_batch" in h for h in result.log_history)
     cfg = load_recipe(yaml.safe_load((result.output_dir / "recipe.yaml").read_text()))
