@@ -27,10 +27,12 @@ ARCHS = {"llama": TINY_CONFIGS["llama"], "qwen2": TINY_CONFIGS["qwen2"], "gemma"
 EVERY = {"checkpointing": "full", "loss": "chunked", "loss_chunk_tokens": 48, "tiled_mlp": True,
          "tiled_mlp_tile_tokens": 64, "lean_norm": True,
          "offload": {"activations": True, "embeddings": True}}
-# The length of the cases below: long enough that every loop elides (tiles of 64 tokens: 32 of them;
-# loss chunks of 48: 43), short enough that the whole trace they are held against stays cheap
-# (4,096 before: the file took 280 s of the suite's 2,800 on a 2-core machine).
-LENGTH = 2048
+# The length of the cases below: long enough that every loop elides (tiles of 64 tokens: 16 of them;
+# loss chunks of 48: 22; elision keeps 4 and the last), short enough that the whole trace they are
+# held against stays cheap (4,096 before: the file took 280 s of the suite's 2,800 on a 2-core
+# machine; 2,048: 16 s for the Llama case with every technique, 1,024: 9 s).
+LENGTH = 1024
+NESTED = 2048  # the nested loops' cases: 8 tiles of 256 tokens, each with LoRA chunks of its own
 COMPARED = ("peak_bytes", "by_category", "by_phase", "category_at_phase_peak", "host_peak_bytes",
             "host_resident_bytes", "overheads", "total_bytes")
 
@@ -108,15 +110,15 @@ def test_lora_chunks_and_nested_loops(tmp_path: Path, tiny_text_file: Path, monk
 
     monkeypatch.setattr(lora, "CHUNK_BYTES", 16 * 1024)
     memory = {"checkpointing": "full", "tiled_mlp": True, "tiled_mlp_tile_tokens": 256}
-    cfg = _cfg(tmp_path, tiny_text_file, "llama", LENGTH, memory)
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", NESTED, memory)
     _same(cfg)
     config = with_depth(resolve_config(cfg.model)[0], 2)
-    both, top = (trace_step(cfg, config, 1, LENGTH, elide=True, nested=nested) for nested in (True, False))
+    both, top = (trace_step(cfg, config, 1, NESTED, elide=True, nested=nested) for nested in (True, False))
     assert both.loop_info is not None and both.steady()
     assert any(both.loop_info[s].nested and both.loop_info[s].kind == "lora_add" for s in both.elided)
     assert not any(top.loop_info[s].nested for s in top.elided)
     assert len(both.values) < len(top.values)
-    assert both.work == top.work == trace_step(cfg, config, 1, LENGTH).work
+    assert both.work == top.work == trace_step(cfg, config, 1, NESTED).work
 
 
 def test_a_nested_loop_that_keeps_bytes_is_traced_with_the_top_loops_alone_elided(
@@ -143,7 +145,7 @@ def test_a_nested_loop_that_keeps_bytes_is_traced_with_the_top_loops_alone_elide
 
     monkeypatch.setattr(loops, "chunks", keeping)
     memory = {"checkpointing": "full", "tiled_mlp": True, "tiled_mlp_tile_tokens": 256}
-    _same(_cfg(tmp_path, tiny_text_file, "llama", LENGTH, memory))
+    _same(_cfg(tmp_path, tiny_text_file, "llama", NESTED, memory))
 
 
 @pytest.mark.parametrize("memory", [{"activation_bits": 2}, {"randomized_linear": {"ratio": 0.5}}],
