@@ -118,6 +118,8 @@ def validate(recipe: Recipe, overrides: Overrides = None,
             raise err from None
         found.append(err)
     loaded = not found  # every file the recipe names exists
+    model_found = not any(p.path.startswith("model.") for e in found if isinstance(e, RecipeError)
+                          for p in e.problems)
 
     def check(stage: Callable[[], object]) -> object:  # every stage runs: one hides no other
         try:
@@ -126,8 +128,9 @@ def validate(recipe: Recipe, overrides: Overrides = None,
             found.append(err)
             return None
 
-    check(lambda: check_max_length(cfg))  # within the model's positions (its config: no weights, no network)
-    check(lambda: check_patches(cfg))  # each fixed technique finds what it patches (a fake model)
+    if model_found:  # the model's config at hand
+        check(lambda: check_max_length(cfg))  # within its positions (its config: no weights, no network)
+        check(lambda: check_patches(cfg))  # each fixed technique finds what it patches (a fake model)
     prepared = None
     if data and loaded:  # the data, when every file it needs is there
         from memtrain.data.check import check_data
