@@ -124,8 +124,7 @@ def memory_fixes(cfg: RunConfig, *, micro_batch: bool = True) -> str:
     """What can make the recipe's step fit, leaving out what it does already (``micro_batch``: the
     micro-batch may still shrink)."""
     m, t = cfg.memory, cfg.training
-    fixes = ["a larger `memory.simulate_budget`" if m.simulate_budget is not None else
-             "a larger `memory.budget` (a larger GPU)"]
+    fixes = [f"a larger `{m.budget_field}`" + ("" if m.simulate_budget is not None else " (a larger GPU)")]
     if micro_batch and t.micro_batch_size != 1:
         fixes.append("a smaller `training.micro_batch_size` (`auto` probes what fits)")
     if m.checkpointing != "full":
