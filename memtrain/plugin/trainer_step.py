@@ -194,10 +194,9 @@ def complete_plan(trainer: Trainer, plan: BudgetPlan, estimate: bool | str, prep
             peak = _with_generation(trainer, plan, found)
             plan.use_micro_batch(found.micro_batch, found.accumulation, peak)
             before = plan.settings["max_length"]
-            traced = found.batch.get("input_ids", (0, before))[-1]
-            plan.settings["max_length"] = traced
-            one_row = found.batch.get("input_ids", (0,))[0] == 1
-            if (flattened or plan.settings.get("packed")) and one_row and traced > before:  # laid end to end
+            shape = found.batch.get("input_ids", (0, before))  # (rows, tokens) of the traced batch
+            traced = plan.settings["max_length"] = shape[-1]
+            if (flattened or plan.settings.get("packed")) and shape[0] == 1 and traced > before:  # end to end
                 plan.notes.append(f"the traced step's batch is one flattened row of {traced:,} tokens (the "
                                   f"collator lays its rows of up to {before:,} tokens end to end): the "
                                   "plan's length is that row's")
