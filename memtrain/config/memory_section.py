@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from memtrain.config.base import Auto, FractionOr, Problem, Section, report_problem
-from memtrain.units import budget_problem
+from memtrain.units import budget_problem, format_bytes, parse_size
 
 # -------------------------------------------------------------------------------------- memory
 
@@ -89,7 +89,7 @@ class MemoryConfig(Section):
         None,
         description="Raise an out-of-memory error when tracked live tensor bytes exceed this size, "
         "e.g. `2GiB` (tests auto-fit and recovery on CPU). When set, it is the budget the run is "
-        "planned for, probed against and held to, in place of `budget`.",
+        "planned for, probed against and held to, in place of `budget` (so no larger than `budget`).",
     )
     checkpointing: Checkpointing | int = Field(
         "none",
@@ -196,6 +196,23 @@ class MemoryConfig(Section):
         if isinstance(v, int) and v < 1:
             raise ValueError("a number of checkpointed layers must be at least 1")
         return v
+
+    @model_validator(mode="after")
+    def _simulated_within_budget(self, info: ValidationInfo) -> MemoryConfig:
+        """A simulated budget is a smaller device emulated on this one: one larger than
+        ``memory.budget`` would plan and hold the run to memory the device does not have."""
+        sizes = (self.budget, self.simulate_budget)
+        if None in sizes or "auto" in sizes or any(budget_problem(s) for s in sizes):
+            return self
+        budget, simulated = (parse_size(s) for s in sizes)
+        if simulated > budget:
+            report_problem(info, Problem(
+                "memory.simulate_budget", self.simulate_budget,
+                f"is larger than `memory.budget` ({format_bytes(budget)}); the run would be planned "
+                "for and held to the simulated size, more than the device has",
+                f"set `memory.simulate_budget` to at most `{self.budget}`, or raise `memory.budget`.",
+            ))
+        return self
 
     @model_validator(mode="after")
     def _tiles(self, info: ValidationInfo) -> MemoryConfig:

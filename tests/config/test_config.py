@@ -69,6 +69,16 @@ def test_the_planner_the_probe_and_the_fixes_read_one_budget(tmp_path: Path) -> 
     assert cfg.memory.budget_field == "memory.budget"
 
 
+def test_a_simulated_budget_larger_than_the_budget_is_a_recipe_problem(tmp_path: Path) -> None:
+    """The simulated budget is read in place of `memory.budget` (above): one larger than the
+    device's would plan a run the device cannot hold, so it is refused, naming both."""
+    found = problems(recipe(tmp_path), ["memory.simulate_budget=4GiB", "memory.budget=2GiB"])
+    assert len(found) == 1 and "`memory.simulate_budget`" in found[0], found
+    assert "4GiB" in found[0] and "2.00 GiB" in found[0] and "at most `2GiB`" in found[0], found
+    load_recipe(recipe(tmp_path), ["memory.simulate_budget=2GiB", "memory.budget=2GiB"])  # equal: fine
+    load_recipe(recipe(tmp_path), ["memory.simulate_budget=4GiB", "memory.budget=auto"])  # unknown until run
+
+
 def test_all_errors_reported_at_once(tmp_path: Path) -> None:
     found = problems(recipe(tmp_path), [
         "training.lerning_rate=1",          # unknown key
