@@ -131,17 +131,17 @@ def validate(recipe: Recipe, overrides: Overrides = None,
     if model_found:  # the model's config at hand
         check(lambda: check_max_length(cfg))  # within its positions (its config: no weights, no network)
         check(lambda: check_patches(cfg))  # each fixed technique finds what it patches (a fake model)
-    prepared = None
+    read = prepared = None
     if data and loaded:  # the data, when every file it needs is there
         from memtrain.data.check import check_data
 
-        read = check(lambda: f"data read: {check_data(cfg)}")
-    else:
-        read = None
+        if (checked := check(lambda: check_data(cfg))) is not None:
+            line, prepared = checked
+            read = f"data read: {line}"
     if cfg.training.objective == "grpo":  # loss type, rewards (with --data: called on the first row), lengths
         from memtrain.estimator.grpo import check_grpo
 
-        if read is not None:
+        if read is not None and prepared is None:  # read uncut (`data.max_length: auto`): as trained
             from memtrain.data.prepare import prepare_data
             from memtrain.model import load_tokenizer
 

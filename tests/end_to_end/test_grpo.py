@@ -41,6 +41,20 @@ def test_bad_grpo_input_exits_2_naming_the_field(overrides: list[str], field: st
     assert field in out and fix in out, out
 
 
+def test_validate_reads_the_data_once_and_calls_the_rewards_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`validate --data` of the shipped GRPO recipe prepares its prompts once: the rows it reports
+    are the rows the reward check is called on (it prepared them twice, reading and tokenizing every
+    row again)."""
+    from memtrain.data import prepare
+
+    calls = []
+    real = prepare.prepare_data
+    monkeypatch.setattr(prepare, "prepare_data", lambda *a, **k: calls.append(1) or real(*a, **k))
+    result = runner.invoke(app, ["validate", str(RECIPE), "--data"])
+    assert result.exit_code == 0, result.output
+    assert "data read:" in result.output and len(calls) == 1, (calls, result.output)
+
+
 @pytest.mark.slow
 def test_grpo_recipe_reward_rises(tmp_path: Path) -> None:
     """The shipped recipe as it is (20 steps, seed 0): TRL generates, both rewards score every logged
