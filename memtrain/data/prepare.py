@@ -73,10 +73,12 @@ def read_rows(cfg: RunConfig) -> Rows:
 
 
 def token_counts(dataset: Dataset) -> list[int]:
-    """The number of tokens of every row, read from the Arrow column without decoding the rows."""
+    """The number of tokens of every row, read from the Arrow column without decoding the rows. Through
+    the dataset's index mapping: a filtered, shuffled or selected dataset keeps its whole table
+    beneath (``dataset.data``), the rows dropped included."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
 
 
 def prepare_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:

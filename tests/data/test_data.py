@@ -262,3 +262,15 @@ def test_a_classifier_without_token_types_computes_what_zeros_give(arch: str) ->
         given = model(input_ids=ids, token_type_ids=torch.zeros_like(ids)).logits
         left_out = model(input_ids=ids).logits
     assert torch.equal(given, left_out)
+
+
+def test_the_longest_row_is_of_the_rows_kept(tmp_path: Path, tokenizer) -> None:
+    """A row dropped for its length (its answer cut off) is not the data's longest row: the plan and
+    the estimate size the batch from the rows that train (an outside user's `validate --data` said
+    "1 training examples, the longest 128 tokens" of one 33-token example)."""
+    rows = [{"prompt": "What is two plus two?", "response": "four"},
+            {"prompt": "x " * 300, "response": "gone"}]
+    f = write_jsonl(tmp_path / "c.jsonl", rows)
+    cfg = recipe(tmp_path, f, format="completion", max_length=64)
+    data = prepare_data(cfg, tokenizer)
+    assert len(data.train) == 1 and data.rows(cfg).longest == len(data.train[0]["input_ids"]) < 64
