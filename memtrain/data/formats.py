@@ -14,6 +14,7 @@ one :class:`BadRows` error.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -95,10 +96,18 @@ def column_text(cfg: DataConfig, row: Mapping[str, Any], field: str, *, optional
     return str(value)
 
 
+def fill_template(template: str, **values: str) -> str:
+    """``template`` with each ``{name}`` of ``values`` replaced by its value, in one pass: a value's
+    own text is never filled in again (an instruction quoting ``print(f"{input}")`` keeps it, where
+    chained ``str.replace`` calls put the row's input there)."""
+    names = "|".join(re.escape(name) for name in values)
+    return re.sub(r"\{(" + names + r")\}", lambda m: values[m.group(1)], template)
+
+
 def completion_pair(cfg: DataConfig, row: Mapping[str, Any]) -> tuple[str, str]:
     """``(prompt text, response text)`` of a completion row, the prompt in ``completion_template``."""
     prompt = column_text(cfg, row, "prompt_column")
-    return cfg.completion_template.replace("{prompt}", prompt), column_text(cfg, row, "response_column")
+    return fill_template(cfg.completion_template, prompt=prompt), column_text(cfg, row, "response_column")
 
 
 def alpaca_pair(cfg: DataConfig, row: Mapping[str, Any]) -> tuple[str, str]:
@@ -106,7 +115,7 @@ def alpaca_pair(cfg: DataConfig, row: Mapping[str, Any]) -> tuple[str, str]:
     instruction = column_text(cfg, row, "instruction_column")
     extra = column_text(cfg, row, "input_column", optional=True).strip()
     template = cfg.alpaca_template if extra else cfg.alpaca_template_no_input
-    prompt = template.replace("{instruction}", instruction).replace("{input}", extra)
+    prompt = fill_template(template, instruction=instruction, input=extra)
     return prompt, column_text(cfg, row, "output_column")
 
 

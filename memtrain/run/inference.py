@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from memtrain._compat.peft import quiet_renamed_checkpointing
 from memtrain.config import RunConfig, load_recipe
 from memtrain.data.chat import end_token_id
+from memtrain.data.formats import fill_template
 from memtrain.errors import MemtrainError
 from memtrain.model import DTYPES, load_model, model_class
 from memtrain.run.train import LABELS_FILE, RECIPE_FILE
@@ -158,9 +159,9 @@ def format_prompt(run: Run, prompt: str | list[dict[str, str]], extra: str = "")
                             f"`data.format: {data.format}`. Fix: give one prompt.")
     if data.kind == "alpaca":
         template = data.alpaca_template if extra.strip() else data.alpaca_template_no_input
-        prompt = template.replace("{instruction}", prompt).replace("{input}", extra.strip())
+        prompt = fill_template(template, instruction=prompt, input=extra.strip())
     elif data.kind == "completion":
-        prompt = data.completion_template.replace("{prompt}", prompt)
+        prompt = fill_template(data.completion_template, prompt=prompt)
     ids = list(tok(prompt, add_special_tokens=True)["input_ids"])
     end = end_token_id(tok)
     while ids and ids[-1] == end:  # the document's end token would tell the model to stop

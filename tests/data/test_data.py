@@ -131,6 +131,21 @@ def test_alpaca_uses_the_template_and_the_input_when_present(tmp_path: Path, tok
         by_answer["blue [SEP]"]
 
 
+def test_a_placeholder_in_the_data_is_text_not_a_template_field(tmp_path: Path, tokenizer) -> None:
+    """Code in an instruction may read `{input}`: the template is filled in one pass, so the row's
+    input goes where the template has it and nowhere else (chained replaces put it in the code too:
+    an outside user's `print(f"{input}")` trained as `print(f"secret")`). The completion template
+    and `memtrain generate`'s prompts are filled the same way."""
+    from memtrain.data.formats import fill_template
+
+    rows = [{"instruction": 'Explain print(f"{input}") and {prompt}', "input": "secret", "output": "ok"}]
+    f = write_jsonl(tmp_path / "a.jsonl", rows)
+    data = prepare_data(recipe(tmp_path, f, format="alpaca", max_length=128), tokenizer)
+    text = tokenizer.decode(data.train[0]["input_ids"])
+    assert text.count("secret") == 1 and "{ input }" in text, text
+    assert fill_template("<{prompt}>", prompt="{prompt}") == "<{prompt}>"
+
+
 def test_train_on_inputs_trains_the_prompt_too(tmp_path: Path, tokenizer) -> None:
     f = write_jsonl(tmp_path / "i.jsonl", [{"prompt": "two plus two", "response": "four"}] * 2)
     data = prepare_data(recipe(tmp_path, f, format="completion", train_on_inputs=True), tokenizer)
