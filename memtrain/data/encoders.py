@@ -33,6 +33,7 @@ from memtrain.data.formats import (
     ROW,
     BadRows,
     RowError,
+    column_text,
 )
 
 log = logging.getLogger("memtrain.data.prepare")  # the logger these messages always had
@@ -97,11 +98,10 @@ def _encode_text(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase,
                  names: list[str] | None) -> Dataset:
     """Plain text, every token trained, closed by the end-of-sequence token."""
     def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
-        text = row[cfg.text_column]
-        if text is None:
-            raise RowError(cfg, row[ROW], "text_column", "the column is empty (null)",
-                           "fill it in or remove the row.")
-        return [encode_spans(tok, str(text), [], special_tokens=True, close=True, train_all=True)]
+        text = column_text(cfg, row, "text_column")
+        if not text.strip():  # a blank line of a .txt file: no example (dropped by _drop_blank)
+            return [{"input_ids": [], "labels": []}]
+        return [encode_spans(tok, text, [], special_tokens=True, close=True, train_all=True)]
 
     return _map_rows(ds, encode)
 
@@ -221,6 +221,19 @@ def _drop_unlabelled(ds: Dataset, cfg: DataConfig) -> Dataset:
     return kept
 
 
+def _drop_blank(ds: Dataset, cfg: DataConfig) -> Dataset:
+    """Drop the examples of blank text (a blank line, ``""``): an example of no tokens but the
+    closing one would train on nothing and count as a step; fail if that is all of them."""
+    kept = ds.filter(lambda row: len(row["input_ids"]) > 0, desc="checking")
+    if len(kept) == 0:
+        raise RecipeError([Problem(cfg.key("text_column"), cfg.text_column, "every row's text is blank",
+                                   "point `data.source` at the data, or name the column that holds "
+                                   "the text.")], cfg.source)
+    if len(kept) < len(ds):
+        log.warning("dropped %d blank rows (no text in column %r)", len(ds) - len(kept), cfg.text_column)
+    return kept
+
+
 def encode_splits(data: DataConfig, tokenizer: PreTrainedTokenizerBase, label_names: list[str] | None,
                   splits: list[Dataset | None], read: int) -> list[Dataset | None]:
     """The loaded (train, eval) splits of one dataset, ``read`` rows in all, tokenized by the encoder
@@ -234,6 +247,8 @@ def encode_splits(data: DataConfig, tokenizer: PreTrainedTokenizerBase, label_na
         encode = _ENCODERS[data.kind]
     splits = [encode(s, data, tokenizer, label_names) if s is not None else None for s in splits]
     splits = without_bad_rows(data, splits, read)
+    if data.kind == "text":
+        splits = [_drop_blank(s, data) if s is not None else None for s in splits]
     if data.kind not in ("classification", "preference") and not (data.packing and data.kind == "text"):
         splits = [_cut(s, data.max_length) if s is not None else None for s in splits]
     if data.kind not in ("text", "classification", "preference"):

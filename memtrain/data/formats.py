@@ -154,7 +154,18 @@ def read_message(cfg: DataConfig, row: Mapping[str, Any], field: str, index: int
     if content is None:
         raise RowError(cfg, row[ROW], field, f"{where} has no `{content_key}`",
                        f"give every message a `{content_key}`.")
+    if isinstance(content, list) and content and all(_text_part(p) for p in content):
+        content = "".join(p["text"] for p in content)  # OpenAI's content parts, text only: joined
+    if not isinstance(content, str | int | float) or isinstance(content, bool):
+        raise RowError(cfg, row[ROW], field, f"{where}'s `{content_key}` is a {type(content).__name__}, "
+                       "not text", f"write each message's `{content_key}` as a string (or a list of "
+                       '`{"type": "text", "text": ...}` parts).')
     return {"role": role, "content": str(content)}
+
+
+def _text_part(part: Any) -> bool:
+    """``part`` is an OpenAI-style text content part, ``{"type": "text", "text": "..."}``."""
+    return isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
 def _roles_fix(cfg: DataConfig, turns: Any, name: str, roles: Mapping[str, str]) -> str:

@@ -147,3 +147,36 @@ def test_the_exact_answer_column_must_be_there_and_filled_in(tmp_path: Path, tok
     grpo = [GRPO[0], "training.grpo_rewards=[exact_answer]", GRPO[2], f"training.grpo_answer_column={column}"]
     text = message(tmp_path, rows, tokenizer, grpo, format="prompt", eval_split=0.2)
     assert said in " ".join(text.split()), text
+
+
+def test_text_is_text_a_list_is_refused_and_content_parts_are_joined(tmp_path: Path, tokenizer) -> None:
+    """A list where text belongs was trained as its Python repr (`['a', 'b']`), silently; it is a
+    bad row now, in every format that reads text. OpenAI-style content parts of text are the
+    message's text (`[{"type": "text", "text": "hello back"}]` trained as that list's repr)."""
+    hi = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+    parts = [{"role": "user", "content": hi},
+             {"role": "assistant", "content": [{"type": "text", "text": "hello back"}]}]
+    data = prepare(tmp_path, [{"messages": parts}], tokenizer, format="messages")
+    text = tokenizer.decode(data.train[0]["input_ids"])
+    assert "hi there" in text and "hello back" in text and "type" not in text, text
+    listed = message(tmp_path, [{"text": ["a", "b"]}, {"text": "fine"}], tokenizer, format="text")
+    assert "`data.text_column`: row 1: expected text, found list" in listed, listed
+    turns = [SHAREGPT[0], {"from": "gpt", "value": ["x", "y"]}]
+    listed = message(tmp_path, [{"conversations": turns}], tokenizer, format="sharegpt")
+    assert "row 1: message 2's `value` is a list, not text" in listed, listed
+    image = [CHAT[0], {"role": "assistant", "content": [{"type": "image", "url": "x.png"}]}]
+    assert "message 2's `content` is a list" in message(tmp_path, [{"messages": image}], tokenizer,
+                                                          format="messages")
+
+
+def test_blank_text_rows_are_dropped_and_said_so(tmp_path: Path, tokenizer, caplog) -> None:
+    """Blank lines of a .txt file (and `{"text": ""}`) were examples of the closing token alone:
+    steps of loss 0 that diluted the reported loss. They are dropped, with a count; all blank is a
+    recipe problem."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        data = prepare(tmp_path, [{"text": "line one"}, {"text": ""}, {"text": "  "}, {"text": "line two"}],
+                       tokenizer, format="text")
+    assert len(data.train) == 2 and "dropped 2 blank rows" in caplog.text
+    assert "`data.text_column`" in message(tmp_path, [{"text": ""}], tokenizer, format="text")
