@@ -187,6 +187,10 @@ def _conversation(cfg: DataConfig, row: Mapping[str, Any], field: str, keys: tup
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError(cfg, row[ROW], field, "the conversation has no assistant message, so nothing "
                        "would be trained", "add the answer, or remove the row.")
+    if messages[0]["role"] == "assistant":  # a chat template renders no prompt of nothing to answer
+        raise RowError(cfg, row[ROW], field, "the conversation starts with an assistant message, "
+                       "which answers nothing", "start it with a user (or system) message, or remove "
+                       "the row.")
     return messages
 
 

@@ -180,3 +180,14 @@ def test_blank_text_rows_are_dropped_and_said_so(tmp_path: Path, tokenizer, capl
                        tokenizer, format="text")
     assert len(data.train) == 2 and "dropped 2 blank rows" in caplog.text
     assert "`data.text_column`" in message(tmp_path, [{"text": ""}], tokenizer, format="text")
+
+
+def test_a_conversation_that_starts_with_the_answer_is_a_bad_row(tmp_path: Path, tokenizer) -> None:
+    """It crashed in the chat template ("Cannot apply chat template to an empty conversation",
+    exit 1); a system message first is a prompt, and trains."""
+    first = [{"from": "gpt", "value": "hello"}, *SHAREGPT]
+    text = message(tmp_path, [{"conversations": first}, {"conversations": SHAREGPT}], tokenizer,
+                   format="sharegpt")
+    assert "`data.conversations_column`: row 1: the conversation starts with an assistant message" in text
+    system = [{"from": "system", "value": "be brief"}, {"from": "gpt", "value": "hello"}, *SHAREGPT]
+    assert len(prepare(tmp_path, [{"conversations": system}], tokenizer, format="sharegpt").train) == 1
