@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,6 +344,14 @@ def load_splits(cfg: DataConfig, seed: int = 0, *, need_eval_split: bool = True
             raise RecipeError([Problem("data.eval_split", cfg.eval_split,
                                        f"cannot split {len(train)} example(s)",
                                        "use more data or `data.eval_split: 0`.")], cfg.source)
+        held = math.ceil(cfg.eval_split * len(train))  # as `datasets` rounds the evaluation part
+        if held >= len(train):
+            most = math.floor(100 * (len(train) - 1) / len(train)) / 100
+            raise RecipeError([Problem("data.eval_split", cfg.eval_split,
+                                       f"leaves nothing to train on: all {len(train)} examples would "
+                                       "be held out for evaluation",
+                                       f"lower it to at most {most:.2f} (or use "
+                                       "more data, or `data.eval_split: 0`).")], cfg.source)
         parts = train.train_test_split(test_size=cfg.eval_split, seed=seed)
         train, evaluation = parts["train"], parts["test"]
     return train, evaluation

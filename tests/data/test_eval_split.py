@@ -101,3 +101,17 @@ def test_a_mix_cut_at_the_first_exhausted_never_trains_on_an_eval_row(tmp_path: 
                  if {r for r in train if r[0] == w} | {r for r in evaluation if r[0] == w}
                  == {(w, i) for i in range(40 if w == "apple" else 20)}]
     assert exhausted, "no dataset was trained on whole"
+
+
+def test_a_split_that_leaves_nothing_to_train_names_the_largest_that_does(tmp_path: Path, tokenizer) -> None:
+    """4 rows with `eval_split: 0.9` ended in `datasets`' ValueError, a traceback (exit 1). The
+    largest split the fix names leaves one example to train on."""
+    from memtrain.config import RecipeError
+
+    source = text_file(tmp_path / "a.jsonl", "apple", range(4))
+    with pytest.raises(RecipeError) as err:
+        prepare_data(load_recipe(causal_recipe(tmp_path, source, data={"eval_split": 0.9})), tokenizer)
+    text = str(err.value)
+    assert "`data.eval_split`: leaves nothing to train on" in text and "at most 0.75" in text, text
+    trained, evaluated = split(tokenizer, tmp_path, source, eval_split=0.75)
+    assert (len(trained), len(evaluated)) == (1, 3)
