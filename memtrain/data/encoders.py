@@ -141,6 +141,7 @@ def _encode_tokenized(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase
     """Token ids as given; ``labels`` where a row has them, else every token of the row is trained
     (a row without them in a file where others have them reads as null: the same as a file without)."""
     has_labels = "labels" in ds.column_names
+    vocabulary = len(tok)
 
     def encode(row: dict[str, Any]) -> list[dict[str, list[int]]]:
         ids = row["input_ids"]
@@ -148,6 +149,10 @@ def _encode_tokenized(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase
         if not ids or not all(isinstance(t, int) for t in ids):
             raise RowError(cfg, row[ROW], "format", "`input_ids` must be a non-empty list of "
                            "integers", "store token ids as lists of integers.")
+        if (bad := next((t for t in ids if not 0 <= t < vocabulary), None)) is not None:
+            raise RowError(cfg, row[ROW], "format", f"`input_ids` holds {bad}, not a token of the "
+                           f"tokenizer's {vocabulary:,} (0 to {vocabulary - 1:,})", "tokenize the "
+                           "data with the model's tokenizer (`model.tokenizer`).")
         if labels is None or len(labels) != len(ids):
             raise RowError(cfg, row[ROW], "format", f"`labels` has {len(labels or [])} entries "
                            f"for {len(ids)} `input_ids`", "give one label per token (-100: not "

@@ -191,3 +191,12 @@ def test_a_conversation_that_starts_with_the_answer_is_a_bad_row(tmp_path: Path,
     assert "`data.conversations_column`: row 1: the conversation starts with an assistant message" in text
     system = [{"from": "system", "value": "be brief"}, {"from": "gpt", "value": "hello"}, *SHAREGPT]
     assert len(prepare(tmp_path, [{"conversations": system}], tokenizer, format="sharegpt").train) == 1
+
+
+def test_token_ids_outside_the_vocabulary_are_bad_rows(tmp_path: Path, tokenizer) -> None:
+    """They passed `validate --data` and crashed the embedding lookup in training (IndexError)."""
+    rows = [{"input_ids": [101, len(tokenizer), 102]}, {"input_ids": [101, 7, 102]}, {"input_ids": [-5, 102]}]
+    text = message(tmp_path, rows, tokenizer, format="tokenized")
+    assert "2 of the 3 rows cannot be used" in text, text
+    assert f"row 1: `input_ids` holds {len(tokenizer)}, not a token" in text, text
+    assert "row 3: `input_ids` holds -5" in text, text
