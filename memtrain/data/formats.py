@@ -169,14 +169,17 @@ def _text_part(part: Any) -> bool:
 
 
 def _roles_fix(cfg: DataConfig, turns: Any, name: str, roles: Mapping[str, str]) -> str:
-    """A ``data.sharegpt_roles`` that reads this row: it replaces the default mapping, so the names
-    the row uses are kept, and the unknown one is mapped (to the assistant when no other turn is)."""
-    used = {str(t["from"]): roles[str(t["from"])] for t in turns or []
-            if isinstance(t, Mapping) and str(t.get("from")) in roles}
-    mapping = {**used, name: "user" if "assistant" in used.values() else "assistant"}
+    """A ``data.sharegpt_roles`` that reads this row: it replaces the mapping in use, so every name
+    of that mapping is kept (other rows use them too), and each unknown name of the row is mapped by
+    its place (turns alternate, user first: `USER`/`BOT` -> user/assistant)."""
+    mapping, turn = dict(roles), 0
+    for t in turns if isinstance(turns, list) else []:
+        if isinstance(t, Mapping) and t.get("from") is not None:
+            role = mapping.setdefault(str(t["from"]), "user" if turn % 2 == 0 else "assistant")
+            turn += role != "system"
     key = cfg.key("sharegpt_roles")
     return (f"map {name!r} to user, assistant, system or tool in `{key}`; that mapping replaces the "
-            "default one, so keep the names the data uses, e.g. "
+            "one in use, so keep the names the data uses, e.g. "
             f"`{key}: {{{', '.join(f'{n}: {r}' for n, r in mapping.items())}}}`.")
 
 

@@ -10,10 +10,12 @@ import pytest
 from conftest import causal_recipe, write_jsonl
 
 from memtrain.config import RecipeError, load_recipe
+from memtrain.config.data_section import SHAREGPT_ROLES
 from memtrain.data.prepare import prepare_data
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 SHAREGPT = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+DEFAULT_ROLES = ", ".join(f"{name}: {role}" for name, role in SHAREGPT_ROLES.items())
 
 
 def prepare(tmp_path: Path, rows: list[dict], tokenizer, overrides: list[str] = (), **data):
@@ -94,9 +96,13 @@ def applied(fix: str) -> list[str]:
                                                          "data.messages_column=conversations"]),
     # the right format, another column: only the column
     ([{"dialog": CHAT}], {"format": "messages"}, ["data.messages_column=dialog"]),
-    # an unknown ShareGPT name: `sharegpt_roles` replaces the default mapping, so the fix keeps `human`
+    # an unknown ShareGPT name: `sharegpt_roles` replaces the default mapping, so the fix keeps all of
+    # it (other rows use its names: `human` alone was kept, from this row, and the next row failed)
     ([{"conversations": [SHAREGPT[0], {"from": "robot", "value": "beep"}]}], {"format": "sharegpt"},
-     ["data.sharegpt_roles={human: user, robot: assistant}"]),
+     [f"data.sharegpt_roles={{{DEFAULT_ROLES}, robot: assistant}}"]),
+    # names of their own, each mapped by its place (USER was mapped to the assistant)
+    ([{"conversations": [{"from": "USER", "value": "hi"}, {"from": "BOT", "value": "beep"}]}],
+     {"format": "sharegpt"}, [f"data.sharegpt_roles={{{DEFAULT_ROLES}, USER: user, BOT: assistant}}"]),
 ])
 def test_a_conversation_format_fix_names_what_works(tmp_path: Path, tokenizer, rows, data, names) -> None:
     text = message(tmp_path, rows * 3, tokenizer, **data)
