@@ -237,7 +237,8 @@ class DataConfig(DatasetConfig):
         if self.mix and self.kind not in CAUSAL_FORMATS:
             report_problem(info, Problem(
                 "data.mix", [e.source for e in self.mix], f"mixing is for causal-LM data, and "
-                f"`data.format` is `{self.format}`", "train a classifier on one dataset: remove `data.mix`.",
+                f"`data.format` is `{self.format}`", "remove `data.mix` (train on one dataset), or mix "
+                "causal-LM data (text, completion, alpaca, sharegpt, messages or tokenized).",
             ))
             return self
         for i, entry in enumerate(self.mix):

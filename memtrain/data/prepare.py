@@ -409,6 +409,8 @@ def _label_names(ds: Dataset, cfg: RunConfig) -> list[str]:
     if wanted is not None:
         names += [str(i) for i in range(len(names), wanted)]
     if len(names) < 2:
-        raise RecipeError([Problem(f"data.{column}", names, "classification needs at least 2 labels",
-                                   "check the label column.")])
+        raise RecipeError([Problem(cfg.data.key("label_column"), column, "classification needs at "
+                                   f"least 2 labels; the column holds one: {names}", "check that it "
+                                   "is the label column and that the data holds every class.")],
+                          cfg.data.source)
     return names

@@ -51,6 +51,15 @@ def test_packing_makes_full_blocks(tmp_path: Path, tokenizer) -> None:
     assert data.fill == {"unpacked": 0.5, "packed": 1.0}  # two 8-token lines per 16-token row
 
 
+def test_one_class_names_the_label_column(tmp_path: Path, tokenizer) -> None:
+    """It named `data.label`, which is no key."""
+    f = write_jsonl(tmp_path / "one.jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}])
+    cfg = load_recipe({"model": {"name": MINILM, "task": "sequence-classification"},
+                       "data": {"source": str(f), "format": "classification", "eval_split": 0.0}})
+    with pytest.raises(RecipeError, match=r"`data.label_column`: classification needs at least 2 labels"):
+        prepare_data(cfg, tokenizer)
+
+
 def test_classification_maps_string_labels(tmp_path: Path, tokenizer, tiny_classification_file: Path) -> None:
     cfg = load_recipe({"model": {"name": MINILM, "task": "sequence-classification"},
                        "data": {"source": str(tiny_classification_file), "format": "classification",

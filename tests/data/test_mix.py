@@ -134,6 +134,13 @@ def test_a_classifier_cannot_mix(tmp_path: Path, tiny_classification_file: Path)
                        "mix": [{"source": str(tiny_classification_file)}]}}
     with pytest.raises(RecipeError, match=r"`data.mix`: mixing is for causal-LM data"):
         load_recipe(recipe)
+    # a preference mix: the fix no longer says "train a classifier" (it did, whatever the format)
+    recipe["data"] = {"source": str(tiny_classification_file), "format": "preference",
+                      "mix": [{"source": str(tiny_classification_file)}]}
+    with pytest.raises(RecipeError) as err:
+        load_recipe(recipe)
+    line = next(p for p in map(str, err.value.problems) if "mixing is for causal-LM data" in p)
+    assert "train a classifier" not in line and "remove `data.mix`" in line, line
 
 
 def test_bad_rows_name_the_dataset_and_the_row(tmp_path: Path, tokenizer) -> None:
