@@ -99,6 +99,9 @@ def test_generate_uses_the_chat_template(chat_run: Path) -> None:
     assert result.exit_code == 0 and result.output.strip(), result.output
     chat = cli.invoke(app, ["generate", str(chat_run), "--max-new-tokens", "3"], input="hi\nagain\n")
     assert chat.exit_code == 0 and chat.output.count("> ") == 2, chat.output
+    # `--input` is an alpaca prompt's: on a chat run it was ignored, silently
+    ignored = cli.invoke(app, ["generate", str(chat_run), "count to 3", "--input", "by twos"])
+    assert ignored.exit_code == 2 and "`--input` is the input of an alpaca instruction" in ignored.output
 
 
 def test_loading_a_run_prints_no_deprecation_of_transformers_names(chat_run: Path) -> None:
