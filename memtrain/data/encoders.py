@@ -221,8 +221,13 @@ def _drop_unlabelled(ds: Dataset, cfg: DataConfig) -> Dataset:
                                    f"raise `data.max_length` (examples reach {longest} tokens here "
                                    "before cutting).")], cfg.source)
     if len(kept) < len(ds):
-        log.warning("dropped %d examples with no answer tokens left after data.max_length=%d",
-                    len(ds) - len(kept), cfg.max_length)
+        dropped = len(ds) - len(kept)
+        cut = ds.filter(lambda row: len(row["input_ids"]) >= cfg.max_length, desc="checking")
+        by_length = sum(1 for labels in cut["labels"] if all(t == IGNORE_INDEX for t in labels))
+        why = [f"{by_length} cut at data.max_length={cfg.max_length}" if by_length else "",
+               f"{dropped - by_length} with every label -100" if dropped > by_length else ""]
+        log.warning("dropped %d examples with no answer tokens left: %s", dropped,
+                    " and ".join(w for w in why if w))
     return kept
 
 

@@ -206,3 +206,15 @@ def test_token_ids_outside_the_vocabulary_are_bad_rows(tmp_path: Path, tokenizer
     assert "2 of the 3 rows cannot be used" in text, text
     assert f"row 1: `input_ids` holds {len(tokenizer)}, not a token" in text, text
     assert "row 3: `input_ids` holds -5" in text, text
+
+
+def test_a_dropped_example_says_why(tmp_path: Path, tokenizer, caplog) -> None:
+    """A tokenized row whose labels are all -100 was "dropped ... with no answer tokens left after
+    data.max_length", though its length was not the cause."""
+    import logging
+
+    rows = [{"input_ids": [101, 7, 8, 102], "labels": [-100] * 4}, {"input_ids": [101, 9, 102]}]
+    with caplog.at_level(logging.WARNING):
+        data = prepare(tmp_path, rows, tokenizer, format="tokenized")
+    assert len(data.train) == 1 and "1 with every label -100" in caplog.text, caplog.text
+    assert "cut at data.max_length" not in caplog.text
