@@ -67,10 +67,6 @@ def generate(
         return made.text
 
     run = load_run(run_dir)
-    if input_text and run.cfg.data.kind != "alpaca":
-        raise MemtrainError(f"`--input` is the input of an alpaca instruction; this run trained on "
-                            f"`data.format: {run.cfg.data.format}`, whose prompts have none. Fix: "
-                            "put all of it in PROMPT.")
     if input_text and prompt is None:
         raise MemtrainError("`--input` goes with an instruction PROMPT, and none was given (the "
                             "instructions are read from standard input). Fix: give PROMPT, or drop "

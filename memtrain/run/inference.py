@@ -150,6 +150,10 @@ def format_prompt(run: Run, prompt: str | list[dict[str, str]], extra: str = "")
     and plain preference pairs: the prompt as it is.
     """
     tok, data = run.tokenizer, run.cfg.data
+    if extra.strip() and data.kind != "alpaca":  # the input of an alpaca instruction: nowhere else to go
+        raise MemtrainError(f"`--input` is the input of an alpaca instruction; this run trained on "
+                            f"`data.format: {data.format}`, whose prompts have none. Fix: put all of "
+                            "it in PROMPT.")
     if data.kind in CHAT_FORMATS or (data.kind == "preference" and tok.chat_template):  # conversational pairs
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
