@@ -141,11 +141,11 @@ def validate(recipe: Recipe, overrides: Overrides = None,
     if cfg.training.objective == "grpo":  # loss type, rewards (with --data: called on the first row), lengths
         from memtrain.estimator.grpo import check_grpo
 
-        if read is not None and prepared is None:  # read uncut (`data.max_length: auto`): as trained
-            from memtrain.data.prepare import prepare_data
+        if read is not None and prepared is None:  # `data.max_length: auto`: the prompts read uncut
+            from memtrain.data.prepare import prepare_data, uncut
             from memtrain.model import load_tokenizer
 
-            prepared = check(lambda: prepare_data(cfg, load_tokenizer(cfg.model)))
+            prepared = check(lambda: prepare_data(uncut(cfg), load_tokenizer(cfg.model)))
         check(lambda: check_grpo(cfg, prepared))
     if found:
         raise _all_problems(recipe, found)

@@ -13,9 +13,6 @@ from memtrain.config import RunConfig
 if TYPE_CHECKING:
     from memtrain.data.prepare import PreparedData
 
-UNCUT = 10**9  # data.max_length to check rows with when the planner has not chosen it yet
-
-
 def check_data(cfg: RunConfig) -> tuple[str, PreparedData | None]:
     """Prepare the recipe's data (:func:`~memtrain.data.prepare.prepare_data`) and describe it in a
     line; a data mistake raises its :class:`~memtrain.errors.MemtrainError`. Returns the line and
@@ -23,13 +20,11 @@ def check_data(cfg: RunConfig) -> tuple[str, PreparedData | None]:
     ``data.max_length: auto``, the planner chooses the length, the rows are checked uncut and
     unpacked).
     """
-    from memtrain.data.prepare import prepare_data
+    from memtrain.data.prepare import prepare_data, uncut
     from memtrain.model import load_tokenizer
 
     auto = cfg.data.max_length == "auto"
-    if auto:
-        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": UNCUT,
-                                                                         "packing": False})})
+    cfg = uncut(cfg)
     prepared = prepare_data(cfg, load_tokenizer(cfg.model))
     kind = ("pairs" if cfg.data.kind == "preference" else "packed rows" if cfg.data.packing
             else "examples")

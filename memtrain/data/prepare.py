@@ -9,6 +9,7 @@ reported in seconds, with the recipe field to change.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -65,12 +66,28 @@ class PreparedData:
         return rows_of(cfg, token_counts(self.train))
 
 
-def read_rows(cfg: RunConfig) -> Rows:
+UNCUT = 10**9  # data.max_length to read rows with when the planner has not chosen it yet
+
+
+def uncut(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``data.max_length: auto`` replaced by no limit and packing off: how the data is
+    read before the planner chooses the length (every row whole, one example per row)."""
+    if cfg.data.max_length != "auto":
+        return cfg
+    whole = cfg.data.model_copy(update={"max_length": UNCUT, "packing": False})
+    return cfg.model_copy(update={"data": whole})
+
+
+def read_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> Rows:
     """The longest batch of the recipe's data, read by tokenizing it as ``memtrain train`` does
-    (``memtrain estimate --data``): what the estimate traces instead of rows of ``data.max_length``."""
+    (``memtrain estimate --data``): what the estimate traces instead of rows of ``data.max_length``.
+    With ``data.max_length: auto``, the rows read uncut (:func:`uncut`; ``packed`` as the recipe
+    sets packing): what bounds the planner's length search."""
     from memtrain.model import load_tokenizer
 
-    return prepare_data(cfg, load_tokenizer(cfg.model)).rows(cfg)
+    read = uncut(cfg)
+    rows = prepare_data(read, tokenizer or load_tokenizer(cfg.model)).rows(read)
+    return rows if read is cfg else dataclasses.replace(rows, packed=cfg.data.packing)
 
 
 def token_counts(dataset: Dataset) -> list[int]:

@@ -54,7 +54,8 @@ def check_grpo(cfg: RunConfig, data: PreparedData | None = None) -> None:
     if data is None or len(data.train) == 0:
         return
     longest = max(data.train["prompt_tokens"])
-    if limit is not None and longest + completion > limit:
+    # (read uncut where the length is `auto`: the planned length cuts the prompts, not this check)
+    if limit is not None and longest + completion > limit and cfg.data.max_length != "auto":
         raise MemtrainError(
             f"`data.max_length`: the longest prompt has {longest:,} tokens; with "
             f"`training.grpo_max_completion_length` = {completion:,} a sequence would need "

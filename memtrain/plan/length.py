@@ -55,27 +55,34 @@ class LengthSearch:
     probes: dict[int, int] = field(default_factory=dict)  # length -> predicted total bytes
     limit: int | None = None  # the model's position limit, when it bounded the search
     estimate: est.Estimate | None = None  # the leanest settings at ``chosen``
+    data_longest: int | None = None  # the data's longest row (read uncut), when it bounded the search
 
     def explain(self) -> str:
         """One sentence: the length, what the next one needs, and the settings it was found with."""
+        with_ = ", ".join(f"{k}={_short(v)}" for k, v in self.leanest.items()) or "the recipe as written"
+        fit = f"fit {format_bytes(self.usable)} ({format_bytes(self.probes[self.chosen])}"
+        if self.chosen == self.data_longest:  # nothing longer to train on: the data bounded the search
+            return (f"data.max_length {self.chosen:,} tokens: the data's longest row (read uncut), whose "
+                    f"leanest settings {fit}); probed {_count(len(self.probes), 'length')} with {with_}")
         nxt = self.probes.get(self.chosen + self.step)
         why = (f"{self.chosen + self.step:,} needs {format_bytes(nxt)}" if nxt is not None else
                f"the model's {self.limit:,} positions" if self.limit is not None else "the search's end")
-        with_ = ", ".join(f"{k}={_short(v)}" for k, v in self.leanest.items()) or "the recipe as written"
         return (f"data.max_length {self.chosen:,} tokens: the longest multiple of {self.step} whose "
-                f"leanest settings fit {format_bytes(self.usable)} ({format_bytes(self.probes[self.chosen])}"
-                f"; {why}); probed {len(self.probes)} lengths with {with_}")
+                f"leanest settings {fit}; {why}); probed {_count(len(self.probes), 'length')} with {with_}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"chosen": self.chosen, "step": self.step, "leanest": self.leanest,
-                "probes": {str(k): v for k, v in sorted(self.probes.items())}, "position_limit": self.limit}
+                "probes": {str(k): v for k, v in sorted(self.probes.items())}, "position_limit": self.limit,
+                "data_longest": self.data_longest}
 
 
 def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = None,
                    host: int | None = None, exact_length: bool = False,
-                   cache: TraceCache | None = None) -> LengthSearch:
+                   cache: TraceCache | None = None, data_longest: int | None = None) -> LengthSearch:
     """The longest ``data.max_length`` (a multiple of ``step``, default ``LENGTH_STEP``) whose
     leanest settings fit ``usable`` device bytes (and ``host`` bytes of host memory, when given).
+    ``data_longest``: the data's longest row, read uncut; no length past it is searched (the data
+    has nothing longer to train on), and it is a length the search may answer itself.
     ``exact_length``: every estimate runs every loop iteration (as the estimator did before issue
     37: scripts/bench/planner/plan_speed.py times the difference). ``cache``: the plan's traces and
     estimates (default: a new one, this search's own).
@@ -90,11 +97,14 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     if limit is not None:
         step = min(step, limit)
         top = min(top, limit // step * step)
+    if data_longest is not None:
+        top = min(top, data_longest)
     cache = TraceCache() if cache is None else cache
     lean = _leanest(cfg, device, usable, step, exact_length, cache)
     settings = {**lean.values, "training.micro_batch_size": lean.micro,
                 "training.gradient_accumulation": lean.accumulation}
-    found = LengthSearch(0, step, usable, settings, limit=limit)
+    found = LengthSearch(0, step, usable, settings, limit=limit,
+                         data_longest=data_longest if data_longest == top else None)
     base = with_values(cfg, {**settings, MAX_KEY: 1}).model_dump_json() + f"|{device}|{exact_length}"
 
     def at(length: int) -> est.Estimate:
@@ -110,7 +120,7 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
         return estimate
 
     for length in cache.lengths(base):  # lengths probed before with these settings and this cache
-        if length % step == 0 and length <= top:
+        if (length % step == 0 or length == top) and length <= top:
             at(length)
     _solve(found, at, usable, step, top, limit_first=not exact_length)
     lo = max((n for n, b in found.probes.items() if b <= usable), default=0)
@@ -124,9 +134,10 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
         weight[side == "lo"] = 1.0
         kept, count = side, count + 1
     if lo == 0:
+        shortest = min(found.probes)
         raise MemtrainError(
-            f"`data.max_length`: `auto` finds no length that fits: {step} tokens need "
-            f"{format_bytes(found.probes[step])} with the leanest settings, more than the "
+            f"`data.max_length`: `auto` finds no length that fits: {shortest:,} tokens need "
+            f"{format_bytes(found.probes[shortest])} with the leanest settings, more than the "
             f"{format_bytes(usable)} usable. Fix: raise `{cfg.memory.budget_field}`, set more fields to "
             "`auto`, or train a smaller model.")
     found.chosen, found.estimate = lo, at(lo)
@@ -253,3 +264,7 @@ def _leanest(cfg: RunConfig, device: str, usable: int, step: int, exact_length: 
 
 def _short(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

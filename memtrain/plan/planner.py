@@ -26,8 +26,9 @@ offload, quantization, approximation, sharding), then the one that leaves the mo
 technique or a fuller device that buys no measurable speed is not worth its risk.
 
 ``data.max_length: auto`` is settled before the search: the longest multiple of 256 tokens at
-which the leanest settings fit (:mod:`memtrain.plan.length`), then the search above runs at that
-length. The plan reports the length as ``data.max_length`` (and how it was found).
+which the leanest settings fit, no longer than the data's longest row where the data was read
+(:mod:`memtrain.plan.length`), then the search above runs at that length. The plan reports the
+length as ``data.max_length`` (and how it was found).
 
 Approximate-gradient layers change the gradients, so they are candidates only when the recipe sets
 ``memory.allow_approximate: true``.
@@ -123,7 +124,9 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
             that fit, with real steps on this machine and choose the fastest measured
             (:func:`tune_choice`). Builds the real model; 0 (default) decides from predictions.
         rows: the longest batch of the data at hand (:mod:`memtrain.data.rows`); default: the
-            recipe's worst case, every row ``data.max_length`` tokens.
+            recipe's worst case, every row ``data.max_length`` tokens. With ``data.max_length:
+            auto``, rows read uncut (:func:`memtrain.data.prepare.read_rows`): the length searched
+            goes no further than the data's longest row.
         alternatives: False traces only the candidates that can change the choice (the plugin's
             plans, which show none): the same choice, fewer traces, and ``Plan.alternatives``
             lists only those traced. Tuning needs them (``tune`` > 0 keeps them).
@@ -142,10 +145,14 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     cache = TraceCache() if cache is None else cache
     length = None
     if cfg.data.max_length == "auto":  # the length first, then the fastest settings at that length
-        if rows is not None:
-            raise ValueError("data.max_length: auto is planned for the worst case; pass no rows")
-        length = longest_length(cfg, target, usable, host=host.usable, cache=cache)
+        # rows read uncut (not packed: packed rows fill any length) bound the search: no length
+        # past the data's longest row; the search at the chosen length then traces the data's rows
+        # where nothing is cut, the worst case where the length cuts them
+        data_longest = rows.longest if rows is not None and not rows.packed else None
+        length = longest_length(cfg, target, usable, host=host.usable, cache=cache, data_longest=data_longest)
         cfg = with_values(cfg, {"data.max_length": length.chosen})
+        if data_longest is None or length.chosen < data_longest:
+            rows = None
     search = Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives or tune > 0,
                     cache=cache)
     chosen = search.run()

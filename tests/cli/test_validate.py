@@ -61,6 +61,14 @@ def test_data_with_max_length_auto_is_read_uncut(tmp_path: Path) -> None:
     assert longest > 300  # not cut at 512 or at any other default
 
 
+def test_grpo_prompts_with_max_length_auto_are_read_uncut() -> None:
+    """GRPO's checks on the data (rewards on a real row) read the prompts uncut too: with an `auto`
+    length they failed, saying the length must be planned before the data is tokenized."""
+    code, _, err = validate("recipes/tiny-llama-grpo.yaml", "data.max_length=auto", "--data")
+    assert code == 0, err
+    assert "ok:" in err and "(uncut: data.max_length is auto" in err, err
+
+
 def test_the_verdict_comes_first_and_the_recipe_only_when_asked() -> None:
     code, out, err = validate("quickstart", "training.epochs=2")
     assert code == 0 and out == "" and err.startswith("ok: quickstart is a valid recipe"), (out, err)

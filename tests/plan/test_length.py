@@ -134,6 +134,51 @@ def test_plan_json_reports_the_length_and_estimate_asks_for_a_plan(
     assert "`data.max_length` is `auto`" in asked.output and "memtrain plan" in asked.output
 
 
+def test_the_data_read_uncut_bounds_the_length_and_is_a_length_the_plan_may_answer(
+        tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+    """Rows read uncut (`train`, `plan --data`) bound the search at the data's longest row: a budget
+    that fits those rows but not one step of the worst case plans the data's own length (before:
+    no length fits, at the shortest step); with room to spare, no length past the data is probed.
+    Planted: `longest_length` without the cap -> the first plan raises."""
+    from memtrain.data.prepare import read_rows
+
+    cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full"))
+    rows = read_rows(cfg)
+    assert rows.read and not rows.packed and rows.longest < step
+    fits, over = _total(cfg, rows.longest), _total(cfg, step)
+    budget = int((fits + over) / 2 / 0.9)
+    with pytest.raises(MemtrainError, match=rf"finds no length that fits: {step} tokens need"):
+        planner.plan(cfg, budget, device="cpu")  # the worst case: not even one step fits
+    decided = planner.plan(cfg, budget, device="cpu", rows=rows)
+    assert decided.settings()["data.max_length"] == rows.longest
+    assert decided.length is not None and decided.length.data_longest == rows.longest
+    assert "the data's longest row (read uncut)" in decided.length.explain()
+    roomy = planner.plan(cfg, 4 * over, device="cpu", rows=rows)
+    assert roomy.length is not None and max(roomy.length.probes) == rows.longest
+    assert roomy.settings()["data.max_length"] == rows.longest
+    # packed rows fill any length: the data does not bound it
+    packed = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full"), ["data.packing=true"])
+    assert read_rows(packed).packed
+    searched = planner.plan(packed, 4 * over, device="cpu", rows=read_rows(packed)).length
+    assert searched is not None and max(searched.probes) > rows.longest
+
+
+def test_plan_data_with_an_auto_length_reads_the_rows_uncut(tmp_path: Path, tiny_text_file: Path,
+                                                            step: int) -> None:
+    """`memtrain plan --data` with `data.max_length: auto` reads the data whole (it raised: the data
+    cannot be cut before the length is planned) and plans no longer than its longest row."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(_recipe(tmp_path, tiny_text_file, checkpointing="full")))
+    cfg = load_recipe(str(path))
+    budget = int(_total(cfg, 4 * step) / 0.9) + 1
+    result = CliRunner().invoke(app, ["plan", str(path), "--budget", str(budget), "--device", "cpu",
+                                      "--data", "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.output[result.output.index("{"):])
+    longest = found["max_length"]["data_longest"]
+    assert 0 < longest < step and found["settings"]["data.max_length"] == longest
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ("0", "must be greater than 0"),
     ("-4", "must be greater than 0"),
@@ -180,6 +225,29 @@ def test_train_tokenizes_at_the_planned_length_and_says_how_many_examples_were_c
     assert f"4 of 16 training examples were cut at data.max_length={2 * step}" in caplog.text
     saved = load_recipe(str(result.output_dir / "recipe.yaml"))
     assert saved.data.max_length == 2 * step
+
+
+@pytest.mark.slow
+def test_train_plans_no_longer_than_the_data(tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+    """`train` reads the data uncut before it plans the length: short rows under a budget that fits
+    them but not one step of the worst case train at the data's own length, nothing cut (it failed:
+    no length fits). Planted: `train` planning the length without the rows -> raises."""
+    import io
+
+    from rich.console import Console
+
+    from memtrain.data.prepare import read_rows
+    from memtrain.run.train import train
+
+    recipe = _recipe(tmp_path, tiny_text_file, checkpointing="full")
+    recipe["training"]["max_steps"] = 1
+    cfg = load_recipe(recipe)
+    longest = read_rows(cfg).longest
+    recipe["memory"]["budget"] = f"{int((_total(cfg, longest) + _total(cfg, step)) / 2 / 0.9)}B"
+    out = io.StringIO()
+    result = train(load_recipe(recipe), Console(file=out, width=200))
+    assert "the data's longest row" in out.getvalue() and "were cut" not in out.getvalue()
+    assert load_recipe(str(result.output_dir / "recipe.yaml")).data.max_length == longest
 
 
 def test_a_plan_owns_its_traces(tmp_path: Path, tiny_text_file: Path, step: int,
