@@ -85,10 +85,21 @@ def _sequence(cfg: DataConfig, tok: PreTrainedTokenizerBase, row: Mapping[str, A
     return encode_spans(tok, text, [(len(before), len(text))], special_tokens=False, close=False)
 
 
+def _answer_text(cfg: DataConfig, row: Mapping[str, Any], answer: str, template: str | None) -> str:
+    """The text of one answer: its column's string, or its messages' contents joined."""
+    if template is None:
+        return column_text(cfg, row, answer)
+    return "".join(str(m["content"]) for m in _messages(cfg, row, answer, "assistant"))
+
+
 def encode_pair(cfg: DataConfig, tok: PreTrainedTokenizerBase, row: Mapping[str, Any],
                 template: str | None) -> dict[str, list[int]]:
     """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` of one row (``template`` None: plain), and
     in :data:`MERGED` the row's number if tokens merged across the prompt's end (else 0)."""
+    for answer in ANSWERS:  # an empty answer: its sequence is the prompt and the end token alone
+        if not _answer_text(cfg, row, answer, template).strip():
+            raise RowError(cfg, row[ROW], answer, "the answer is empty",
+                           "give the pair a non-empty chosen and rejected answer, or remove the row.")
     chosen = _sequence(cfg, tok, row, "chosen_column", template)
     rejected = _sequence(cfg, tok, row, "rejected_column", template)
     starts = []
@@ -123,6 +134,19 @@ def encode_preference(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase
                     "(tokens merged across the prompt's end); they count as answer tokens",
                     row_numbers("", merged))
     out = out.remove_columns(MERGED)
+    # a tie (the rejected answer is the chosen one) has equal log-ratios: no gradient, a constant
+    # loss that dilutes the mean; dropped with a count, as blank rows are
+    ties = out.filter(lambda row: not row[PROBLEM] and row["chosen_ids"] == row["rejected_ids"],
+                      desc="checking")
+    if len(ties):
+        if len(ties) == len(out):
+            raise RecipeError([Problem(cfg.key("rejected_column"), cfg.rejected_column, "every pair's "
+                                       "rejected answer is its chosen one: nothing to prefer",
+                                       "point `data.chosen_column` and `data.rejected_column` at "
+                                       "different columns.")], cfg.source)
+        out = out.filter(lambda row: row[PROBLEM] or row["chosen_ids"] != row["rejected_ids"],
+                         desc="checking")
+        log.warning("dropped %d pairs whose rejected answer is the chosen one (nothing to prefer)", len(ties))
     kept = out.filter(lambda row: len(row["prompt_ids"]) < cfg.max_length, desc="checking")
     if len(kept) == 0:
         raise RecipeError([Problem("data.max_length", cfg.max_length, "leaves no answer tokens in any "

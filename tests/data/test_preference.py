@@ -112,6 +112,32 @@ def test_a_missing_answer_names_its_column(tmp_path: Path, tokenizer: Any) -> No
     assert "data.rejected_column" in str(err.value) and "row 1" in str(err.value)
 
 
+@pytest.mark.parametrize("conversational", [False, True])
+def test_an_empty_answer_is_a_bad_row_and_a_tie_is_dropped_with_a_count(
+        conversational: bool, tmp_path: Path, tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """An empty answer trained the prompt and the end token as the answer; a pair whose rejected
+    answer is the chosen one has no gradient and a constant loss. Planted: either check off -> fails."""
+    import logging
+
+    def pair(prompt: str, chosen: str, rejected: str) -> dict:
+        if not conversational:
+            return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        return {"prompt": [{"role": "user", "content": prompt}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}]}
+
+    extra = {"chat_template": CHATML} if conversational else {}
+    good = [pair(f"q{i}", f"good {i}", f"bad {i}") for i in range(4)]
+    with pytest.raises(RecipeError) as err:
+        _prepare(tmp_path, [*good, pair("q", " ", "bad")], tokenizer, eval_split=0.0, **extra)
+    assert "data.chosen_column" in str(err.value) and "row 5: the answer is empty" in str(err.value)
+    with caplog.at_level(logging.WARNING):
+        _, data = _prepare(tmp_path, [*good, pair("q", "same", "same")], tokenizer, eval_split=0.0, **extra)
+    assert len(data.train) == 4 and "dropped 1 pairs whose rejected answer is the chosen one" in caplog.text
+    with pytest.raises(RecipeError, match="every pair's rejected answer is its chosen one"):
+        _prepare(tmp_path, [pair("q", "same", "same")] * 3, tokenizer, eval_split=0.0, **extra)
+
+
 @pytest.mark.parametrize(("sections", "field"), [
     ({"training": {"objective": "dpo"}, "data": {"format": "completion"}}, "training.objective"),
     ({"training": {"objective": "sft"}, "data": {"format": "preference"}}, "data.format"),
