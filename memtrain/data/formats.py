@@ -190,6 +190,9 @@ def _conversation(cfg: DataConfig, row: Mapping[str, Any], field: str, keys: tup
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError(cfg, row[ROW], field, "the conversation has no assistant message, so nothing "
                        "would be trained", "add the answer, or remove the row.")
+    if not any(str(m["content"]).strip() for m in messages if m["role"] == "assistant"):
+        raise RowError(cfg, row[ROW], field, "every assistant message is empty, so only the end of a "
+                       "turn would be trained", "add the answer, or remove the row.")
     if messages[0]["role"] == "assistant":  # a chat template renders no prompt of nothing to answer
         raise RowError(cfg, row[ROW], field, "the conversation starts with an assistant message, "
                        "which answers nothing", "start it with a user (or system) message, or remove "

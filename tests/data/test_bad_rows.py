@@ -55,6 +55,21 @@ def test_different_problems_each_list_their_rows_in_order(tmp_path: Path, tokeni
     assert "unknown role 'robot'" in lines[1] and "conversation is empty" in lines[2]
 
 
+@pytest.mark.parametrize(("fmt", "column", "turns", "key"), [
+    ("messages", "messages", CHAT, "content"), ("sharegpt", "conversations", SHAREGPT, "value")])
+def test_a_conversation_whose_answers_are_all_empty_is_a_bad_row(tmp_path: Path, tokenizer, fmt: str,
+                                                                column: str, turns: list, key: str) -> None:
+    """Only the end of each assistant turn would be trained (it was, silently). One empty answer
+    among others is kept. Planted: the check off -> no error."""
+    empty = [turns[0], {**turns[1], key: "  "}]
+    rows = [{column: turns}] * 6 + [{column: empty}] + [{column: [*turns, *empty]}]
+    text = message(tmp_path, rows, tokenizer, format=fmt)
+    assert ("1 of the 8 rows cannot be used" in text and f"`data.{column}_column`: row 7: every "
+            "assistant message is empty") in text, text
+    kept = [r for r in rows if r[column] is not empty]
+    assert len(prepare(tmp_path, kept, tokenizer, format=fmt).train) == 7
+
+
 def test_more_kinds_of_problem_than_listed_are_counted(tmp_path: Path, tokenizer) -> None:
     from memtrain.data.formats import LISTED
 
