@@ -590,6 +590,13 @@ class Search:
             known = [k for k, (m, a) in enumerate(batches) if m in (2, 3) and traced.c2 is not None
                      and (held == 1 or a > 1)]
             fitted = _largest(batches, fit_at, known)
+        elif linear and len({a for _, a in batches}) == 1 and not (traced.c3.values < traced.c2.values).any():
+            # every op's bytes grow with the micro-batch (the line through 2 and 3): so does the peak,
+            # and where one micro-batch does not fit no larger one does; bisect (no trace is made)
+            # instead of predicting each of up to 1,024 from the largest down; from micro-batches 2
+            # and 3 (the traces themselves: micro-batch 1 is traced on its own, only where 2 does
+            # not fit)
+            fitted = _largest(batches, fit_at, [k for k, (m, _) in enumerate(batches) if m in (2, 3)])
         else:
             fitted = next((f for m, a in reversed(batches) if (f := fit_at(m, a)) is not None), None)
         if fitted is None:
