@@ -315,8 +315,7 @@ def _check_nulls(ds: Dataset, cfg: DataConfig, split: str) -> None:
             continue  # reported by _require_columns with the columns there are
         rows = [i + 1 for i, value in enumerate(ds[column]) if value is None]
         if rows:
-            shown = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
-            problems.append(Problem(cfg.key(key), column, f"is empty (null) in {split} row {shown} "
+            problems.append(Problem(cfg.key(key), column, f"is empty (null) in {row_numbers(split, rows)} "
                                     "(counting from 1, in the order of the data)",
                                     "fill in or remove those rows."))
     if problems:

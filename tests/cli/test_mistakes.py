@@ -97,7 +97,7 @@ def test_train_mistakes_exit_2_naming_the_field(tmp_path: Path, corpus: Path) ->
     cases = {  # overrides -> what the message must name
         f"data.source={f['empty.jsonl']}": "`data.source`: has no examples",
         f"data.source={f['broken.jsonl']}": "line 2 is not valid JSON",
-        f"data.source={f['nulltext.jsonl']}": "`data.text_column`: is empty (null) in train row 2, 4, 6",
+        f"data.source={f['nulltext.jsonl']}": "`data.text_column`: is empty (null) in train rows 2, 4 and 6",
         f"data.source={f['nulltext.jsonl']} data.max_length=1": "`data.max_length`: is too short",
         f"model.name={f['emptymodel']} model.from_config=null": "`model.name`: is an empty folder",
         f"model.name={f['odd']} model.from_config=null": "`model.name`: could not load",
@@ -125,7 +125,7 @@ def test_train_mistakes_exit_2_naming_the_field(tmp_path: Path, corpus: Path) ->
         f"data.source={f['nulllabel.jsonl']}",
         "model.task=sequence-classification",
     ]
-    assert "`data.label_column`: is empty (null) in train row 2" in run_cli(
+    assert "`data.label_column`: is empty (null) in train rows 2, 4 and 6" in run_cli(
         ["train", recipe, *classification]
     )
 
