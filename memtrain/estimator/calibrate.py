@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import platform
 import shutil
@@ -52,6 +53,8 @@ import torch
 from memtrain import allocator
 from memtrain._compat.torch_tools import clear_cublas_workspaces
 from memtrain.device import configure_allocator, cuda_available, synchronize
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "MEMTRAIN_CALIBRATION"
 DEFAULT_CUDA_CONTEXT = 764 * 2**20
@@ -88,13 +91,39 @@ def profile_path() -> Path:
     return Path(override) if override else Path.home() / ".cache" / "memtrain" / "calibration.json"
 
 
+_NUMBERS = ("cuda_context_bytes", "cuda_workspace_bytes", "fragmentation")  # in "overheads"
+
+
 def load_profile(path: Path | None = None) -> dict[str, Any] | None:
-    """The saved profile, or None when there is none (or it cannot be read)."""
+    """The saved profile, or None when there is none or it cannot be read: not JSON, or not in the
+    shape `memtrain calibrate` writes (an object; ``rates`` an object of objects, one per device;
+    ``overheads`` an object whose sizes are numbers). A file that is there but unreadable is said
+    (a warning naming it), and ignored: the rates are measured again and saved over it."""
     path = path or profile_path()
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+    except OSError:
         return None
+    try:
+        profile = json.loads(text)
+    except ValueError as err:
+        return _unreadable(path, f"not JSON ({err})")
+    if not isinstance(profile, dict):
+        return _unreadable(path, f"a JSON {type(profile).__name__}, not an object")
+    rates, measured = profile.get("rates") or {}, profile.get("overheads") or {}  # calibrate writes null
+    if not isinstance(rates, dict) or not all(isinstance(r, dict) for r in rates.values()):
+        return _unreadable(path, "`rates` is not an object of one object per device")
+    if not isinstance(measured, dict) or any(
+            not isinstance(measured.get(k), int | float | None) or isinstance(measured.get(k), bool)
+            for k in _NUMBERS):
+        return _unreadable(path, f"`overheads` is not an object whose {', '.join(_NUMBERS)} are numbers")
+    return profile
+
+
+def _unreadable(path: Path, why: str) -> None:
+    log.warning("the calibration profile %s cannot be used (%s): ignored; memtrain measures the rates "
+                "it needs again and saves them over it (`memtrain calibrate` writes a whole one)", path, why)
+    return None
 
 
 def overheads(path: Path | None = None) -> Overheads:

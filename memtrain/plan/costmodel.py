@@ -75,7 +75,8 @@ def rates(device: str) -> Rates:
     profile = calibrate.load_profile(path) or {}
     saved = (profile.get("rates") or {}).get(device)
     threads = torch.get_num_threads() if device == "cpu" else None  # CPU rates depend on them
-    if saved and saved.get("version") == calibrate.RATES_VERSION and saved.get("threads") == threads:
+    if saved and saved.get("version") == calibrate.RATES_VERSION and saved.get("threads") == threads \
+            and _complete(saved):
         return Rates(f"measured by `memtrain calibrate` ({path})", saved)
     if device == "cuda" and not cuda_available():
         return Rates("nominal A100-class rates (no GPU here to measure; run `memtrain calibrate` "
@@ -90,6 +91,23 @@ def rates(device: str) -> Rates:
     except OSError:
         where = "measured now (quick; the profile could not be saved)"
     return Rates(where, measured)
+
+
+def _complete(saved: dict[str, Any]) -> bool:
+    """Every rate the cost model reads is in ``saved``, a positive number (or, for a table, an
+    object of them): else (a hand-edited or truncated profile) the rates are measured again."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+
+    needed = ("matmul_flops", "memory_bandwidth", "op_seconds", "optimizer_seconds_per_parameter",
+              "dequantize_nf4_elements")
+    for key in needed:
+        value = saved.get(key)
+        table = isinstance(NOMINAL_CUDA_RATES[key], dict)
+        if not (isinstance(value, dict) and value and all(number(v) for v in value.values())
+                if table else number(value)):
+            return False
+    return True
 
 
 @dataclass(frozen=True)

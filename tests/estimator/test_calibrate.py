@@ -94,6 +94,46 @@ def test_profiles_saved_with_older_rates_are_measured_again(tmp_path: Path,
         costmodel.rates.cache_clear()
 
 
+@pytest.mark.parametrize("text", [
+    '{"rates": "x"}', "[1, 2]", "{bad json", '{"rates": {"cpu": 3}}',
+    '{"overheads": {"fragmentation": "lots"}}', '{"overheads": [1]}',
+    "RATES",  # today's version and threads, a rate missing
+    "BOOL",  # today's version and threads, a rate that is not a number
+])
+def test_a_profile_not_in_calibrates_shape_is_measured_again_not_a_crash(
+        text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A hand-edited or truncated profile crashed the plan (`'str' object has no attribute 'get'`,
+    a KeyError on a missing rate): it is said, ignored and measured again. Planted: either check off
+    -> the shapes it guards fail."""
+    import logging
+
+    from memtrain.plan import costmodel
+
+    assets = Path(__file__).parents[1] / "assets"
+    committed = json.loads((assets / "calibration.json").read_text())["rates"]["cpu"]
+    whole = {**committed, "version": calibrate.RATES_VERSION, "threads": torch.get_num_threads()}
+    if text in ("RATES", "BOOL"):
+        broken = {k: v for k, v in whole.items() if k != "memory_bandwidth"} if text == "RATES" else \
+            {**whole, "op_seconds": True}
+        text = json.dumps({"version": 1, "rates": {"cpu": broken}})
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    monkeypatch.setenv(calibrate.ENV_VAR, str(path))
+    monkeypatch.setattr(calibrate, "measure_rates", lambda device, quick=False: whole)
+    costmodel.rates.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            rates = costmodel.rates("cpu")
+            overheads = calibrate.overheads()
+        assert rates.source.startswith("measured now") and rates.values == whole
+        assert overheads.cuda_context_bytes == calibrate.DEFAULT_CUDA_CONTEXT
+        if "rates" not in text or '"cpu": {' not in text:  # unreadable as a whole: said, naming the file
+            assert f"the calibration profile {path} cannot be used" in caplog.text
+        assert json.loads(path.read_text())["rates"]["cpu"] == whole  # saved over it
+    finally:
+        costmodel.rates.cache_clear()
+
+
 def test_the_suite_plans_with_the_committed_rates_never_the_users_profile(fixed_calibration: Path) -> None:
     """conftest's session fixture: no test depends on this machine's speed or a user's cache."""
     from memtrain.plan import costmodel
