@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from memtrain._compat.peft import quiet_renamed_checkpointing
 from memtrain.config import RunConfig, load_recipe
 from memtrain.data.chat import end_token_id
 from memtrain.data.formats import fill_template
-from memtrain.errors import MemtrainError
+from memtrain.errors import MemtrainError, first_line
 from memtrain.model import DTYPES, load_model, model_class
 from memtrain.run.train import LABELS_FILE, RECIPE_FILE
 
@@ -64,17 +65,46 @@ def load_run(run_dir: str | Path, dequantize: bool = False) -> Run:
                             "Fix: give the `output.dir` of a run that completed.")
     # the run's own tokenizer is in the folder, and its data is not needed: only the base model
     cfg = load_recipe(folder / RECIPE_FILE, require=("model.name",))
+    for name in READ_JSON:  # what the libraries read below, each a traceback of its own when cut short
+        if (folder / name).is_file():
+            try:
+                json.loads((folder / name).read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as err:
+                raise MemtrainError(f"`RUN_DIR`: {str(folder / name)!r} is not valid JSON ({err}): the "
+                                    "file was cut short or edited. Fix: copy the run again, or train "
+                                    "again.") from None
     tokenizer = AutoTokenizer.from_pretrained(folder)
     adapter = (folder / ADAPTER_FILE).is_file()
-    if adapter:
-        model = _adapter_model(folder, cfg, tokenizer, dequantize)
-    elif (folder / "config.json").is_file():
-        model = model_class(cfg.model).from_pretrained(folder, dtype=DTYPES[cfg.model.dtype])
+    if adapter or (folder / "config.json").is_file():
+        _require_weights(folder, ADAPTER_WEIGHTS if adapter else MODEL_WEIGHTS)
+        try:
+            model = (_adapter_model(folder, cfg, tokenizer, dequantize) if adapter else
+                     model_class(cfg.model).from_pretrained(folder, dtype=DTYPES[cfg.model.dtype]))
+        except SafetensorError as err:  # cut short (a full disk, a copy interrupted) or not weights
+            raise MemtrainError(f"`RUN_DIR`: the weights in {str(folder)!r} cannot be read "
+                                f"({first_line(err)}): the file was cut short or is not a safetensors file. "
+                                "Fix: copy the run again, or train again.") from None
     else:
         raise MemtrainError(f"`RUN_DIR`: {str(folder)!r} holds no model (the run had "
                             "`output.save_model: false`). Fix: train again with it true.")
     model.eval()
     return Run(folder, cfg, tokenizer, model, adapter)
+
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+READ_JSON = ("adapter_config.json", "config.json", "generation_config.json", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "labels.json")
+MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def _require_weights(folder: Path, names: tuple[str, ...]) -> None:
+    """The run's weights are in ``folder`` (one of ``names``): without them, transformers and peft
+    go looking for ``folder`` on the Hugging Face Hub and fail with a repository-id error."""
+    if not any((folder / name).is_file() for name in names):
+        raise MemtrainError(f"`RUN_DIR`: {str(folder)!r} has no weights (none of {', '.join(names)}): "
+                            "the run did not finish saving them, or they were moved. Fix: give the "
+                            "folder that holds them, or train again.")
 
 
 def _adapter_model(folder: Path, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase,

@@ -174,6 +174,31 @@ def test_predict_and_generate_refuse_the_wrong_kind_of_run(chat_run: Path, class
     assert result.exit_code == 2 and "use `memtrain predict`" in result.output
 
 
+@pytest.mark.parametrize("damage", ["no weights", "weights cut short", "config cut short"])
+def test_a_damaged_run_folder_names_the_file_and_the_fix(chat_run: Path, tmp_path: Path, damage: str) -> None:
+    """A run copied half-way: without its weights, transformers and peft looked for the folder on the
+    Hub (an internal error about a repository id); cut-short weights or JSON were tracebacks too.
+    Planted: either check off -> an internal error, exit 1."""
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(chat_run, run)
+    weights = run / "adapter_model.safetensors"
+    if damage == "no weights":
+        weights.unlink()
+    elif damage == "weights cut short":
+        weights.write_bytes(weights.read_bytes()[:4000])
+    else:
+        (run / "adapter_config.json").write_text('{"r": 4,')
+    result = cli.invoke(app, ["generate", str(run), "hi"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    expected = {"no weights": "has no weights (none of adapter_model.safetensors, adapter_model.bin)",
+                "weights cut short": "cannot be read",
+                "config cut short": "adapter_config.json' is not valid JSON"}
+    assert expected[damage] in said and "Fix: " in said, said
+
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
