@@ -124,3 +124,22 @@ def test_every_stage_reports_one_hides_no_other(tmp_path: Path, tiny_text_file: 
         assert err.count(said) == 1, (said, err)
     code, _, err = validate(str(path), "data.max_length=99999")  # a file that exists: two, data read
     assert code == 2 and "r.yaml: 2 problems:" in err and "cannot be found" not in err, err
+
+
+def test_a_pad_token_outside_the_vocabulary_is_named_before_training(tmp_path: Path) -> None:
+    """Phi-3 from a config keeps its default pad_token_id 32000; with a 30,522-token vocabulary
+    validate said ok and train crashed in torch ("Padding_idx must be within num_embeddings",
+    exit 1). Planted: the check off -> validate exits 0."""
+    phi3 = {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 30522,
+            "max_position_embeddings": 256}
+    source = write_jsonl(tmp_path / "rows.jsonl", [{"text": "a line of text"}] * 4)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(causal_recipe(tmp_path, source, model={"from_config": phi3})))
+    code, _, err = validate(str(path))
+    assert code == 2, err
+    assert ("`model.from_config.pad_token_id`: is outside the vocabulary of 30,522 tokens (phi3's default)"
+            in err and "got 32000" in err and "Fix: set `model.from_config.pad_token_id` to an id below "
+            "30522" in err), err
+    code, _, err = validate(str(path), "model.from_config.pad_token_id=0")
+    assert code == 0, err
