@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memtrain._compat.peft import check_forward_args, has_variant, quiet_renamed_checkpointing
-from memtrain.config import AdapterConfig, RunConfig, decided
+from memtrain.config import AdapterConfig, Problem, RecipeError, RunConfig, decided
+from memtrain.errors import first_line
 from memtrain.memory import loops
 from memtrain.model import CLASSIFIER_HEADS
 from memtrain.patches import ADAPTER, Doc, Knob, NoMatchError, PatchRecord, add_records, register
@@ -60,8 +61,15 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
         exclude_modules=_trained_in_full(model, cfg.modules_to_save, task) or None,
         task_type=_TASKS[task],
     )
-    with quiet_renamed_checkpointing():
-        peft_model = get_peft_model(model, lora)
+    try:
+        with quiet_renamed_checkpointing():
+            peft_model = get_peft_model(model, lora)
+    except ValueError as err:  # peft's LoRA on a fused expert weight (Mixtral's, through its
+        if cfg.dropout and "lora_dropout" in str(err):  # ParamWrapper) takes no dropout
+            raise RecipeError([Problem("adapter.dropout", cfg.dropout, "LoRA on this model's fused expert "
+                                       f"weights takes no dropout (peft: {first_line(err)})",
+                                       "set `adapter.dropout: 0`.")]) from None
+        raise
     if quantized and lean_kbit:
         prepare_lean(peft_model)
     lean_lora_layers(peft_model)

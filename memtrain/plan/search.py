@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from memtrain.config import RunConfig
+from memtrain.config import RecipeError, RunConfig
 from memtrain.data.rows import Rows
 from memtrain.distributed import sharding
 from memtrain.errors import MemtrainError
@@ -791,6 +791,8 @@ def _no_match(cfg: RunConfig, config: Any) -> NoMatchError | None:
             build_fake_model(cfg, config)
     except NoMatchError as err:
         return err
+    except RecipeError:  # a setting no technique changes (the adapter's): the recipe's to fix
+        raise
     except Exception:  # any other failure is the trace's to report, naming its field
         return None
     return None

@@ -143,3 +143,22 @@ def test_a_pad_token_outside_the_vocabulary_is_named_before_training(tmp_path: P
             "30522" in err), err
     code, _, err = validate(str(path), "model.from_config.pad_token_id=0")
     assert code == 0, err
+
+
+def test_lora_dropout_on_fused_expert_weights_names_adapter_dropout(tmp_path: Path) -> None:
+    """peft refuses dropout on Mixtral's fused expert weights (its ParamWrapper): that surfaced as
+    "`adapter`: applying the lora patch failed ... check `adapter`" at train, and validate said ok.
+    Planted: the translation off -> validate exits 0."""
+    mixtral = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+               "num_experts_per_tok": 2, "vocab_size": 30522, "max_position_embeddings": 256}
+    source = write_jsonl(tmp_path / "rows.jsonl", [{"text": "a line of text"}] * 4)
+    path = tmp_path / "r.yaml"
+    recipe = causal_recipe(tmp_path, source, model={"from_config": mixtral}, adapter={"dropout": 0.05})
+    path.write_text(yaml.safe_dump(recipe))
+    code, _, err = validate(str(path))
+    assert code == 2, err
+    assert "`adapter.dropout`: LoRA on this model's fused expert weights takes no dropout" in err, err
+    assert "got 0.05. Fix: set `adapter.dropout: 0`." in err, err
+    code, _, err = validate(str(path), "adapter.dropout=0")
+    assert code == 0, err
