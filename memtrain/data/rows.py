@@ -40,11 +40,14 @@ class Rows:
         """Whether the longest batch of ``micro_batch`` rows carries padding (a mask with zeros)."""
         return not self.packed and not self.uniform and micro_batch > 1 and self.longest > 1
 
-    def describe(self, micro_batch: int) -> str:
-        """One line for the estimate's notes: what the traced batch is and where it comes from."""
+    def describe(self, micro_batch: int, measured: bool = False) -> str:
+        """One line for the estimate's notes: what the traced batch is and where it comes from
+        (``measured``: the batch a training step held, not the data's longest)."""
         layout = ("packed rows (block-diagonal attention)" if self.packed else
                   "padded to the longest row (masked attention)" if self.padded(micro_batch) else
                   "no padding (unmasked attention)")
+        if measured:
+            return f"the measured batch's longest row, {self.longest} tokens; batches {layout}"
         if self.read:
             return f"the data's longest row, {self.longest} tokens; batches {layout} (read from the data)"
         return (f"every row data.max_length = {self.longest} tokens; batches {layout} (the worst case; "

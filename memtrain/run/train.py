@@ -287,7 +287,7 @@ def _report(cfg: RunConfig, measured: StepMemory, log_history: list[dict[str, An
         if completion:  # GRPO: completions as long as the measured step's
             values["training.grpo_max_completion_length"] = completion[0]
         again = _predict(planner.with_values(cfg, values), like)
-        same = (again.to_dict() | {"batch": list(measured.batch), "rows": like.describe(held)}
+        same = (again.to_dict() | {"batch": list(measured.batch), "rows": like.describe(held, measured=True)}
                 if again else None)
     run = _run_info(cfg, batch) | ({"largest_batch": list(largest)} if largest else {})  # the run's largest
     return build_report(measured, log_history, worst, run, same)

@@ -79,6 +79,10 @@ def test_a_run_that_never_holds_its_longest_batch_is_compared_for_the_batch_it_h
     report = load_report(train(cfg).output_dir)
     held, longest = report.measured["batch"], report.predicted["batch"]
     assert held[1] < longest[1] and report.same_batch["batch"] == held
+    # the held batch's own longest row, not called the data's (it said "the data's longest row, 15
+    # tokens" where the data's is 25; planted: the old wording -> fails)
+    assert report.same_batch["rows"].startswith(f"the measured batch's longest row, {held[1]} tokens")
+    assert report.predicted["rows"].startswith(f"the data's longest row, {longest[1]} tokens")
     ratio = report.same_batch["peak_bytes"] / report.measured["peak_bytes"]
     assert 1.0 <= ratio <= 1.10, ratio
     assert summary_rows(report)[-2][2] == format_bytes(report.same_batch["peak_bytes"])
