@@ -168,7 +168,9 @@ class DataConfig(DatasetConfig):
     max_length: Annotated[int | Auto, AfterValidator(_positive_length)] = Field(
         512, description="Longest tokenized example; longer ones are cut (a warning says how many). "
         "`auto`: the planner finds the longest that fits the budget with the recipe's other settings "
-        "and every `auto` technique (a multiple of 256 tokens; `memtrain plan` shows it).")
+        "and every `auto` technique (a multiple of 256 tokens, or the data's longest row, past which "
+        "`memtrain train` and `memtrain plan --data` do not search unless packing; `memtrain plan` "
+        "shows it).")
     packing: bool = Field(
         False,
         description="Causal formats: put several examples in each `max_length` row. Positions restart "
