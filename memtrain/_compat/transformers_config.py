@@ -3,7 +3,7 @@
 ``PretrainedConfig._attn_implementation`` is the one place transformers keeps it (set by
 ``from_pretrained``/``from_config(attn_implementation=...)`` and ``set_attn_implementation``);
 there is no public getter (``config.to_dict()`` leaves it out). The plugin reads it to plan the
-user's attention kernel (:mod:`memtrain.plugin.options`). Checked on transformers 5.19–5.24.
+user's attention kernel (:mod:`memtrain.plugin.options`). Checked on transformers 5.19–5.25.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """transformers' models: process-wide patches while the estimator builds and traces a model on fake
 tensors, and private attributes of models and configs.
 
-Checked on transformers 5.24 (installed); tested range :data:`memtrain._compat.versions.TESTED`
-(5.19–5.24, issue 35's runs).
+Checked on transformers 5.24 and 5.25 (installed); tested range :data:`memtrain._compat.versions.TESTED`
+(5.19–5.25: issue 35's runs, 5.25 on 2026-12-03).
 """
 
 from __future__ import annotations

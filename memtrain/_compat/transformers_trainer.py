@@ -14,8 +14,8 @@ Public first: memtrain's Trainer uses the public hooks where they exist (``train
   ``_loss_shifts_labels``) and ``loss_is_scaled_for_ga`` (public, but only from transformers 5.19:
   before, writing it is silently ignored, issue 35).
 
-Checked on transformers 5.24 (installed); the tested range is
-:data:`memtrain._compat.versions.TESTED` (5.19–5.24, issue 35's runs).
+Checked on transformers 5.24 and 5.25 (installed); the tested range is
+:data:`memtrain._compat.versions.TESTED` (5.19–5.25: issue 35's runs, 5.25 on 2026-12-03).
 """
 
 from __future__ import annotations

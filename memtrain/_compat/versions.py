@@ -5,7 +5,8 @@ shim raises when a private name it relies on is gone.
 issue's walk up from the declared floors found to pass (torch 2.10, transformers 5.19, peft 0.20,
 accelerate 1.10.1, datasets 4.7, bitsandbytes 0.50, trl 1.16, torchao 0.18); the highest is the
 newest run (torch 2.15.0 with the rest at today's pins, issue 35), else the installed pins
-(accelerate 1.16.0: the whole suite on scripts/versions/pinned.txt, 2026-12-02). That list, which
+(accelerate 1.16.0: the whole suite on scripts/versions/pinned.txt, 2026-12-02; transformers
+5.25.0: the newest leg's subset, then the whole suite, 2026-12-03). That list, which
 scripts/setup.sh installs, holds the top of each range but torch's (tests/compat/test_shims.py).
 A bound compares at its own precision: ``"1.16"`` as the highest admits every 1.16.x.
 
@@ -25,7 +26,7 @@ from memtrain.errors import MemtrainError
 # package -> (lowest tested, highest tested)
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.10", "2.15"),
-    "transformers": ("5.19", "5.24"),
+    "transformers": ("5.19", "5.25"),
     "peft": ("0.20", "0.21.2"),
     "accelerate": ("1.10.1", "1.16.0"),
     "datasets": ("4.7", "5.2.0"),
@@ -58,7 +59,7 @@ def in_range(version: str, low: str, high: str) -> bool:
 
 
 def span(package: str) -> str:
-    """The tested range as text, ``"5.19–5.24"``."""
+    """The tested range as text, ``"5.19–5.25"``."""
     low, high = TESTED[package]
     return low if low == high else f"{low}–{high}"
 
