@@ -136,17 +136,15 @@ def encode_preference(ds: Dataset, cfg: DataConfig, tok: PreTrainedTokenizerBase
     out = out.remove_columns(MERGED)
     # a tie (the rejected answer is the chosen one) has equal log-ratios: no gradient, a constant
     # loss that dilutes the mean; dropped with a count, as blank rows are
-    ties = out.filter(lambda row: not row[PROBLEM] and row["chosen_ids"] == row["rejected_ids"],
-                      desc="checking")
-    if len(ties):
-        if len(ties) == len(out):
+    read = len(out)
+    out = out.filter(lambda row: row[PROBLEM] or row["chosen_ids"] != row["rejected_ids"], desc="checking")
+    if ties := read - len(out):
+        if ties == read:
             raise RecipeError([Problem(cfg.key("rejected_column"), cfg.rejected_column, "every pair's "
                                        "rejected answer is its chosen one: nothing to prefer",
                                        "point `data.chosen_column` and `data.rejected_column` at "
                                        "different columns.")], cfg.source)
-        out = out.filter(lambda row: row[PROBLEM] or row["chosen_ids"] != row["rejected_ids"],
-                         desc="checking")
-        log.warning("dropped %d pairs whose rejected answer is the chosen one (nothing to prefer)", len(ties))
+        log.warning("dropped %d pairs whose rejected answer is the chosen one (nothing to prefer)", ties)
     kept = out.filter(lambda row: len(row["prompt_ids"]) < cfg.max_length, desc="checking")
     if len(kept) == 0:
         raise RecipeError([Problem("data.max_length", cfg.max_length, "leaves no answer tokens in any "
