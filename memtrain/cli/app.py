@@ -141,12 +141,7 @@ def validate(recipe: Recipe, overrides: Overrides = None,
     if cfg.training.objective == "grpo":  # loss type, rewards (with --data: called on the first row), lengths
         from memtrain.estimator.grpo import check_grpo
 
-        if read is not None and prepared is None:  # `data.max_length: auto`: the prompts read uncut
-            from memtrain.data.prepare import prepare_data, uncut
-            from memtrain.model import load_tokenizer
-
-            prepared = check(lambda: prepare_data(uncut(cfg), load_tokenizer(cfg.model)))
-        check(lambda: check_grpo(cfg, prepared))
+        check(lambda: check_grpo(cfg, prepared))  # the prompts as read (uncut with an `auto` length)
     if found:
         raise _all_problems(recipe, found)
     read = read or "its data was not read (--data reads it)"

@@ -13,12 +13,11 @@ from memtrain.config import RunConfig
 if TYPE_CHECKING:
     from memtrain.data.prepare import PreparedData
 
-def check_data(cfg: RunConfig) -> tuple[str, PreparedData | None]:
+def check_data(cfg: RunConfig) -> tuple[str, PreparedData]:
     """Prepare the recipe's data (:func:`~memtrain.data.prepare.prepare_data`) and describe it in a
     line; a data mistake raises its :class:`~memtrain.errors.MemtrainError`. Returns the line and
-    the prepared data, which is what `memtrain train` prepares (None where it is not: with
-    ``data.max_length: auto``, the planner chooses the length, the rows are checked uncut and
-    unpacked).
+    the prepared data, which is what `memtrain train` prepares (with ``data.max_length: auto``: the
+    rows uncut and unpacked, as `train` reads them to plan the length).
     """
     from memtrain.data.prepare import prepare_data, uncut
     from memtrain.model import load_tokenizer
@@ -33,7 +32,7 @@ def check_data(cfg: RunConfig) -> tuple[str, PreparedData | None]:
         line += f" and {len(prepared.eval)} for evaluation"
     line += f", the longest {prepared.rows(cfg).longest} tokens"
     if auto:
-        return line + " (uncut: data.max_length is auto, the planner chooses it)", None
+        return line + " (uncut: data.max_length is auto, the planner chooses it)", prepared
     if prepared.truncated:
         line += f"; {prepared.truncated} cut at data.max_length = {cfg.data.max_length}"
     return line, prepared
