@@ -45,6 +45,8 @@ NOMINAL_CUDA_RATES: dict[str, Any] = {
                                         "paged_adamw_8bit": 1.6e-11, "adafactor": 2e-11, "sgd": 5e-12},
     "dequantize_nf4_elements": 2e11,
 }
+# rates a CPU profile may lack: the copy bandwidths fall back to the memory bandwidth (Rates.host_bandwidth)
+OPTIONAL_RATES = ("host_to_device_bandwidth", "device_to_host_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,7 @@ def _complete(saved: dict[str, Any]) -> bool:
     def number(v: Any) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
 
-    needed = ("matmul_flops", "memory_bandwidth", "op_seconds", "optimizer_seconds_per_parameter",
-              "dequantize_nf4_elements")
-    for key in needed:
+    for key in (k for k in NOMINAL_CUDA_RATES if k not in OPTIONAL_RATES):
         value = saved.get(key)
         table = isinstance(NOMINAL_CUDA_RATES[key], dict)
         if not (isinstance(value, dict) and value and all(number(v) for v in value.values())
