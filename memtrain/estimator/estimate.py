@@ -5,9 +5,10 @@ that creates optimizer state) of the recipe's model on fake tensors: the same lo
 quantization, patches and Trainer optimizer as training (:mod:`memtrain.trainer.build`), counted
 by the same meter. It traces 2 and 3 decoder layers and extrapolates exactly to the real depth
 (:mod:`memtrain.estimator.trace` explains why that is exact), so a 70B model costs seconds and no
-weight memory; with ``memory.checkpointing: n`` (the first n layers) it traces 2+2, 3+2 and 2+3
-checkpointed+plain layers and extrapolates in both counts (:data:`KINDS_TRACED`; 2+2 and 3+3 where
-n is half the depth, :data:`KINDS_EVEN`). The sequence
+weight memory; layers of several kinds are traced as their pattern repeats
+(:mod:`memtrain.estimator.layers`). With ``memory.checkpointing: n`` (the first n layers) it traces
+2+2, 3+2 and 2+3 checkpointed+plain layers and extrapolates in both counts (:data:`KINDS_TRACED`;
+2+2 and 3+3 where n is half the depth, :data:`KINDS_EVEN`). The sequence
 length is ``data.max_length`` (the worst case; data is never read).
 
 On top of live tensor bytes, a CUDA run pays for the CUDA context and the caching allocator
@@ -65,8 +66,6 @@ class Counts(NamedTuple):
     work: Work | None  # FLOPs, ops and bytes written (None: not counted)
 
 
-# Up to this depth a full trace costs no more than tracing 2 + 3 layers, and needs no extrapolation.
-FULL_TRACE_DEPTH = 5
 # With `memory.checkpointing: n` the first n layers differ from the rest: each point is traced at
 # (checkpointed, plain) = (2, 2), (3, 2) and (2, 3) layers, as (depth, checkpointed layers).
 KINDS_TRACED = [(4, 2), (5, 3), (5, 2)]
@@ -192,9 +191,17 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
     the tokens (tiled MLP, lean norm, chunked loss) run only some of their iterations
     (:mod:`memtrain.memory.loops`), so a trace costs the same at any length; a trace whose loops
     were not steady is traced again whole."""
-    whole = exact or plan.depth <= FULL_TRACE_DEPTH
+    whole = exact or not plan.pattern.worth_extrapolating()
+    if whole and not exact and plan.pattern.kinds > 1 and not any("kinds" in n for n in plan.notes):
+        plan.notes.append(f"its layers are of {plan.pattern.kinds} kinds that do not repeat often enough "
+                          "to extrapolate from shorter traces, so every layer was traced")
     count = plan.cfg.memory.checkpointing
     kinds = not whole and isinstance(count, int)  # the first n layers are checkpointed, the rest not
+    if kinds and not plan.pattern.uniform:  # two patterns at once: not extrapolated
+        if "checkpointing" not in " ".join(plan.notes):
+            plan.notes.append(f"memory.checkpointing: {count} of {plan.depth} layers where the layers "
+                              f"differ ({plan.pattern.describe()}), so every layer was traced")
+        whole, kinds = True, False
     if kinds and not 2 <= count <= plan.depth - 2:
         if "checkpointing" not in " ".join(plan.notes):
             plan.notes.append(f"memory.checkpointing: {count} of {plan.depth} layers leaves fewer than 2 "
@@ -205,7 +212,7 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
         whole, kinds, even = True, False, False  # one trace of every layer is no deeper than theirs
     # (depth, checkpointed layers: None for the recipe's own setting) of each trace of a point
     shapes = ([(plan.depth, None)] if whole else KINDS_EVEN if even else KINDS_TRACED if kinds
-              else [(2, None), (3, None)])
+              else [(depth, None) for depth in plan.pattern.traced])
     elide = not (exact or exact_length)
     jobs = [functools.partial(_trace, plan if n is None else _checkpointing(plan, n), depth, micro, seq,
                               elide=elide)
@@ -244,11 +251,15 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
 
 def _extrapolated(plan: TraceSetup, a: Trace, b: Trace, micro_batch: int, seq_len: int
                   ) -> tuple[Candidates, Counts, str]:
-    """The full-depth step from traces at depths 2 (``a``) and 3 (``b``)."""
-    counts = _counts_along(a, b, plan.depth - 2)
-    found = extrapolate_depth(a, b, plan.depth)
+    """The full-depth step from traces at the two depths of the model's layer pattern (2 and 3 where
+    its layers are alike: ``a`` and ``b``)."""
+    pattern = plan.pattern
+    counts = _counts_along(a, b, pattern.repeats - 1)
+    found = extrapolate_depth(a, b, plan.depth, pattern)
     if found is not None:
-        return found, counts, f"traced 2 and 3 of {plan.depth} layers, extrapolated"
+        how = f" ({pattern.describe()})" if not pattern.uniform else ""
+        two, three = pattern.traced
+        return found, counts, f"traced {two} and {three} of {plan.depth} layers{how}, extrapolated"
     plan.notes.append("layers differ in structure, so every layer was traced")
     return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
 

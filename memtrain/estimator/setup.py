@@ -22,6 +22,7 @@ from memtrain.data.rows import Rows, worst_case
 from memtrain.device import cuda_available, device_type
 from memtrain.errors import MemtrainError
 from memtrain.estimator import catalog
+from memtrain.estimator.layers import Pattern, layer_pattern
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TraceSetup:
     trace_device: str
     notes: list[str]
     rows: Rows  # the longest batch: from the data, or the recipe's worst case (padding per micro-batch)
+    pattern: Pattern  # which layers are alike (what the short traces hold)
 
 
 # the fields an estimate needs decided: every registered knob that says so, in the planner's order
@@ -78,7 +80,8 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
     if target == "cuda" and cfg.training.optimizer == "paged_adamw_8bit":
         notes.append("paged optimizer state counted as device memory (all pages resident)")
     depth = int(config.num_hidden_layers)
-    return TraceSetup(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes, rows)
+    return TraceSetup(cfg, config, label, depth, batch.micro, seq_len, target, trace_device, notes, rows,
+                      layer_pattern(cfg, config, depth))
 
 
 def check_decided(cfg: RunConfig, allow: Sequence[str] = (), length: bool = True) -> None:

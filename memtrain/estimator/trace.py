@@ -19,10 +19,13 @@ an ``L``-layer model is then the largest op value, where each regular-layer op i
 every op linear in the micro-batch size. Ops that do not align across depths (per-parameter
 loops in the optimizer and in gradient clipping, per-layer cache set-up before the first layer,
 whose op count grows with depth) are each a fixed cost on top of state that grows linearly, so
-their maximum is linear in ``L``. Ops that allocate nothing (views) record no row, so layers
-that differ only in views (Gemma-2's sliding-window layers) still align. If the layer structure
-does not align (layers of different shape), the caller traces the full depth instead.
-``tests/estimator/test_estimate.py`` checks extrapolated == full trace.
+their maximum is linear in ``L``. Where layers are of several kinds (Qwen3.5's linear and full
+attention, DeepSeek-V3's dense then expert layers, Gemma's sliding and global attention), the same
+argument holds for groups of layers that repeat: :mod:`memtrain.estimator.layers` finds the pattern
+(the first layers of their own, then a group repeated), the two traces hold one and two groups, and
+the regular "layer" above is a group. If the layer structure does not align, the caller traces the
+full depth instead. ``tests/estimator/test_estimate.py`` and ``test_layer_patterns.py`` check
+extrapolated == full trace.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from memtrain.config import RunConfig
 from memtrain.distributed import sharding
 from memtrain.errors import recipe_stage
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
+from memtrain.estimator.layers import Pattern
 from memtrain.estimator.trace_events import CATEGORY_NAMES, Pass, TracingMeter
 from memtrain.memory import loops
 from memtrain.model import count_parameters
@@ -361,19 +365,22 @@ def _split(trace: Trace, occ: int) -> tuple[np.ndarray, dict[int, np.ndarray], n
     return values[:first], {i: values[idx] for i, idx in blocks.items()}, values[last + 1:]
 
 
-def extrapolate_depth(a: Trace, b: Trace, depth: int) -> Candidates | None:
-    """Candidates of a ``depth``-layer step from traces at depths 2 (``a``) and 3 (``b``).
+def extrapolate_depth(a: Trace, b: Trace, depth: int, pattern: Pattern | None = None) -> Candidates | None:
+    """Candidates of a ``depth``-layer step from traces at the two depths of ``pattern``
+    (:attr:`memtrain.estimator.layers.Pattern.traced`; default: alike layers, traced at depths 2 and 3).
 
     Returns None when the two traces do not align layer by layer (then trace the full depth).
     """
-    steps = depth - 2  # extrapolation distance from depth 2, in layers
+    pattern = pattern or Pattern(depth)
+    steps = pattern.repeats - 1  # extrapolation distance from trace `a`, in groups of layers
+    at_a, at_b = pattern.traced
 
     def phase(pre: tuple, blocks: tuple, post: tuple) -> np.ndarray | None:
         (pre_a, pre_b), (blocks_a, blocks_b), (post_a, post_b) = pre, blocks, post
         if not blocks_a and not blocks_b:
             return _outside_layers(pre_a, pre_b, steps)
-        if sorted(blocks_a) == [0, 1] and sorted(blocks_b) == [0, 1, 2]:
-            return _with_layers(pre_a, pre_b, post_a, post_b, blocks_a, blocks_b, steps, depth)
+        if sorted(blocks_a) == list(range(at_a)) and sorted(blocks_b) == list(range(at_b)):
+            return _with_layers(pre_a, pre_b, post_a, post_b, blocks_a, blocks_b, pattern)
         return None
 
     return _per_phase((a, b), phase)
@@ -416,17 +423,32 @@ def _outside_layers(va: np.ndarray, vb: np.ndarray, steps: int) -> np.ndarray:
 
 
 def _with_layers(pre_a: np.ndarray, pre_b: np.ndarray, post_a: np.ndarray, post_b: np.ndarray,
-                 blocks_a: dict[int, np.ndarray], blocks_b: dict[int, np.ndarray], steps: int,
-                 depth: int) -> np.ndarray | None:
-    regular = {len(blocks_a[1]), len(blocks_b[1]), len(blocks_b[2])}
-    if len(regular) != 1 or len(blocks_a[0]) != len(blocks_b[0]):
+                 blocks_a: dict[int, np.ndarray], blocks_b: dict[int, np.ndarray],
+                 pattern: Pattern) -> np.ndarray | None:
+    """The step's ops of a pattern of layers: the first layers, then groups of ``period`` alike
+    layers, the last cut short (the ``tail``). Trace ``a`` holds one group, ``b`` two.
+
+    An op of a group sees what the layers before it saved and the gradients of those after it, a
+    fixed number of bytes per group, so its value is affine in the number of groups and in its
+    group's index: at group 0 it is on the line through ``a`` and ``b``, each later group adds the
+    slope from group 0 to group 1 of ``b``, and a group between the first and the last is never
+    above both. The first layers (they follow the embedding) and the tail get their own lines."""
+    first, period, tail = pattern.first, pattern.period, pattern.tail
+    steps = pattern.repeats - 1
+
+    def group(blocks: dict[int, np.ndarray], start: int, count: int) -> np.ndarray:
+        return np.concatenate([blocks[i] for i in range(start, start + count)] or [pre_a[:0]])
+
+    one_a, one_b, two_b = group(blocks_a, first, period), group(blocks_b, first, period), \
+        group(blocks_b, first + period, period)
+    head = group(blocks_a, 0, first), group(blocks_b, 0, first)
+    ends = group(blocks_a, first + period, tail), group(blocks_b, first + 2 * period, tail)
+    if (len({len(one_a), len(one_b), len(two_b)}) != 1 or len(head[0]) != len(head[1])
+            or len(ends[0]) != len(ends[1])):
         return None
-    first = _line(blocks_a[0], blocks_b[0], steps)
-    per_depth = blocks_b[1] - blocks_a[1]
-    per_index = blocks_b[2] - blocks_b[1]
-    at_one = blocks_a[1] + steps * per_depth  # layer i = 1 of `depth` layers
-    at_last = at_one + (depth - 2) * per_index  # layer i = depth - 1
-    parts = [_outside_layers(pre_a, pre_b, steps), first, at_one, at_last,
+    at_one = _line(one_a, one_b, steps)  # group 0 of the full depth
+    at_last = at_one + (pattern.repeats - 1) * (two_b - one_b)  # its last group
+    parts = [_outside_layers(pre_a, pre_b, steps), _line(*head, steps), at_one, at_last, _line(*ends, steps),
              _outside_layers(post_a, post_b, steps)]
     return np.concatenate(parts)
 

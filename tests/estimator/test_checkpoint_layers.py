@@ -29,7 +29,7 @@ from memtrain.estimator.estimate import estimate
 from memtrain.estimator.trace import HOST, Trace, extrapolate_checkpointed, extrapolate_checkpointed_evenly
 from tests.conftest import TINY_CONFIGS, causal_recipe
 
-DEPTH = 8  # deeper than est.FULL_TRACE_DEPTH, so the fast estimate extrapolates
+DEPTH = 8  # deeper than the 2 + 3 layers traced, so the fast estimate extrapolates
 COMPARED = ("peak_bytes", "by_category", "by_phase", "category_at_phase_peak", "host_peak_bytes",
             "host_resident_bytes", "overheads", "overhead_sources", "total_bytes", "parameters",
             "trainable", "work")
