@@ -149,14 +149,34 @@ def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, 
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    layers = text.num_hidden_layers
-    kv = 2 * layers * kv_heads * head_dim * sequences * length * size
-    growth = kv // (2 * layers) if layers else 0
+    per_token = kv_heads * head_dim * sequences * size  # one key or value tensor, one token
+    tokens = cached_tokens(text, prompt, length)
+    kv = 2 * per_token * sum(tokens)
+    growth = per_token * max(tokens, default=0)  # the one tensor concatenated longer beside the old one
     intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     prefill = sequences * prompt * (2 * intermediate + 4 * text.hidden_size) * size
     sampling = math.ceil(sampling_copies(processors) * sequences * text.vocab_size * 4)
     return GenerationPhase(resident=resident, kv_cache=kv, growth=growth, prefill=prefill, sampling=sampling,
                            sequences=sequences, length=length, processors=tuple(processors))
+
+
+def cached_tokens(text: Any, prompt: int, length: int) -> list[int]:
+    """The tokens each layer's ``DynamicCache`` entry holds at most while ``generate`` grows prompts of
+    ``prompt`` tokens to ``length``: all of them in a full-attention layer; in a sliding-window (or
+    chunked) layer the window, or the prompt where it is longer (the prefill's keys stay whole until
+    the first new token replaces them). Layer kinds as transformers' caches read them: the config's
+    ``layer_types``, else every layer sliding where the config sets ``sliding_window``. Other kinds
+    (linear attention's recurrent state, a layer without attention) are counted as full attention:
+    their state is not modelled, and this is more."""
+    layers = text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    types = getattr(text, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(types) != layers:
+        kind = "sliding_attention" if window else "chunked_attention" if chunk else "full_attention"
+        types = [kind] * layers
+    sizes = {"sliding_attention": window, "chunked_attention": chunk}
+    return [min(length, max(prompt, sizes[kind])) if sizes.get(kind) else length for kind in types]
 
 
 def generation_phase(cfg: RunConfig, prompt_tokens: int | None = None, micro_batch: int | None = None,
