@@ -194,8 +194,10 @@ def with_depth(config: PretrainedConfig, depth: int) -> PretrainedConfig:
     """A copy of ``config`` with ``depth`` decoder layers (per-layer lists cut to match)."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = depth  # attribute maps cover n_layer (GPT-2) and friends
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:depth]
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and len(types) != depth:
+        with contextlib.suppress(AttributeError):  # a property of the depth (Falcon-H1): it follows
+            config.layer_types = types[:depth]
     return config
 
 

@@ -58,7 +58,8 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         modules_to_save=cfg.modules_to_save,
-        exclude_modules=_trained_in_full(model, cfg.modules_to_save, task) or None,
+        exclude_modules=[*_trained_in_full(model, cfg.modules_to_save, task),
+                         *(_not_linear_outputs(model) if cfg.target_modules == "all-linear" else ())] or None,
         task_type=_TASKS[task],
     )
     try:
@@ -129,6 +130,34 @@ def _trained_in_full(model: nn.Module, modules_to_save: list[str] | None, task: 
     saved = [*(modules_to_save or []), *(CLASSIFIER_HEADS if task == "sequence-classification" else ())]
     return [name for name, module in model.named_modules()
             if name and isinstance(module, (nn.Linear, Conv1D)) and any(name.endswith(s) for s in saved)]
+
+
+def _not_linear_outputs(model: nn.Module) -> list[str]:
+    """Layers of a model's own ``nn.Linear`` subclass whose forward returns more than a linear output,
+    which ``all-linear`` must leave alone: LoRA adds its update to what the layer returns.
+
+    Llama-4's and PhiMoE's routers are ``nn.Linear``s that return ``(scores, logits)``; peft's
+    ``all-linear`` takes them, and the step fails adding a tensor to a tuple. Each such class (defined
+    in transformers, with a forward of its own) is run once on one row of zeros to see what it returns.
+    """
+    verdicts: dict[type, bool] = {}
+    found = []
+    for name, module in model.named_modules():
+        kind = type(module)
+        if not (isinstance(module, nn.Linear) and kind.forward is not nn.Linear.forward
+                and kind.__module__.startswith("transformers.")):
+            continue
+        if kind not in verdicts:
+            try:
+                with torch.no_grad():
+                    out = module(torch.zeros(1, module.in_features, dtype=module.weight.dtype,
+                                             device=module.weight.device))
+                verdicts[kind] = not (isinstance(out, torch.Tensor) and out.shape[-1] == module.out_features)
+            except Exception:  # it cannot run alone: leave it to peft, as before
+                verdicts[kind] = False
+        if verdicts[kind]:
+            found.append(name)
+    return found
 
 
 def prepare_lean(model: nn.Module) -> int:

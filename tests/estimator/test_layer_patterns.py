@@ -87,3 +87,16 @@ def test_the_cheapest_pattern_is_found(kinds: str, expected: Pattern, traced: tu
 @pytest.mark.parametrize("kinds", ["sssssf" * 4 + "ss", "abcdefgh", "a" * 5, "a" * 31 + "b"])
 def test_layers_that_do_not_repeat_enough_are_traced_whole(kinds: str) -> None:
     assert not find_pattern(list(kinds)).worth_extrapolating()
+
+
+def test_a_depth_cut_keeps_layer_kinds_that_are_a_property_of_the_depth() -> None:
+    """Falcon-H1's ``layer_types`` is a read-only property of its depth (an alias of
+    ``layers_block_type``): setting it was an internal error in validate, estimate and train."""
+    from transformers import AutoConfig
+
+    from memtrain.estimator.trace import with_depth
+
+    config = AutoConfig.for_model("falcon_h1", num_hidden_layers=12)
+    cut = with_depth(config, 3)
+    assert cut.num_hidden_layers == 3 and len(cut.layer_types) == 3
+    assert len(with_depth(AutoConfig.for_model("gemma2", num_hidden_layers=12), 3).layer_types) == 3

@@ -69,3 +69,22 @@ def test_building_the_adapter_prints_no_deprecation_of_transformers_names() -> N
         warnings.simplefilter("error", FutureWarning)
         adapted = apply(model, AdapterConfig(), "causal-lm")
     assert any(".lora_A." in name for name, _ in adapted.named_parameters())
+
+
+def test_all_linear_leaves_alone_a_linear_layer_that_returns_more_than_its_output() -> None:
+    """Llama-4's router is an ``nn.Linear`` that returns (scores, logits): peft's all-linear adapted
+    it and the step failed adding LoRA's update to a tuple (an internal error in train and estimate)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama4_text", hidden_size=32, intermediate_size=64,
+                                  intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                  num_experts_per_tok=1, vocab_size=128)
+    torch.manual_seed(0)
+    model = apply(AutoModelForCausalLM.from_config(config), AdapterConfig(r=2, alpha=4, dropout=0.0))
+    adapted = records(model)[0].modules
+    assert adapted and not any(n.endswith("router") for n in adapted)
+    assert any(n.endswith("shared_expert.down_proj") for n in adapted)  # the others are adapted
+    out = model(input_ids=torch.randint(0, 128, (2, 8)), labels=torch.randint(0, 128, (2, 8)))
+    out.loss.backward()
