@@ -70,6 +70,12 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
             raise RecipeError([Problem("adapter.dropout", cfg.dropout, "LoRA on this model's fused expert "
                                        f"weights takes no dropout (peft: {first_line(err)})",
                                        "set `adapter.dropout: 0`.")]) from None
+        if "incompatible with Mamba" in str(err):  # peft refuses LoRA on a Mamba mixer's projections
+            raise RecipeError([Problem("adapter.target_modules", cfg.target_modules,
+                                       f"peft cannot adapt some of these layers ({first_line(err)})",
+                                       "list the layers to adapt without those, e.g. the attention and "
+                                       "MLP projections (`memtrain validate` names the model's linear "
+                                       "layers when a name matches none).")]) from None
         raise
     if quantized and lean_kbit:
         prepare_lean(peft_model)

@@ -88,3 +88,22 @@ def test_all_linear_leaves_alone_a_linear_layer_that_returns_more_than_its_outpu
     assert any(n.endswith("shared_expert.down_proj") for n in adapted)  # the others are adapted
     out = model(input_ids=torch.randint(0, 128, (2, 8)), labels=torch.randint(0, 128, (2, 8)))
     out.loss.backward()
+
+
+def test_all_linear_on_a_mamba_mixer_names_the_field_and_the_fix() -> None:
+    """peft refuses LoRA on Falcon-H1's Mamba projections; with `all-linear` the user cannot simply
+    drop them, so the error names `adapter.target_modules` and says what to list instead."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memtrain.config import RecipeError
+
+    config = AutoConfig.for_model("falcon_h1", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64,
+                                  mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                                  vocab_size=128)
+    with pytest.raises(RecipeError, match=r"`adapter.target_modules`: peft cannot adapt some of these layers "
+                                          r"\(.*Mamba.*\), got 'all-linear'\. Fix: list the layers"):
+        apply(AutoModelForCausalLM.from_config(config), AdapterConfig(r=2, alpha=4, dropout=0.0))
+    model = apply(AutoModelForCausalLM.from_config(config),
+                  AdapterConfig(target_modules=["q_proj", "v_proj"], r=2, alpha=4, dropout=0.0))
+    assert len(records(model)[0].modules) == 4
