@@ -79,10 +79,10 @@ def build_config(cfg: ModelConfig, num_labels: int | None = None) -> PretrainedC
         vocab, pad = getattr(config, "vocab_size", None), getattr(config, "pad_token_id", None)
         if isinstance(vocab, int) and isinstance(pad, int) and not 0 <= pad < vocab:  # the embedding's
             # padding row: torch refuses to build it (an assertion deep in the model's constructor)
-            whose = "" if "pad_token_id" in values else f" ({model_type}'s default)"
+            whose = "" if "pad_token_id" in values else f"{model_type}'s default pad token id "
             raise RecipeError([Problem("model.from_config.pad_token_id", pad,
-                                       f"is outside the vocabulary of {vocab:,} tokens{whose}: the "
-                                       "embedding has no such row to keep for padding",
+                                       f"{whose}is outside the vocabulary of {vocab:,} tokens "
+                                       "(`vocab_size`): the embedding has no such row to keep for padding",
                                        f"set `model.from_config.pad_token_id` to an id below {vocab} (e.g. "
                                        "0, or the tokenizer's pad token id), or raise `vocab_size`.")])
     else:

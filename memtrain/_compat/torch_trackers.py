@@ -28,6 +28,7 @@ Checked on: torch 2.13.0 (this CPU) and 2.11 (the GPU image, docs/devices.md); t
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -52,6 +53,10 @@ __all__ = ["TOTAL_KEY", "FSDPMemTrackerBase", "FSDPRefType", "MemRefType", "MemT
            "ReleasableModTracker", "UpdateType", "get_untyped_storages", "release_module_tracking"]
 
 _SHIM = "torch_trackers"
+# ModTracker warns "Please file a bug to PyTorch" when a module runs again inside its own forward (a
+# block a model calls twice, SmolLM3, Qwen3.5, LFM2): the memory counted is the same (each run is
+# counted; the estimates equal the measured steps), and the user can do nothing about it.
+warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
 _MEM_TRACKER_HOOKS = ("_track", "_update_snap", "_update_peak_stats", "_pre_fw_hook", "_post_fw_hook",
                       "_pre_bw_hook", "_post_bw_hook", "_track_module_params_and_buffers",
                       "_update_and_maybe_create_winfos")

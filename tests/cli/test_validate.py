@@ -138,9 +138,9 @@ def test_a_pad_token_outside_the_vocabulary_is_named_before_training(tmp_path: P
     path.write_text(yaml.safe_dump(causal_recipe(tmp_path, source, model={"from_config": phi3})))
     code, _, err = validate(str(path))
     assert code == 2, err
-    assert ("`model.from_config.pad_token_id`: is outside the vocabulary of 30,522 tokens (phi3's default)"
-            in err and "got 32000" in err and "Fix: set `model.from_config.pad_token_id` to an id below "
-            "30522" in err), err
+    assert ("`model.from_config.pad_token_id`: phi3's default pad token id is outside the vocabulary of "
+            "30,522 tokens (`vocab_size`)" in err and "got 32000" in err
+            and "Fix: set `model.from_config.pad_token_id` to an id below 30522" in err), err
     code, _, err = validate(str(path), "model.from_config.pad_token_id=0")
     assert code == 0, err
 
