@@ -55,8 +55,10 @@ __all__ = ["TOTAL_KEY", "FSDPMemTrackerBase", "FSDPRefType", "MemRefType", "MemT
 _SHIM = "torch_trackers"
 # ModTracker warns "Please file a bug to PyTorch" when a module runs again inside its own forward (a
 # block a model calls twice, SmolLM3, Qwen3.5, LFM2): the memory counted is the same (each run is
-# counted; the estimates equal the measured steps), and the user can do nothing about it.
-warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+# counted; the estimates equal the measured steps), and the user can do nothing about it. It is
+# silenced where it is raised (ReleasableModTracker._fw_pre_hook), not by a process-wide filter that
+# the caller's own warning settings (pytest's per-test ones, for one) would undo.
+_MESSED_UP = "The module hierarchy tracking maybe be messed up"
 _MEM_TRACKER_HOOKS = ("_track", "_update_snap", "_update_peak_stats", "_pre_fw_hook", "_post_fw_hook",
                       "_pre_bw_hook", "_post_bw_hook", "_track_module_params_and_buffers",
                       "_update_and_maybe_create_winfos")
@@ -87,7 +89,11 @@ class ReleasableModTracker(ModTracker):
 
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
         tensors, before = _hook_keys(input)
-        super()._fw_pre_hook(mod, input)
+        formatwarning = warnings.formatwarning  # torch replaces it before that warning
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_MESSED_UP)
+            super()._fw_pre_hook(mod, input)
+        warnings.formatwarning = formatwarning
         self._keep(tensors, before)
 
     def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:

@@ -56,6 +56,7 @@ and restores everything it touched afterwards:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -182,3 +183,19 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
             keep_4bit_trainable_on_cpu(model)
     model.eval()  # as from_pretrained leaves it; the step switches to train mode
     return apply_patches(no_kv_cache(model), cfg)
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Library warnings about a model (or a Trainer) built for a trace, dozens of times per estimate,
+    are noise here."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -41,9 +41,10 @@ from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch
 from memtrain.errors import recipe_stage
-from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
+from memtrain.estimator.fake import build_fake_model, fake_tensor_mode, quiet_libraries
 from memtrain.estimator.grpo import generation_phase, step_batch
-from memtrain.estimator.trace import Trace, Work, decoder_layers, quiet_libraries
+from memtrain.estimator.layers import decoder_layers
+from memtrain.estimator.trace import Trace, Work
 from memtrain.estimator.trainer_loss import trace_training_step
 from memtrain.memory import loops
 from memtrain.model import count_parameters

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from memtrain import patches
 from memtrain.config import RunConfig
 
 
@@ -102,6 +103,15 @@ def _head(kinds: Sequence[Hashable], period: int) -> int:
     return 0
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated layers whose count the depth sets (:func:`memtrain.patches.layer_lists`; of
+    several lists, the one with the most parameters)."""
+    lists = patches.layer_lists(model)
+    if not lists:
+        return []
+    return list(max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))[1])
+
+
 _CACHE: dict[str, Pattern] = {}
 
 
@@ -115,7 +125,7 @@ def layer_pattern(cfg: RunConfig, config: PretrainedConfig, depth: int) -> Patte
         return Pattern(depth)
     if key not in _CACHE:
         from memtrain._compat import transformers_model
-        from memtrain.estimator.trace import decoder_layers, quiet_libraries
+        from memtrain.estimator.fake import quiet_libraries
 
         try:
             with torch.device("meta"), transformers_model.uninitialized_values(), quiet_libraries():

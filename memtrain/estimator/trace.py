@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +45,8 @@ from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.distributed import sharding
 from memtrain.errors import recipe_stage
-from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
-from memtrain.estimator.layers import Pattern
+from memtrain.estimator.fake import build_fake_model, fake_tensor_mode, quiet_libraries
+from memtrain.estimator.layers import Pattern, decoder_layers
 from memtrain.estimator.trace_events import CATEGORY_NAMES, Pass, TracingMeter
 from memtrain.memory import loops
 from memtrain.model import count_parameters
@@ -199,15 +198,6 @@ def with_depth(config: PretrainedConfig, depth: int) -> PretrainedConfig:
         with contextlib.suppress(AttributeError):  # a property of the depth (Falcon-H1): it follows
             config.layer_types = types[:depth]
     return config
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated layers whose count the depth sets (:func:`memtrain.patches.layer_lists`; of
-    several lists, the one with the most parameters)."""
-    lists = patches.layer_lists(model)
-    if not lists:
-        return []
-    return list(max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))[1])
 
 
 def trace_step(cfg: RunConfig, config: PretrainedConfig, batch_size: int, seq_len: int,
@@ -565,22 +555,6 @@ def in_batch(c1: Candidates, c2: Candidates, b1: int, b2: int, batch: int) -> Ca
         return None
     slope = (c2.values - c1.values) / (b2 - b1)
     return Candidates(c1.phases, c1.values + (batch - b1) * slope)
-
-
-@contextlib.contextmanager
-def quiet_libraries() -> Iterator[None]:
-    """Library warnings about a model (or a Trainer) built for a trace, dozens of times per estimate,
-    are noise here."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _default_device(device: torch.device | str) -> Any:

@@ -54,9 +54,9 @@ from memtrain._compat.torch_tools import FakeTensorMode, module_tensor_tables, u
 from memtrain._compat.transformers_trainer import collator_with_removed_columns, remove_unused_columns
 from memtrain._compat.trl import generated, is_grpo
 from memtrain.data.rows import Rows
-from memtrain.estimator.fake import fake_tensor_mode
+from memtrain.estimator.fake import fake_tensor_mode, quiet_libraries
 from memtrain.estimator.grpo import step_batch
-from memtrain.estimator.trace import HOST, ROUNDED, create_optimizer_state, quiet_libraries
+from memtrain.estimator.trace import HOST, ROUNDED, create_optimizer_state
 from memtrain.estimator.trace_events import CATEGORY_NAMES, TracingMeter
 from memtrain.reliability.replay import restore_effects, snapshot_effects
 from memtrain.trainer.step import hold_gradients

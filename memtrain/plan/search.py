@@ -22,10 +22,10 @@ from memtrain.distributed import sharding
 from memtrain.errors import MemtrainError
 from memtrain.estimator import derive
 from memtrain.estimator import estimate as est
-from memtrain.estimator.fake import build_fake_model, fake_tensor_mode
+from memtrain.estimator.fake import build_fake_model, fake_tensor_mode, quiet_libraries
 from memtrain.estimator.grpo import generation_phase
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
-from memtrain.estimator.trace import Work, in_batch, quiet_libraries, with_depth
+from memtrain.estimator.trace import Work, in_batch, with_depth
 from memtrain.patches import CostInputs, ModelShape, NoMatchError
 from memtrain.plan import costmodel, space
 from memtrain.plan.space import IN_BACKWARD, Candidate, auto_fields, batches, options, rank, with_values

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from memtrain import patches
-from memtrain.estimator.trace import decoder_layers
+from memtrain.estimator.layers import decoder_layers
 from memtrain.patches import checkpointing, tiled_mlp
 from memtrain.patches._targets import blocks
 
