@@ -356,6 +356,7 @@ def test_the_parent_runs_the_grid_and_writes_the_page(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_long_context_children_plan_a_length_and_train_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real ``--long`` child plans the longest length of a small model under its budget (the
     planner's `data.max_length: auto` search, device cuda, no calibration: the default CUDA lines),
@@ -469,6 +470,7 @@ def test_grpo_rows_render_each_phase_against_its_target() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_grpo_row_runs_its_script_and_counts_generation(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GRPO child on a CPU (the GPU run's flow; memprobe counts generation instead of CUDA's
     statistics): the plan's two phase predictions come back, and the generation one holds what

@@ -223,6 +223,8 @@ def test_cli_nproc_sets_the_number_of_processes(tmp_path: Path, text_file: Path,
 
 
 # ---------------------------------------------------------------- real runs with 2 processes
+# (marked long: CI runs them after the suite; in the suite, FSDP2 trains for real in
+# test_plan_picks_sharding_under_a_budget_and_every_rank_stays_under_it)
 
 
 def train_runs(tmp: Path, corpus: Path, method: str, **sections: Any) -> dict[int, Any]:
@@ -249,6 +251,7 @@ def losses(result: Any) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_two_processes_train_like_one_on_the_same_global_batch(method: str, request: Any) -> None:
     runs = request.getfixturevalue(f"{method}_runs")
@@ -260,6 +263,7 @@ def test_two_processes_train_like_one_on_the_same_global_batch(method: str, requ
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_each_process_holds_half_the_state(method: str, request: Any) -> None:
     runs = request.getfixturevalue(f"{method}_runs")
@@ -280,6 +284,7 @@ def test_each_process_holds_half_the_state(method: str, request: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_estimate_predicts_the_per_process_peak(method: str, request: Any) -> None:
     runs = request.getfixturevalue(f"{method}_runs")
@@ -294,6 +299,7 @@ def test_estimate_predicts_the_per_process_peak(method: str, request: Any) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_report_of_two_processes_compares_with_a_process_s_prediction(lora_runs: dict[int, Any]) -> None:
     """The run's memory report and logs hold the per-process prediction beside rank 0's measured
     step (they said "no prediction to compare with": the report estimated only one process)."""
@@ -316,6 +322,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_saved_full_model_reloads_and_matches_one_process(full_runs: dict[int, Any]) -> None:
     two, one = (AutoModelForCausalLM.from_pretrained(full_runs[n].output_dir) for n in (2, 1))
     untrained = logits(tiny_llama())
@@ -324,6 +331,7 @@ def test_saved_full_model_reloads_and_matches_one_process(full_runs: dict[int, A
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_saved_adapter_reloads_and_matches_one_process(lora_runs: dict[int, Any]) -> None:
     from peft import PeftModel
 
@@ -345,6 +353,7 @@ def qlora_runs(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> dic
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_qlora_trains_in_two_processes_like_one(qlora_runs: dict[int, Any]) -> None:
     from peft import PeftModel
 
@@ -364,6 +373,7 @@ def test_qlora_trains_in_two_processes_like_one(qlora_runs: dict[int, Any]) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_each_process_holds_half_the_4bit_weights(qlora_runs: dict[int, Any]) -> None:
     from memtrain.memory.quantized import quantization_state_tensors
 
@@ -402,6 +412,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_two_machines_shard_over_both_and_train_like_one_process(
         tmp_path: Path, text_file: Path, full_runs: dict[int, Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -440,6 +451,7 @@ def test_two_machines_shard_over_both_and_train_like_one_process(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_one_process_short_of_memory_sets_the_micro_batch_and_splits_the_step_of_all(
         tmp_path: Path, text_file: Path, full_runs: dict[int, Any], monkeypatch: pytest.MonkeyPatch,
@@ -472,6 +484,7 @@ def test_one_process_short_of_memory_sets_the_micro_batch_and_splits_the_step_of
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_failing_worker_fails_the_command_and_leaves_no_process(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner

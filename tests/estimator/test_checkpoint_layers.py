@@ -136,7 +136,7 @@ def test_checkpointed_and_plain_layers_extrapolate_to_the_whole_trace(case: str,
         assert fast.host_peak_bytes > 0
 
 
-@pytest.mark.parametrize("n", [3, DEPTH // 2])
+@pytest.mark.parametrize("n", [3, pytest.param(DEPTH // 2, marks=pytest.mark.long)])
 def test_elided_loops_with_checkpointed_layers(n: int, tmp_path: Path, tiny_text_file: Path, traced) -> None:
     """Tiled MLP and chunked loss at 512 tokens: the short traces (three; two where half the layers
     are checkpointed) run the loops' first and last iterations; the whole trace runs every

@@ -229,6 +229,9 @@ def test_one_fp32_tensor_per_norm_is_gone(dtype: torch.dtype, checkpointing: str
     assert saved >= norms * TOKENS * (HIDDEN * 4 - 4), saved
 
 
+# CI's long leg; in the suite: the bf16 saving (test_one_fp32_tensor_per_norm_is_gone) and a LoRA run
+# with the lean norm counted by memprobe (tests/end_to_end/test_independent_count.py)
+@pytest.mark.long
 def test_estimate_equals_the_measured_step_and_an_independent_count(tmp_path: Path,
                                                                     tiny_text_file: Path) -> None:
     """bf16 full fine-tuning: each of the 5 norms keeps an fp32 copy of its input and the bf16

@@ -79,8 +79,10 @@ def _compare(cfg: Any, monkeypatch: pytest.MonkeyPatch, derived_here: bool = Tru
 
 
 @pytest.mark.parametrize(("arch", "every", "micro"), [
-    ("llama", True, "auto"), ("llama", True, 1), ("llama", False, "auto"), ("qwen2", True, "auto"),
-    ("gemma", True, "auto"), ("gpt2", False, "auto"), ("llama-4", True, "auto")])
+    ("llama", True, "auto"), ("llama", True, 1), ("llama", False, "auto"),
+    pytest.param("qwen2", True, "auto", marks=pytest.mark.long), ("gemma", True, "auto"),
+    ("gpt2", False, "auto"),
+    pytest.param("llama-4", True, "auto", marks=pytest.mark.long)])
 def test_the_derived_step_is_the_traced_one(arch: str, every: bool, micro: Any, tmp_path: Path,
                                             tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted: no gather row (host peak of the steps without activation offload), the table's
@@ -95,6 +97,7 @@ def test_the_derived_step_is_the_traced_one(arch: str, every: bool, micro: Any, 
     _compare(load_recipe(recipe), monkeypatch, arch not in TRACED, held=(arch, micro) == ("llama", "auto"))
 
 
+@pytest.mark.long  # the causal-LM cases are in the suite
 def test_a_classifier_step_is_derived_too(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_recipe("recipes/quickstart.yaml", ["training.micro_batch_size=auto"])
     _compare(cfg, monkeypatch, held=True)

@@ -61,6 +61,7 @@ def test_the_standard_loss_floor_is_at_most_the_traced_peak(tmp_path: Path, tiny
     assert space.floor(chunked, space.model_shape(chunked), 2)[0] == 0
 
 
+@pytest.mark.long  # a pruning that must keep the choice, like test_planner.py's host-budget pruning
 def test_the_planner_rejects_what_its_floor_rules_out_untraced_and_chooses_the_same(
         tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget the standard loss cannot fit: the standard-loss candidates are rejected with their

@@ -81,6 +81,7 @@ def test_a_position_limit_that_fits_is_found_with_one_estimate(
     assert exact.chosen == 3 * step and 2048 not in exact.probes, exact.probes
 
 
+@pytest.mark.long  # elision equals every iteration, in the suite: tests/estimator/test_loop_elision.py
 def test_exact_length_runs_every_loop_iteration_of_every_trace_and_finds_the_same_length(
         tmp_path: Path, tiny_text_file: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``longest_length(..., exact_length=True)`` (scripts/bench/planner/plan_speed.py's "every iteration"

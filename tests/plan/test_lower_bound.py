@@ -37,7 +37,9 @@ def _rates(term: str) -> costmodel.Rates:
 
 
 @pytest.mark.parametrize(("arch", "fields"), [
-    ("llama", FIELDS),
+    pytest.param("llama", FIELDS, marks=pytest.mark.long),  # every technique: 52 s in the suite
+    ("llama", {"checkpointing": "full", "tiled_mlp": True, "offload": {"activations": "auto"},
+               "loss": "auto"}),  # its offload and loss terms, in the suite
     ("gpt2", {"checkpointing": "auto", "tiled_mlp": "auto"}),
     # techniques the recipe fixes are in the bound's trace already: not added again
     ("llama", {"checkpointing": "full", "tiled_mlp": True, "tiled_mlp_tile_tokens": "auto",
@@ -71,6 +73,7 @@ def test_the_tiled_bound_counts_the_mlp_forward_it_repeats() -> None:
     assert tiled_mlp.tiled_recompute_flops(weights, 131_072) == 2 * weights * 131_072
 
 
+@pytest.mark.long  # the bound term by term, in the suite: test_the_bound_is_at_most_the_prediction
 def test_the_bound_holds_at_the_micro_batch_that_fits() -> None:
     """The bound is computed before the trace says which micro-batch fits. The quickstart with
     `micro_batch_size: auto` and no effective batch, where a step grows with the micro-batch:

@@ -307,6 +307,7 @@ def test_a_search_allowing_only_micro_batch_1_traces_only_micro_batch_1(
     assert decided.chosen.peak == estimate(chosen).total_bytes
 
 
+@pytest.mark.long  # in the suite: the host order on 8B estimates (test_on_the_host_checkpointing_...)
 def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
     """What host-budget pruning assumes (``Search.dominated(host=True)``), on real estimates: a
     candidate that keeps at least as much in every field but an offload, and offloads at least as
@@ -337,6 +338,7 @@ def test_host_bytes_follow_the_host_order(tmp_path: Path, corpus: Path) -> None:
     assert not broken, broken[:3]
 
 
+@pytest.mark.long
 def test_host_budget_pruning_keeps_the_choice(tmp_path: Path, corpus: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A candidate that fits the device but not the host budget prunes every candidate that keeps

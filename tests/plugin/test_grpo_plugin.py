@@ -129,8 +129,8 @@ def test_a_grpo_script_with_the_two_lines_is_refitted_planned_and_measured(
 
 
 @pytest.mark.parametrize("setting", [
-    {"peft": False, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8,
-     "max_completion_length": 64, "beta": 0.0},
+    pytest.param({"peft": False, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+                  "num_generations": 8, "max_completion_length": 64, "beta": 0.0}, marks=pytest.mark.long),
     {"peft": True, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 4,
      "max_completion_length": 64, "beta": 0.04, "temperature": 0.8, "top_p": 0.9},
 ], ids=["full-G8-64", "lora-G4-64-top_p"])

@@ -84,7 +84,8 @@ def train_measured(trainer: Any, budget: int | None = None) -> Any:
     return callback
 
 
-@pytest.mark.parametrize("precompute", [False, True], ids=["reference-forward", "precomputed-reference"])
+@pytest.mark.parametrize("precompute", [False, pytest.param(True, marks=pytest.mark.long)],
+                         ids=["reference-forward", "precomputed-reference"])
 def test_dpo_under_a_budget_that_forces_a_split_trains_as_without_it(tmp_path: Path, tok: Any,
                                                                      precompute: bool) -> None:
     ref = dpo(tmp_path / "ref", tok, precompute_ref_log_probs=precompute)

@@ -69,6 +69,10 @@ def run(tmp_path: Path, loss: str, fail: TrainerCallback | None, micro: int = 16
 
 
 @pytest.mark.slow
+# CI's long leg; in the suite: each loss type's share of a split step
+# (test_pieces_carry_their_share_of_each_loss_type) and a GRPO step redone on the same completions
+# (tests/plugin/test_grpo_plugin.py::test_an_out_of_memory_grpo_step_is_redone_on_the_same_completions)
+@pytest.mark.long
 @pytest.mark.parametrize("loss", ["grpo", "bnpo", "dapo"])
 def test_a_recovered_grpo_step_equals_the_unsplit_step(tmp_path: Path, loss: str) -> None:
     ref, ref_grads = run(tmp_path / "ref", loss, None)

@@ -34,6 +34,7 @@ def step_losses(history: list[dict]) -> dict[int, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # resume in the suite: tests/reliability/test_reliability.py
 def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tmp_path: Path, corpus: Path) -> None:
     sections = {"training": {"max_steps": 8, "logging_steps": 1}}
     reference = train(load_recipe(causal_recipe(tmp_path / "ref", corpus, **sections)))
