@@ -56,6 +56,7 @@ def test_validate_reads_the_data_once_and_calls_the_rewards_on_it(monkeypatch: p
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 20 steps; the recipe trains through `memtrain train` in the suite (generation phase)
 def test_grpo_recipe_reward_rises(tmp_path: Path) -> None:
     """The shipped recipe as it is (20 steps, seed 0): TRL generates, both rewards score every logged
     step, and the mean reward of the last three logs beats that of the first three by a clear

@@ -295,6 +295,7 @@ def test_cli_estimate_prints_json_and_tables(tmp_path: Path, tiny_text_file: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the sweep itself, in the suite: test_micro_batch_sweep_equals_direct_traces
 def test_cli_sweep_prints_curves_and_plots(tmp_path: Path, tiny_text_file: Path) -> None:
     import yaml
     from typer.testing import CliRunner

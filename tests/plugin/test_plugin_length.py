@@ -156,6 +156,7 @@ def test_importing_the_plugin_prints_nothing() -> None:
     assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done.stderr
 
 
+@pytest.mark.long  # the plugin's nothing-fits message, in the suite: tests/plugin/test_plugin_plan.py
 def test_when_attach_re_plans_and_nothing_fits_it_says_attach_and_the_rows(tmp_path: Path) -> None:
     """Nothing fits the assumed length, so prepare_for_budget leaves the plan to attach; when nothing
     fits the Trainer's batch either, the error is attach's and names the rows it planned for (it

@@ -188,6 +188,7 @@ def test_unsplittable_loss_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # recovery, in the suite: test_recovered_step_equals_the_unsplit_step
 def test_a_long_batch_over_a_simulated_budget_is_recovered_in_a_recipe_run(tmp_path: Path) -> None:
     from memtrain.run.train import train
 
