@@ -19,6 +19,10 @@ from memtrain.plan import planner
 from memtrain.plugin.describe import BudgetPlan, recipe_for
 from memtrain.plugin.prepare import MemoryBudgetCallback, prepare_for_budget
 
+# the techniques a test leaves alone, so that its plans search only what it checks (every technique
+# planned: three searches of the whole space, 94 s of the suite for the 8-bit test)
+OFF = {"offload.activations": False, "offload.embeddings": False, "tiled_mlp": False, "lean_norm": False}
+
 
 def gpt2() -> torch.nn.Module:
     values = copy.deepcopy(TINY_CONFIGS["gpt2"])
@@ -88,10 +92,8 @@ def test_a_choice_without_accumulation_predicts_its_own_peak(tmp_path: Path) -> 
 def test_switching_to_8bit_adamw_is_stated_and_nothing_fits_speaks_the_plugins_arguments(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = arguments(tmp_path, 16, 1, 1)
-    # checkpointing planned, the other techniques fixed: the optimizer is what is tested (every
-    # technique planned: 94 s of the suite, three searches of the whole space; the loss too: 36 s)
-    fixed = {"offload.activations": False, "offload.embeddings": False, "tiled_mlp": False,
-             "lean_norm": False, "loss": "chunked"}
+    # checkpointing planned, the other techniques fixed: the optimizer is what is tested
+    fixed = {**OFF, "loss": "chunked"}
     peaks = smallest_peaks(gpt2(), args, fixed)
     assert peaks["adamw_8bit"] < peaks["adamw"]
     budget = int((peaks["adamw_8bit"] + peaks["adamw"]) / 2 / 0.9)  # only the 8-bit optimizer fits
@@ -124,13 +126,10 @@ def test_user_checkpointing_is_planned_once_and_rerunning_is_idempotent(tmp_path
 
     args = arguments(tmp_path, 4, 1, 1, gradient_checkpointing=True)
     model = tiny_model()
-    # checkpointing and the loss planned, the other techniques fixed (every one planned: 34 s of the suite)
-    fixed = {"offload.activations": False, "offload.embeddings": False, "tiled_mlp": False,
-             "lean_norm": False}
-    peaks = smallest_peaks(model, args, fixed, optimizers=("adamw",))
+    peaks = smallest_peaks(model, args, OFF, optimizers=("adamw",))  # checkpointing and the loss planned
     budget = int(peaks["adamw"] / 0.9) + 2**16  # needs checkpointing even without the user's flag
     for _ in range(2):  # a notebook cell run twice on the same model
-        model, new_args = prepare_for_budget(model, args, budget, max_length=32, quiet=True, memory=fixed)
+        model, new_args = prepare_for_budget(model, args, budget, max_length=32, quiet=True, memory=OFF)
     assert [r.name for r in records(model)].count("checkpointing") == 1
     assert model.memtrain_plan.settings["checkpointing"] == "full"
     assert "gradient_checkpointing" in {c.setting for c in model.memtrain_plan.changes}
