@@ -21,6 +21,7 @@ completions, HF ``generate``); :func:`generation_phase` applies it to a recipe,
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -78,33 +79,69 @@ SAMPLING_COPIES = 4
 # Each logits processor HF ``generate`` runs while sampling (in its order) peaks at these rows x
 # vocabulary fp32 tensors more than SAMPLING_COPIES (its own temporaries: a temperature's quotient;
 # top-k's threshold mask and masked copy; top-p's sort, int64 indices, softmax, cumulative sum and
-# masks; min-p's probabilities and mask; the repetition penalty's gather/scatter), plus one more
-# when it is not the first in the chain (the processed scores it was handed are alive beside the
+# masks; min-p's probabilities and mask; the repetition penalty's gather/scatter; typical-p's
+# log-softmax, entropy, sort and cumulative sum; the minimum length's mask and masked copy), plus one
+# more when it is not the first in the chain (the processed scores it was handed are alive beside the
 # logits). Measured with scripts/probes/memprobe.py's LiveBytes around ``generate`` (transformers 5.24,
-# torch 2.13, CPU; the same in units at 32 and 64 rows, every combination of the five):
-# docs/bench/generation_processors.md (``python -m scripts run generation_processors``).
-PROCESSOR_ORDER = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
-PROCESSOR_EXTRA = {"repetition_penalty": 2.0, "temperature": 1.0, "top_k": 1.25, "top_p": 5.5, "min_p": 2.25}
+# torch 2.13, CPU; the same in units at 32 and 64 rows, every combination of the first five, and the
+# others alone and after a temperature): docs/bench/generation_processors.md (``python -m scripts run
+# generation_processors``). The five GRPO's settings name come first; the rest only TRL's
+# ``generation_kwargs`` set (a user's GRPOConfig). HF's order: PROCESSOR_ORDER.
+PROCESSOR_EXTRA = {"repetition_penalty": 2.0, "temperature": 1.0, "top_k": 1.25, "top_p": 5.5, "min_p": 2.25,
+                   "no_repeat_ngram_size": 1.25, "min_length": 2.05, "min_new_tokens": 3.05, "top_h": 1.55,
+                   "typical_p": 9.5, "epsilon_cutoff": 2.25, "eta_cutoff": 5.0}
+PROCESSOR_ORDER = ("repetition_penalty", "no_repeat_ngram_size", "min_length", "min_new_tokens",
+                   "temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
+                   "eta_cutoff")
+# processors whose peak is the same wherever they are in the chain (measured after a repetition
+# penalty: a minimum of new tokens peaks in its own temporaries, not beside the scores it was handed)
+UNCHAINED = frozenset({"min_new_tokens"})
+# generation settings whose logits processors the sampling step runs too, not counted (a note says
+# so), with the values that leave them off (HF's conditions; any other value turns one on)
+UNCOUNTED = {"guidance_scale": (None, 1, 1.0), "sequence_bias": (None,), "bad_words_ids": (None,),
+             "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,),
+             "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,),
+             "watermarking_config": (None,), "renormalize_logits": (None, False),
+             "remove_invalid_values": (None, False)}
 
 
 def sampling_processors(*, temperature: float | None = 1.0, top_k: int | None = 0,
                         top_p: float | None = 1.0, min_p: float | None = None,
-                        repetition_penalty: float | None = 1.0) -> tuple[str, ...]:
+                        repetition_penalty: float | None = 1.0, no_repeat_ngram_size: int | None = None,
+                        min_length: int | None = None, min_new_tokens: int | None = None,
+                        top_h: float | None = None, typical_p: float | None = None,
+                        epsilon_cutoff: float | None = None, eta_cutoff: float | None = None
+                        ) -> tuple[str, ...]:
     """The logits processors HF ``generate`` adds for these sampling settings (its own conditions:
     a temperature other than 1, ``top_k`` other than 0, ``top_p`` below 1, any ``min_p``, a
-    repetition penalty other than 1), in the order it runs them."""
+    repetition penalty other than 1, an n-gram size or a minimum length above 0, any ``top_h``,
+    ``typical_p`` below 1, an epsilon or eta cutoff strictly between 0 and 1), in the order it runs
+    them. A minimum length counts wherever it is set: HF runs it while the sequence is shorter
+    (the first steps), and also needs an end-of-sequence id, which TRL's generation has."""
+    def between(value: float | None) -> bool:
+        return value is not None and 0.0 < value < 1.0
+
     on = {"repetition_penalty": repetition_penalty is not None and repetition_penalty != 1.0,
-          "temperature": temperature is not None and temperature != 1.0,
+          "no_repeat_ngram_size": bool(no_repeat_ngram_size and no_repeat_ngram_size > 0),
+          "min_length": bool(min_length and min_length > 0),
+          "min_new_tokens": bool(min_new_tokens and min_new_tokens > 0),
+          "temperature": temperature is not None and temperature != 1.0, "top_h": top_h is not None,
           "top_k": top_k is not None and top_k != 0, "top_p": top_p is not None and top_p < 1.0,
-          "min_p": min_p is not None}
+          "min_p": min_p is not None, "typical_p": typical_p is not None and typical_p < 1.0,
+          "epsilon_cutoff": between(epsilon_cutoff), "eta_cutoff": between(eta_cutoff)}
     return tuple(name for name in PROCESSOR_ORDER if on[name])
+
+
+def _left_off(value: Any, off: tuple[Any, ...]) -> bool:
+    """``value`` is one of ``off``, by type too (a token id 0 is not ``False``)."""
+    return any(value is o or (type(value) is type(o) and value == o) for o in off)
 
 
 def sampling_copies(processors: tuple[str, ...] = ()) -> float:
     """Rows x vocabulary fp32 tensors at the sampling step's peak with ``processors`` (see
     :data:`PROCESSOR_EXTRA`): the largest of the plain step's and each processor's."""
     chain = [name for name in PROCESSOR_ORDER if name in processors]
-    own = (PROCESSOR_EXTRA[name] + (i > 0) for i, name in enumerate(chain))
+    own = (PROCESSOR_EXTRA[name] + (i > 0 and name not in UNCHAINED) for i, name in enumerate(chain))
     return SAMPLING_COPIES + max(own, default=0.0)
 
 
@@ -121,6 +158,7 @@ class GenerationPhase:
     sequences: int
     length: int
     processors: tuple[str, ...] = ()  # the logits processors the sampling step runs (HF's order)
+    uncounted: tuple[str, ...] = ()  # generation settings whose processors run too, not counted
 
     @property
     def peak_bytes(self) -> int:
@@ -133,7 +171,9 @@ class GenerationPhase:
                 f"{(self.kv_cache + self.growth) / mib:,.2f} ({self.sequences} completions x {self.length} "
                 f"tokens) + the larger of the prompts' prefill {self.prefill / mib:,.2f} and the sampling "
                 f"step's logits {self.sampling / mib:,.2f} MiB"
-                + (f" (with {', '.join(self.processors)})" if self.processors else ""))
+                + (f" (with {', '.join(self.processors)})" if self.processors else "")
+                + (f"; not counted: the logits processors of {', '.join(self.uncounted)} (unmeasured; "
+                   "the sampling step may peak higher)" if self.uncounted else ""))
 
 
 def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, completion: int, size: int,
@@ -313,10 +353,15 @@ def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> Genera
     sampling settings add (``temperature``, ``top_k``, ``top_p``, ``min_p``,
     ``repetition_penalty``; ``generation_kwargs`` over them, as TRL does).
 
-    Not modelled: vLLM (``use_vllm``) and continuous batching (paged caches), which plan.notes name;
-    other logits processors (``generation_kwargs`` such as ``typical_p``, bad words); the no-grad
-    old-policy / reference log-prob passes after generation (``per_device_train_batch_size`` rows at a
-    time, no activations kept for backward: below the traced training step).
+    The processors of ``generation_kwargs`` HF runs while sampling are counted where measured
+    (:data:`PROCESSOR_EXTRA`: also a minimum length, typical-p, epsilon and eta cutoffs, n-gram
+    blocking, top-h); the others (:data:`UNCOUNTED`: bad words, suppressed tokens, a sequence bias,
+    ...) are named in the phase's description, which the plan's notes carry.
+
+    Not modelled: vLLM (``use_vllm``) and continuous batching (paged caches), which plan.notes
+    name; the no-grad old-policy / reference log-prob passes after generation
+    (``per_device_train_batch_size`` rows at a time, no activations kept for backward: below the
+    traced training step).
     """
     import torch
 
@@ -331,8 +376,10 @@ def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> Genera
     size = torch.empty(0, dtype=dtype).element_size()
     sequences = max(1, args.generation_batch_size // max(1, args.world_size))
     extra = getattr(args, "generation_kwargs", None) or {}  # TRL lets them override its own settings
-    defaults = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
-    processors = sampling_processors(**{name: extra.get(name, getattr(args, name, default))
-                                        for name, default in defaults.items()})
-    return generation_memory(text, resident=resident, sequences=sequences, prompt=prompt,
-                             completion=args.max_completion_length, size=size, processors=processors)
+    names = inspect.signature(sampling_processors).parameters
+    processors = sampling_processors(**{name: extra.get(name, getattr(args, name, param.default))
+                                        for name, param in names.items()})
+    phase = generation_memory(text, resident=resident, sequences=sequences, prompt=prompt,
+                              completion=args.max_completion_length, size=size, processors=processors)
+    phase.uncounted = tuple(name for name, off in UNCOUNTED.items() if not _left_off(extra.get(name), off))
+    return phase

@@ -7,6 +7,11 @@ Llama with 30,522 tokens at 32 and 64 rows, docs/bench/generation_processors.md)
 Before: only a temperature was counted, so top_p 0.9 was predicted at 0.46 of its measured peak.
 Planted when written: the "+1 when not first" term dropped -> top_k+min_p and all five fail; top_p's
 5.5 taken as 4.5 -> top_p fails; HF's order reversed -> all five fail.
+
+The settings only ``generation_kwargs`` carry (a minimum length, typical-p, the epsilon and eta
+cutoffs, n-gram blocking) were not counted before: typical-p after a temperature was predicted at
+0.35 of its measured peak, a minimum of new tokens at 0.58 (the tiny Llama of
+docs/bench/generation_processors.md, 32 rows).
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ def model() -> Any:
 @pytest.mark.parametrize("extra", [
     {}, {"top_p": 0.9}, {"top_k": 40, "min_p": 0.05}, {"temperature": 0.6, "repetition_penalty": 1.2},
     {"repetition_penalty": 1.1, "temperature": 0.7, "top_k": 50, "top_p": 0.95, "min_p": 0.1},
-], ids=["none", "top_p", "top_k+min_p", "temperature+repetition", "all five"])
+    # what only TRL's `generation_kwargs` set (a user's GRPOConfig)
+    {"min_new_tokens": 8}, {"temperature": 0.7, "typical_p": 0.9}, {"eta_cutoff": 3e-4},
+    {"no_repeat_ngram_size": 3, "epsilon_cutoff": 3e-4}, {"repetition_penalty": 1.1, "min_length": 20},
+], ids=["none", "top_p", "top_k+min_p", "temperature+repetition", "all five", "min_new_tokens",
+        "temperature+typical_p", "eta", "ngram+epsilon", "repetition+min_length"])
 def test_the_sampling_step_is_predicted_for_each_processor(model: Any, extra: dict[str, Any]) -> None:
     settings = dict(max_new_tokens=NEW, do_sample=True, pad_token_id=0, bos_token_id=None, eos_token_id=[1],
                     temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)
@@ -83,3 +92,28 @@ def test_sliding_window_layers_cache_their_window(model_type: str, window: int) 
     predicted = generation_memory(small.config, resident=0, sequences=ROWS, prompt=PROMPT,
                                   completion=completion, size=4).peak_bytes
     assert probe.device_peak <= predicted <= 1.05 * probe.device_peak, (predicted, probe.device_peak)
+
+
+def test_a_grpo_config_s_generation_kwargs_are_counted_or_named(model: Any) -> None:
+    """TRL passes ``generation_kwargs`` over its own sampling settings: the processors they add are
+    counted, and those memtrain has not measured are named in the phase's description (the plan's
+    notes), never silently left out. Planted: the kwargs ignored -> typical_p is not counted and
+    the bad words are not named."""
+    from types import SimpleNamespace
+
+    from memtrain.estimator.grpo import trainer_generation_phase
+
+    def phase(**kwargs: Any) -> Any:
+        args = SimpleNamespace(bf16=False, fp16=False, generation_batch_size=ROWS, world_size=1,
+                               max_completion_length=NEW, temperature=0.7, top_p=1.0, top_k=0, min_p=None,
+                               repetition_penalty=1.0, generation_kwargs=kwargs)
+        return trainer_generation_phase(SimpleNamespace(args=args, model=model), 0, PROMPT)
+
+    plain, typical = phase(), phase(typical_p=0.9, bad_words_ids=[[5]], forced_bos_token_id=0)
+    assert plain.processors == ("temperature",) and plain.uncounted == ()
+    assert typical.processors == ("temperature", "typical_p")
+    assert typical.sampling > plain.sampling * 2
+    assert typical.uncounted == ("bad_words_ids", "forced_bos_token_id")
+    assert "not counted: the logits processors of bad_words_ids, forced_bos_token_id" in typical.describe()
+    assert phase(top_p=0.9, temperature=1.0).processors == ("top_p",)  # the kwargs over the config's own
+    assert phase(guidance_scale=1, renormalize_logits=False).uncounted == ()  # HF's "off" values

@@ -1,6 +1,8 @@
 """The sampling step of HF ``generate`` with each logits processor a GRPO user sets (temperature,
-top_k, top_p, min_p, repetition_penalty, and combinations), measured against memtrain's generation
-phase (memtrain.estimator.grpo.generation_memory): python -m scripts run generation_processors
+top_k, top_p, min_p, repetition_penalty, and combinations; and what TRL's ``generation_kwargs``
+add: a minimum length, typical-p, epsilon and eta cutoffs, n-gram blocking, top-h), measured
+against memtrain's generation phase (memtrain.estimator.grpo.generation_memory):
+python -m scripts run generation_processors
 
 Measured: scripts/probes/memprobe.py's LiveBytes (no memtrain code) around ``model.generate`` of a tiny
 Llama built from a config (fp32, vocabulary 30,522), TRL's generation settings (do_sample, an
@@ -29,7 +31,15 @@ CASES = {"none": {}, "temperature 0.7": {"temperature": 0.7}, "top_k 50": {"top_
          "repetition_penalty 1.1 + temperature 0.7": {"repetition_penalty": 1.1, "temperature": 0.7},
          "top_p 0.9 + min_p 0.1": {"top_p": 0.9, "min_p": 0.1},
          "top_k 50 + min_p 0.1": {"top_k": 50, "min_p": 0.1},
-         "all five": {"repetition_penalty": 1.1, "temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.1}}
+         "all five": {"repetition_penalty": 1.1, "temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.1},
+         # what only TRL's `generation_kwargs` set (a user's GRPOConfig)
+         "min_new_tokens 8": {"min_new_tokens": 8}, "min_length 12": {"min_length": 12},
+         "typical_p 0.9": {"typical_p": 0.9}, "epsilon_cutoff 3e-4": {"epsilon_cutoff": 3e-4},
+         "eta_cutoff 3e-4": {"eta_cutoff": 3e-4}, "no_repeat_ngram_size 3": {"no_repeat_ngram_size": 3},
+         "top_h 0.4": {"top_h": 0.4},
+         "temperature 0.7 + typical_p 0.9": {"temperature": 0.7, "typical_p": 0.9},
+         "repetition_penalty 1.1 + min_new_tokens 8": {"repetition_penalty": 1.1, "min_new_tokens": 8},
+         "min_new_tokens 8 + top_p 0.9": {"min_new_tokens": 8, "top_p": 0.9}}
 SHAPES = [(32, 4, 16), (64, 4, 16)]  # rows, prompt tokens, new tokens
 QUICK = ["--case", "none", "--case", "top_p 0.9"]  # 4 calls of `generate` (of 24), issue 38's case in them
 
@@ -84,7 +94,8 @@ def main() -> None:
             print(lines[-1], flush=True)
     lines += ["", f"Predicted / measured from {min(worst):.3f} to {max(worst):.3f} over {len(worst)} rows.",
               "Before (only a temperature counted, as one more tensor): top_p 0.9 was predicted at 0.459 of "
-              "its measured peak (issue 38)."]
+              "its measured peak (issue 38). Before the `generation_kwargs` processors were counted, "
+              "typical_p 0.9 after a temperature was predicted at 0.35 of its measured peak."]
     harness.write("generation_processors", lines)
 
 
