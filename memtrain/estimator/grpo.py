@@ -377,9 +377,14 @@ def trainer_generation_phase(trainer: Any, resident: int, prompt: int) -> Genera
     sequences = max(1, args.generation_batch_size // max(1, args.world_size))
     extra = getattr(args, "generation_kwargs", None) or {}  # TRL lets them override its own settings
     names = inspect.signature(sampling_processors).parameters
-    processors = sampling_processors(**{name: extra.get(name, getattr(args, name, param.default))
-                                        for name, param in names.items()})
+    settings = {name: extra.get(name, getattr(args, name, param.default)) for name, param in names.items()}
+    # a setting that is not a number (a string from a config file) is HF's to refuse: named, not counted
+    odd = {name for name, value in settings.items()
+           if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)))}
+    processors = sampling_processors(**{name: names[name].default if name in odd else value
+                                        for name, value in settings.items()})
     phase = generation_memory(text, resident=resident, sequences=sequences, prompt=prompt,
                               completion=args.max_completion_length, size=size, processors=processors)
-    phase.uncounted = tuple(name for name, off in UNCOUNTED.items() if not _left_off(extra.get(name), off))
+    phase.uncounted = tuple(sorted(odd)) + tuple(name for name, off in UNCOUNTED.items()
+                                                 if not _left_off(extra.get(name), off))
     return phase

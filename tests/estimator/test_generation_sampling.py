@@ -117,3 +117,6 @@ def test_a_grpo_config_s_generation_kwargs_are_counted_or_named(model: Any) -> N
     assert "not counted: the logits processors of bad_words_ids, forced_bos_token_id" in typical.describe()
     assert phase(top_p=0.9, temperature=1.0).processors == ("top_p",)  # the kwargs over the config's own
     assert phase(guidance_scale=1, renormalize_logits=False).uncounted == ()  # HF's "off" values
+    # a value that is not a number (HF refuses it when it generates): named, not a TypeError here
+    odd = phase(typical_p="0.9")
+    assert odd.processors == ("temperature",) and odd.uncounted == ("typical_p",)
