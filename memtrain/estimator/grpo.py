@@ -82,11 +82,12 @@ SAMPLING_COPIES = 4
 # masks; min-p's probabilities and mask; the repetition penalty's gather/scatter; typical-p's
 # log-softmax, entropy, sort and cumulative sum; the minimum length's mask and masked copy), plus one
 # more when it is not the first in the chain (the processed scores it was handed are alive beside the
-# logits). Measured with scripts/probes/memprobe.py's LiveBytes around ``generate`` (transformers 5.24,
-# torch 2.13, CPU; the same in units at 32 and 64 rows, every combination of the first five, and the
-# others alone and after a temperature): docs/bench/generation_processors.md (``python -m scripts run
-# generation_processors``). The five GRPO's settings name come first; the rest only TRL's
-# ``generation_kwargs`` set (a user's GRPOConfig). HF's order: PROCESSOR_ORDER.
+# logits). Measured with scripts/probes/memprobe.py's LiveBytes around ``generate`` (transformers 5.24
+# for the first five, 5.25 for the rest; torch 2.13, CPU; the same in units at 32 and 64 rows, every
+# combination of the first five, the others alone and after a temperature or a repetition penalty):
+# docs/bench/generation_processors.md (``python -m scripts run generation_processors``). The first
+# five are the settings a recipe's ``training.grpo_*`` fields name; only TRL's ``generation_kwargs``
+# set the rest (a user's GRPOConfig). HF's order: PROCESSOR_ORDER.
 PROCESSOR_EXTRA = {"repetition_penalty": 2.0, "temperature": 1.0, "top_k": 1.25, "top_p": 5.5, "min_p": 2.25,
                    "no_repeat_ngram_size": 1.25, "min_length": 2.05, "min_new_tokens": 3.05, "top_h": 1.55,
                    "typical_p": 9.5, "epsilon_cutoff": 2.25, "eta_cutoff": 5.0}
