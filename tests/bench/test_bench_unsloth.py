@@ -335,3 +335,17 @@ def test_the_frames_kept_are_the_libraries_not_torch() -> None:
                "name": "forward"},
               {"filename": "??", "line": 0, "name": "at::native::empty"}]
     assert bench.own_frames(frames) == ["llama/modeling_llama.py:301 forward"]
+
+
+def test_a_child_imports_unsloth_from_its_site_not_this_script(tmp_path: Path, monkeypatch) -> None:
+    """Run as a file, the script's folder led sys.path and `import unsloth` found the script itself
+    (the H200 session of 2026-12-04 fell back to HF + SDPA for that): a real child process, with a
+    stand-in Unsloth in its site, must reach the stand-in."""
+    site = tmp_path / "site"
+    (site / "unsloth").mkdir(parents=True)
+    (site / "unsloth" / "__init__.py").write_text("raise ImportError('the stand-in Unsloth of the site')\n")
+    monkeypatch.setenv("BENCH_UNSLOTH_SITE", str(site))
+    job = {"backend": "cuda", "framework": "unsloth", "dir": str(tmp_path), "config": bench.FAKE_MODEL,
+           "tasks": []}
+    results, _ = bench.run_child("worker", job, 120, tmp_path)
+    assert "the stand-in Unsloth of the site" in results[0]["error"], results

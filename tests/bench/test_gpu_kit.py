@@ -17,7 +17,6 @@ def test_the_wheels_are_pinned_to_the_versions_tested_here() -> None:
     pins = dict(p.split("==") for p in gpu_kit.pins())
     assert set(pins) == set(gpu_kit.WHEELS)
     assert pins["transformers"] == md.version("transformers") and pins["peft"] == md.version("peft")
-    assert "huggingface-hub" not in pins and "huggingface_hub" not in pins  # 2.4 needs httpx2
 
 
 def test_only_the_devices_cuda_library_is_unpacked() -> None:
@@ -46,7 +45,8 @@ def test_the_session_script_names_tests_and_files_that_exist() -> None:
 
 def test_unsloths_wheels_are_pinned_to_versions_it_accepts() -> None:
     """Unsloth 2026.10.9 accepts transformers <= 5.17.0, trl <= 1.15.0 and datasets < 5 (its METADATA):
-    its site gets those, memtrain's keeps its own; never huggingface_hub 2.4 (httpx2) nor xformers."""
+    its site gets those (and huggingface_hub 1.x, which 5.17 needs), memtrain's keeps its own; never
+    xformers."""
     pins = dict(p.split("==") for p in gpu_kit.UNSLOTH_WHEELS)
     assert {"unsloth", "unsloth_zoo", "transformers", "trl", "datasets"} <= set(pins)
     assert pins["unsloth"] == pins["unsloth_zoo"]
@@ -78,3 +78,27 @@ def test_the_unsloth_session_runs_the_comparison_with_plans_made_beforehand() ->
     assert 'bash scripts/gpu_session.sh unsloth' in script and "scripts/bench/gpu/unsloth.py" in script
     assert "--plans docs/bench/unsloth_plans.json" in script and ".gpusite/unsloth/*.whl" in script
     assert "BENCH_UNSLOTH_SITE=/tmp/site-unsloth" in script
+
+
+def test_what_the_kit_installs_accepts_what_the_image_has() -> None:
+    """Every requirement of a kit wheel on a package the device's image provides (not the kit)
+    accepts the image's version: the H200 session of 2026-12-04 stopped at its smoke check because
+    transformers 5.25 needs huggingface_hub >= 2.4 and the kit left the image's 1.33 in place, then
+    at its first from_pretrained, since 5.25 needs `kernels`, which the image lacks."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    kit = {n.replace("_", "-").lower() for n in gpu_kit.WHEELS} | {"bitsandbytes"}
+    refused = []
+    for name in sorted(kit):
+        for line in md.requires(name) or []:
+            req = Requirement(line)
+            key = req.name.replace("_", "-").lower()
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            if key in kit or key not in gpu_kit.IMAGE:
+                continue
+            has = gpu_kit.IMAGE[key]
+            if has is None or Version(has) not in req.specifier:
+                refused.append(f"{name}: {line} (image {has or 'has none'})")
+    assert not refused, refused

@@ -70,6 +70,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(__file__).resolve()
+# Run as a file (the parent and every child), this script's folder is sys.path[0], where `import
+# unsloth` finds this file, not Unsloth: the H200 session of 2026-12-04 fell back to HF + SDPA with
+# "cannot import name 'FastLanguageModel' from 'unsloth' (.../unsloth.py)". The folder goes.
+if sys.path and Path(sys.path[0] or ".").resolve() == SCRIPT.parent:
+    del sys.path[0]
 # CI-sized (no GPU): the phases on the fake backend (a tiny Llama, a simulated card).
 QUICK = ["--backend", "fake", "--budget-s", "120", "--out", "/tmp/memtrain-bench/unsloth.md"]
 OUT = ROOT / "docs" / "bench" / "unsloth.md"
