@@ -153,6 +153,14 @@ def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
+# Every `from_pretrained` of a model: the layers as the model defines them. From transformers 5.25
+# `use_kernels` defaults to on, which swaps layers for kernels fetched from the Hugging Face Hub on
+# CUDA: offline it raises ("Version 2 of 'kernels-community/rotary' is not available in the local
+# cache", the H200 session of 2026-12-04), and online the swapped layers are not the ones memtrain's
+# estimate traces and its patches replace. 5.19-5.24 default to off; every version takes the keyword.
+PRETRAINED_KWARGS: dict[str, Any] = {"use_kernels": False}
+
+
 def quantization_config(cfg: ModelConfig,
                         quant_storage: torch.dtype | None = None) -> BitsAndBytesConfig | None:
     """bitsandbytes settings for ``model.quantization`` (None when not quantized).
@@ -211,14 +219,15 @@ def load_model(
     if cfg.from_config is not None:  # quantize a config-built model: save, then load quantized
         with tempfile.TemporaryDirectory(prefix="memtrain-model-") as tmp:
             auto.from_config(config, dtype=kwargs["dtype"]).save_pretrained(tmp)
-            model = auto.from_pretrained(tmp, config=config, **kwargs)
+            model = auto.from_pretrained(tmp, config=config, **kwargs, **PRETRAINED_KWARGS)
         from memtrain._compat.transformers_model import set_name_or_path
 
         model.name_or_path = f"from_config:{config.model_type}"
         set_name_or_path(model.config, model.name_or_path)
     else:
         assert cfg.name is not None
-        model = _from_pretrained(auto, "model.name", cfg.name, cfg, {"config": config, **kwargs})
+        model = _from_pretrained(auto, "model.name", cfg.name, cfg,
+                                 {"config": config, **kwargs, **PRETRAINED_KWARGS})
     if quant is not None:
         keep_4bit_trainable_on_cpu(model)
     return model

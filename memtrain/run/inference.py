@@ -30,7 +30,7 @@ from memtrain.config import RunConfig, load_recipe
 from memtrain.data.chat import end_token_id
 from memtrain.data.formats import fill_template
 from memtrain.errors import MemtrainError, first_line
-from memtrain.model import DTYPES, load_model, model_class
+from memtrain.model import DTYPES, PRETRAINED_KWARGS, load_model, model_class
 from memtrain.run.train import LABELS_FILE, RECIPE_FILE
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ def load_run(run_dir: str | Path, dequantize: bool = False) -> Run:
         _require_weights(folder, ADAPTER_WEIGHTS if adapter else MODEL_WEIGHTS)
         try:
             model = (_adapter_model(folder, cfg, tokenizer, dequantize) if adapter else
-                     model_class(cfg.model).from_pretrained(folder, dtype=DTYPES[cfg.model.dtype]))
+                     model_class(cfg.model).from_pretrained(folder, dtype=DTYPES[cfg.model.dtype],
+                                                            **PRETRAINED_KWARGS))
         except SafetensorError as err:  # cut short (a full disk, a copy interrupted) or not weights
             raise MemtrainError(f"`RUN_DIR`: the weights in {str(folder)!r} cannot be read "
                                 f"({first_line(err)}): the file was cut short or is not a safetensors file. "

@@ -257,3 +257,32 @@ def test_predict_refuses_rows_without_text(classifier_run: Path, tmp_path: Path)
     cells.write_text("text\na dog\n\"\"\n")
     result = cli.invoke(app, ["predict", str(classifier_run), str(cells)])
     assert result.exit_code == 2 and "row 2" in result.output, result.output
+
+
+def test_models_load_with_their_own_layers_not_hub_kernels(tmp_path: Path, monkeypatch) -> None:
+    """From transformers 5.25 `from_pretrained` swaps layers for kernels from the Hugging Face Hub
+    unless told not to (offline on CUDA it raises; the H200 session of 2026-12-04): every model
+    memtrain loads, a 4-bit one built from a config (saved, then loaded quantized) and a trained
+    full model's run folder, asks for none."""
+    from transformers import PreTrainedModel
+
+    if not hasattr(PreTrainedModel, "set_use_kernels"):
+        pytest.skip("this transformers has no Hub kernels")
+    asked: list[object] = []
+    original = PreTrainedModel.set_use_kernels
+
+    def record(self, use_kernels, *args, **kwargs):
+        asked.append(use_kernels)
+        return original(self, use_kernels, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "set_use_kernels", record)
+    from memtrain.model import load_model
+
+    data = _chat_file(tmp_path / "c.jsonl")
+    load_model(load_recipe(causal_recipe(tmp_path, data, model={"quantization": "nf4"})).model)
+    assert asked == [False]
+    run_dir = _train(tmp_path / "full", data, adapter={"method": "full"},
+                     data={"format": "messages", "max_length": 64}, training={"max_steps": 1})
+    asked.clear()
+    load_run(run_dir)
+    assert asked == [False]
