@@ -58,6 +58,10 @@ def test_time_pruning_keeps_rows_in_order_within_the_budget() -> None:
     assert sum(bench.row_seconds(r) for r in kept) <= sum(costs[:5]) + 1
     assert sorted(kept + dropped, key=bench.GRID.index) == bench.GRID
     assert bench.select(bench.GRID, 0) == ([], bench.GRID)
+    # a row an earlier run measured costs nothing and stays, even with the time spent (its new
+    # prediction is still held against the old measurement)
+    reuse = {bench.spec_key(bench.GRID[3]): {"step_s": 0.1}}
+    assert bench.select(bench.GRID, -5, reuse) == ([bench.GRID[3]], bench.GRID[:3] + bench.GRID[4:])
 
 
 def test_the_default_budget_leaves_room_for_the_grid() -> None:

@@ -349,3 +349,45 @@ def test_a_child_imports_unsloth_from_its_site_not_this_script(tmp_path: Path, m
            "tasks": []}
     results, _ = bench.run_child("worker", job, 120, tmp_path)
     assert "the stand-in Unsloth of the site" in results[0]["error"], results
+
+
+def test_a_step_that_fails_otherwise_is_a_result_with_its_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the H200 (2026-12-04) each planned long step failed with a SystemError from the chunked
+    loss, which escaped the step: no frames, no peaks, no uncapped step. Any failure is a result."""
+    def fail(*args, **kwargs):
+        raise SystemError("<built-in function cross_entropy_loss> returned NULL without setting an exception")
+
+    worker = bench.Worker({"backend": "fake", "framework": "memtrain", "config": bench.FAKE_MODEL})
+    monkeypatch.setattr(bench, "train_steps", fail)
+    result = worker.step(1024, 1)
+    assert not result["fits"] and result["error"].startswith("SystemError: <built-in function")
+    assert result["where"] and "fail" in result["where"][0]
+
+
+def test_a_failed_long_step_is_tried_again_with_the_allocators_history(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first try runs without the allocator's history (on the H200, 2026-12-04, every
+    history-recorded long step failed with a SystemError); only a failure is tried again with it,
+    for its largest blocks, and then uncapped."""
+    recording: list[bool] = [False]
+    import torch
+
+    def record(enabled: object = "all", **kwargs) -> None:
+        recording[0] = enabled is not None
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+
+    class Watched(Scripted):
+        def step(self, length: int, steps: int) -> dict:
+            out = super().step(length, steps)
+            self.calls[-1] = (*self.calls[-1], recording[0])
+            return out
+
+    worker = Watched(fits_below=100_000)
+    worker.device = "cuda"
+    task = {"name": "longest 8 GiB", "kind": "step", "length": 131840, "cap_gib": 8, "timed": 0,
+            "history": True, "uncapped": True, "deadline": time.monotonic() + 600}
+    result = worker.run(task)
+    assert worker.calls == [(131840, True, False), (131840, True, True), (131840, False, False)]
+    assert result["with_history"]["fits"] is False and not result["fits"] and result["uncapped"]["fits"]

@@ -21,6 +21,7 @@ BENCH = SCRIPTS / "bench"
 SYS_PATH_EDITS = {
     "probes/fsdp.py": "its workers are spawned processes that import it by its package name",
     "bench/accuracy/generation_processors.py": "it trains the tests' tiny model (tests/plain_trainer.py)",
+    "bench/gpu/unsloth.py": "run as a file, its own folder would make `import unsloth` find the script",
 }
 # Benchmarks that write their page themselves, and why.
 OWN_WRITERS = {

@@ -315,11 +315,13 @@ def reusable(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def select(rows: list[Row], seconds: float, reuse: dict[str, Any] | None = None
            ) -> tuple[list[Row], list[Row]]:
     """Rows in order while their a-priori cost fits ``seconds`` (a row measured by an earlier run,
-    in ``reuse``, costs nothing); returns (kept, dropped)."""
+    in ``reuse``, costs nothing and is always kept, even with no time left: the H200 session of
+    2026-12-04 dropped all 17 reused rows and with them their new predictions); returns (kept,
+    dropped)."""
     kept, dropped, used = [], [], 0.0
     for row in rows:
         cost = 0.0 if spec_key(row) in (reuse or {}) else row_seconds(row)
-        if used + cost <= seconds:
+        if cost == 0.0 or used + cost <= seconds:
             kept.append(row)
             used += cost
         else:
@@ -1185,7 +1187,8 @@ def run(args: argparse.Namespace) -> int:
     if long is None:
         long = measure_long(LONG_CONTEXT, long_plans.result(), env, deadline)
     background.shutdown()
-    devices = [r["measured"]["device"] for r in grid if r["measured"] and "device" in r["measured"]]
+    ran = [*grid, *(long or []), *(planned if isinstance(planned, list) else [])]  # any row names it
+    devices = [r["measured"]["device"] for r in ran if r.get("measured") and "device" in r["measured"]]
     meta["device"] = devices[0] if devices else "unknown (no row ran)"
     meta["wall_s"] = time.monotonic() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,9 @@ PROFILE = ROOT / "docs" / "bench" / "gpu_calibration.json"
 RESULT = "BENCH_UNSLOTH_RESULT "
 GiB = 2**30
 CAPS_GIB = (8, 16, 24)
+# transformers' own layers in the HF and memtrain processes: from 5.25 `from_pretrained` swaps them
+# for kernels from the Hugging Face Hub by default, which offline raises (H200, 2026-12-04)
+PLAIN = {"use_kernels": False}
 SPEED_LENGTH, SPEED_CAP_GIB = 8192, 16
 ALIGN, START, MAX_LENGTH = 256, 4096, 262144  # search granularity, first probe, upper limit
 TIMED = 3
@@ -332,7 +335,7 @@ def load_hf(job: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
     if job["backend"] == "cuda":
         kwargs.update(quantization_config=bnb_config(), device_map={"": 0}, attn_implementation="sdpa")
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(job["dir"], **kwargs, **PLAIN)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     lora = peft.LoraConfig(
@@ -400,7 +403,7 @@ def load_memtrain(job: dict[str, Any], recipe: dict[str, Any]) -> tuple[Any, dic
                 bnb_4bit_compute_dtype=torch.bfloat16,
             ),
         )
-    model = AutoModelForCausalLM.from_pretrained(job["dir"], **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(job["dir"], **kwargs, **PLAIN)
     return memtrain.apply_patches(model, cfg), {"memtrain": memtrain.__version__}
 
 
@@ -555,6 +558,15 @@ class Worker:
             out["fits"], out["error"] = False, "out of memory: " + str(err).splitlines()[0][:160]
             out["where"] = where(err)
             out["largest_live"] = self.largest_live()
+        except Exception as err:  # any failure of the step is a result, with its frames
+            # The H200 session of 2026-12-04: every planned long step failed in the chunked loss with
+            # "SystemError: <built-in function cross_entropy_loss> returned NULL without setting an
+            # exception" and no frames; the peaks below and the uncapped step after it tell an
+            # out-of-memory error in disguise (it fits uncapped, near the cap) from a fault.
+            first = str(err).splitlines()[0][:300] if str(err) else ""
+            out["fits"], out["error"] = False, f"{type(err).__name__}: {first}"
+            out["where"] = where(err)
+            out["largest_live"] = self.largest_live()
         out.update(self.peaks())
         self.clean()
         return out
@@ -628,14 +640,19 @@ class Worker:
                     "skipped": f"no time: {need:.0f} s predicted for {1 + timed} steps, "
                     f"{max(0, left):.0f} s left",
                 }
-            history = bool(task.get("history")) and self.device == "cuda"
-            if history:  # who allocated what, should the step run out (Worker.largest_live)
+            first = self.step(length, 1)
+            if not first["fits"] and task.get("history") and self.device == "cuda":
+                # the same step again with the allocator's history on: who allocated what
+                # (Worker.largest_live). Not on the first try: on the H200 (2026-12-04) every
+                # history-recorded long step failed with a SystemError, and whether recording
+                # caused it is what this separates
                 self.torch.cuda.memory._record_memory_history(max_entries=100_000)
-            try:
-                first = self.step(length, 1)
-            finally:
-                if history:
+                try:
+                    again = self.step(length, 1)
+                finally:
                     self.torch.cuda.memory._record_memory_history(enabled=None)
+                result["with_history"] = {k: again[k] for k in ("fits", "error", "where", "largest_live",
+                                                                "allocated", "reserved") if k in again}
             result.update(first)
             if first["fits"] and timed:
                 later = self.step(length, timed)
@@ -1303,11 +1320,15 @@ def kernel_lines(name: str, theirs: dict[str, Any], ours: dict[str, Any]) -> lis
     lines = ["", "Where the speed row's step goes (one more step under `torch.profiler`, ops by their own "
              "device time, milliseconds and calls):", "",
              f"| {name} op | ms | calls | memtrain op | ms | calls |", "|---|---:|---:|---|---:|---:|"]
+    def cell(ops: list[dict[str, Any]], i: int) -> str:
+        if not ops:  # that side's speed row did not run: say so once
+            return ("not profiled (no speed row)" if i == 0 else "") + " | | | "
+        if i >= len(ops):
+            return " | | | "
+        return f"`{ops[i]['op']}` | {ops[i]['ms']} | {ops[i]['calls']} | "
+
     for i in range(max(len(a), len(b))):
-        left = a[i] if i < len(a) else {"op": "", "ms": "", "calls": ""}
-        right = b[i] if i < len(b) else {"op": "", "ms": "", "calls": ""}
-        lines.append(f"| `{left['op']}` | {left['ms']} | {left['calls']} | `{right['op']}` | {right['ms']} | "
-                     f"{right['calls']} |")
+        lines.append(f"| {cell(a, i)}{cell(b, i)}".rstrip())
     return lines
 
 
