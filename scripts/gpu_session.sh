@@ -59,6 +59,11 @@ PY
 grep -q "IMPORT FAIL\|Traceback" "$OUT/smoke.log" && { echo "SMOKE FAILED"; exit 4; }
 echo "smoke done at $((SECONDS - T0)) s"
 if [ "$MODE" = unsloth ]; then
+  # the attention kernels' own memory per SDPA backend (~20 s): what the 64,768-token row missed
+  timeout 90 python3 -m scripts.probes.attention_scratch --out "$OUT/attention_scratch.json" \
+    > "$OUT/attention.log" 2>&1
+  echo "attention probe exit $? at $((SECONDS - T0)) s"
+  cut -c1-240 "$OUT/attention.log" | tail -c 3500
   BENCH_UNSLOTH_SITE=/tmp/site-unsloth timeout $((${UNSLOTH_BUDGET:-470} + 30)) python3 scripts/bench/gpu/unsloth.py \
     --budget-s "${UNSLOTH_BUDGET:-470}" --out "$OUT/unsloth.md" --plans docs/bench/unsloth_plans.json "$@" \
     > "$OUT/unsloth.log" 2>&1

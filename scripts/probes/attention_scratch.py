@@ -1,0 +1,127 @@
+"""What CUDA's attention kernels allocate for themselves: per SDPA backend, forward and backward.
+
+    python -m scripts.probes.attention_scratch --out $OUT/attention_scratch.json    # on a GPU, ~20 s
+
+Why (issue 39): on the H200 (2026-12-04) the 317M Llama QLoRA plan of 64,768 tokens peaked 264.6 MB
+above its prediction, which is one ``tokens x hidden`` fp32 tensor (265.3 MB) to 0.3%; the step's
+attention ran cuDNN's kernels (``_cudnn_attention_backward`` in the profile), while the estimate
+holds FlashAttention-2's backward scratch (``memtrain.estimator.trace_events.flash_backward_scratch``),
+and no fake tensor shows a kernel's own memory. This probe measures each backend alone, on shapes
+of the benchmarks' models, so the scratch model can follow the kernel that runs.
+
+For each shape and backend (cuDNN, flash, memory-efficient, and PyTorch's own choice): q, k, v in
+bf16 with grad, causal; GQA through ``enable_gqa`` as transformers' SDPA path passes it when no mask
+is given. Measured with ``torch.cuda.max_memory_allocated`` around the forward and the backward,
+less what each returns (the output and what autograd keeps; the three gradients): the kernel's
+scratch. The default's backend is read from the profiler's kernel names. Nothing here comes from
+memtrain's meter; the flash formula's bytes are printed beside each row for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# (label, heads, kv_heads, head_dim, tokens): the 317M row of 2026-12-04, the 1B shape, a plain one
+SHAPES = [
+    ("317M, 64,768 tokens", 16, 8, 64, 64768),
+    ("317M, 16,384 tokens", 16, 8, 64, 16384),
+    ("317M heads unrepeated", 16, 16, 64, 64768),
+    ("1.24B, 32,768 tokens", 32, 8, 64, 32768),
+    ("1.24B, 106,752 tokens", 32, 8, 64, 106752),
+    ("8B, 32,768 tokens", 32, 8, 128, 32768),
+]
+BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", None)  # None: PyTorch's choice
+
+
+def kernel_family(names: list[str]) -> str:
+    """Which backend ran, from the profiler's kernel names."""
+    text = " ".join(names).lower()
+    for needle, family in (("cudnn", "cudnn"), ("flash", "flash"), ("fmha", "efficient"),
+                           ("efficient", "efficient"), ("mem_eff", "efficient")):
+        if needle in text:
+            return family
+    return "math" if text else "unknown"
+
+
+def flash_formula(heads: int, kv_heads: int, head_dim: int, tokens: int) -> int:
+    """memtrain's FlashAttention-2 backward scratch for this shape (the estimate's side)."""
+    import torch
+
+    from memtrain.estimator.trace_events import flash_backward_scratch
+
+    q = torch.empty(1, heads, tokens, head_dim, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, kv_heads, tokens, head_dim, dtype=torch.bfloat16, device="meta")
+    return sum(flash_backward_scratch(q, k))
+
+
+def measure(heads: int, kv_heads: int, head_dim: int, tokens: int, backend: str | None) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = torch.cuda
+    q = torch.randn(1, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, kv_heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    gqa = kv_heads != heads
+    context = sdpa_kernel([getattr(SDPBackend, backend)]) if backend else contextlib.nullcontext()
+    out: dict[str, Any] = {}
+    try:
+        with context:
+            cuda.synchronize()
+            base = cuda.memory_allocated()
+            cuda.reset_peak_memory_stats()
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            cuda.synchronize()
+            kept = cuda.memory_allocated() - base  # the output and what autograd saved
+            out["forward_kept"] = kept
+            out["forward_scratch"] = cuda.max_memory_allocated() - base - kept
+            grad = torch.randn_like(o)
+            cuda.synchronize()
+            base = cuda.memory_allocated()
+            cuda.reset_peak_memory_stats()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                o.backward(grad)
+                cuda.synchronize()
+            grads = sum(t.grad.numel() * t.grad.element_size() for t in (q, k, v))
+            out["backward_scratch"] = cuda.max_memory_allocated() - base - grads
+            out["kernel"] = kernel_family([e.key for e in prof.key_averages()])
+    except Exception as err:  # a backend that refuses the shape is a row, not the end of the probe
+        out["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("attention_scratch measures CUDA kernels: no CUDA device here", file=sys.stderr)
+        return 2
+    rows = []
+    for label, heads, kv_heads, head_dim, tokens in SHAPES:
+        predicted = flash_formula(heads, kv_heads, head_dim, tokens)
+        for backend in BACKENDS:
+            row = {"shape": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                   "tokens": tokens, "backend": backend or "default", "flash_formula": predicted,
+                   **measure(heads, kv_heads, head_dim, tokens, backend)}
+            rows.append(row)
+            torch.cuda.empty_cache()
+            mib = {k: round(v / 2**20, 1) for k, v in row.items()
+                   if k.endswith(("scratch", "kept", "formula"))}
+            print(json.dumps({"shape": label, "backend": row["backend"], "kernel": row.get("kernel"),
+                              "error": row.get("error"), **mib}), flush=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
