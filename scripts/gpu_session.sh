@@ -3,12 +3,15 @@
 #   here:        python scripts/gpu_kit.py                       # .gpusite/: wheels, bitsandbytes, data, unsloth/
 #                python -m scripts run gpu --plan-long docs/bench/gpu_long_plans.json   # if stale
 #                python -m scripts run unsloth --plan docs/bench/unsloth_plans.json     # if stale
-#   the device:  run(command="UNSLOTH_BUDGET=380 bash scripts/gpu_session.sh unsloth", carry=[".gpusite"],
+#   the device:  run(command="UNSLOTH_BUDGET=350 bash scripts/gpu_session.sh unsloth", carry=[".gpusite"],
 #                    timeout_s=460)                                                        # first
 #                run(command="BENCH_BUDGET=280 TEST_TIMEOUT=60 bash scripts/gpu_session.sh", carry=[".gpusite"],
 #                    timeout_s=400)                          # at once: the machine goes back after 30 s idle
-# Sized to 15 minutes of device time from the H200 session (2026-11-27): the start took ~33 s, the
-# install and smoke check 25-35 s per call, a call's budget plus ~40 s of wall time.
+# Sized to 15 minutes of device time from the H200 sessions (2026-11-27, 2026-12-04): the start took
+# ~33 s, the install and smoke check 22-35 s per call, a call's budget plus ~40 s of wall time; the
+# first call also runs the attention-scratch probe (scripts/probes/attention_scratch.py, ~20-30 s).
+# Check the kit here first (tests/bench/test_gpu_kit.py): on 2026-12-04 three calls went to a kit
+# that lacked what transformers 5.25 needs (huggingface_hub 2.4, kernels) and to the bench's name.
 # `unsloth` (issue 39, part 1): after the install and smoke check, scripts/bench/gpu/unsloth.py with its
 # plans made beforehand, memtrain against Unsloth on the same GPU (Unsloth's site, /tmp/site-unsloth,
 # from .gpusite/unsloth/: the transformers, trl and datasets it accepts); UNSLOTH_BUDGET (seconds,
