@@ -89,6 +89,12 @@ def _attention(modelled: bool) -> Callable[[Seen], Any]:
     return value
 
 
+def _hub_kernels(seen: Seen) -> Any:
+    """True where transformers swapped the model's layers for Hub kernels (its public ``use_kernels``,
+    on by default in ``from_pretrained`` from 5.25)."""
+    return True if getattr(patches.base_model(seen.model), "use_kernels", False) is True else None
+
+
 def _flattening(seen: Seen) -> Any:
     name = type(seen.collator).__name__ if seen.collator is not None else None
     return name if name == "DataCollatorWithFlattening" else None
@@ -161,6 +167,10 @@ RULES: tuple[Rule, ...] = (
     Rule("attn_implementation", False, _attention(False), lambda _: (
         "planned as sdpa: flash and flex kernels keep no s x s matrix, as SDPA's flash kernels; where "
         "the trace takes SDPA's math path (a CPU with attention dropout) the prediction errs high")),
+    Rule("use_kernels", False, _hub_kernels, lambda _: (
+        "transformers swapped the model's layers for kernels from the Hugging Face Hub (from_pretrained's "
+        "default from transformers 5.25): the estimate traces the layers the model defines, and memtrain's "
+        "patches replace those; load it with use_kernels=False to train what is planned")),
     Rule("neftune_noise_alpha", False, _arg("neftune_noise_alpha"), lambda _: (
         "NEFTune's noise is added to the embeddings' output inside train(): one more batch x tokens x "
         "hidden tensor per forward, not in the prediction")),

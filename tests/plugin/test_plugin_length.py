@@ -92,6 +92,7 @@ SETUPS: dict[str, Any] = {  # rule -> (TrainingArguments extras, model overrides
                                        "gradient_checkpointing_kwargs": {"use_reentrant": True}}, {}, None),
     "attn_implementation=eager": ({}, {"attn_implementation": "eager"}, None),
     "attn_implementation=flash": ({}, {"attn_implementation": "flash_attention_2"}, None),
+    "use_kernels": ({}, {"use_kernels": True}, None),  # what from_pretrained leaves from 5.25
     "neftune_noise_alpha": ({"neftune_noise_alpha": 5.0}, {}, None),
     "optim": ({"optim": "lion_32bit"}, {}, None),
     "padding_free": ({"padding_free": True}, {}, None),
@@ -123,6 +124,8 @@ def test_every_trainer_option_is_modelled_or_said_not_to_be(rule: Any, tmp_path:
     model = mistral()
     if "attn_implementation" in overrides:  # flash kernels are not installed here: the config says it
         model.config._attn_implementation = overrides["attn_implementation"]
+    if "use_kernels" in overrides:  # kernelizing needs the Hub; the flag is what the plugin reads
+        model._use_kernels = True
     trainer = SimpleNamespace(ref_model=mistral()) if collator == "reference" else None
     seen = Seen(args, model, DataCollatorWithFlattening() if collator == "flattening" else None, trainer)
     notes = option_notes(seen)
