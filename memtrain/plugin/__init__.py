@@ -20,7 +20,7 @@ extensions for other machines fail to load on this one and say so in five harmle
 "Failed to load ...torchao/_C_...so", two ``torch.utils._pytree`` deprecation warnings torchao's
 enums trigger, one bitsandbytes "Failed to load CPU gemm_4bit_forward from kernels-community"; on
 torch 2.10, torchao 0.18's "Skipping import of cpp extensions": memtrain uses only its pure-Python
-CPU-offload optimizer).
+CPU-offload optimizer; offline, kernels' "Skipping publisher trust check" for that kernel).
 :func:`_quiet_imports` drops exactly those records while the import runs; every other message,
 and the same messages later, still reach the user's logging.
 """
@@ -32,7 +32,9 @@ from collections.abc import Iterator
 # logger -> the start of the messages dropped from it during the import
 HARMLESS = {"torchao": ("Failed to load ", "Skipping import of cpp extensions"),
             "torch.utils._pytree": ("%s is an Enum subclass and is now natively supported",),
-            "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",)}
+            "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+            # kernels 0.19 (which transformers 5.25 requires) with huggingface_hub 2.4, offline
+            "kernels._internals.hf_hub": ("Skipping publisher trust check for ",)}
 
 
 class _Harmless(logging.Filter):
