@@ -185,6 +185,14 @@ def mark_host(tensor: torch.Tensor) -> None:
         meter.mark_host(tensor)
 
 
+def traced_for_cuda() -> bool:
+    """Whether the active meter traces a step that stands for a CUDA run on fake tensors (an estimate
+    for ``--device cuda`` traced on a CPU): code whose CUDA path allocates more than its CPU path
+    (the activation offload's prefetch) allocates it there too, so the trace counts it."""
+    meter = _ACTIVE.get()
+    return meter is not None and bool(getattr(meter._tracker, "cuda_kernels", False))
+
+
 @contextlib.contextmanager
 def generating() -> Iterator[None]:
     """Inside, the active meter (if any) files every op under the ``generation`` phase: the text

@@ -380,3 +380,24 @@ def test_the_trainer_checks_the_offloaded_optimizer_against_the_host_budget(tmp_
     assert trainer_options(cfg)["host_budget"] == (3 * 2**20, "`memory.host_budget` (3MiB)")
     plain = load_recipe(causal_recipe(tmp_path, tiny_text_file))
     assert trainer_options(plain)["host_budget"] is None
+
+
+def test_a_cuda_estimate_holds_the_prefetched_copies(tmp_path: Any, tiny_text_file: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, backward brings the two tensors before the one it unpacks back ahead of need; a CPU
+    trace never ran that path, and the H200 (2026-12-04) peaked 264.6 MB over its estimate at
+    64,768 tokens of a 317M Llama, two layer inputs. A trace for CUDA now allocates them as the GPU
+    does (a CPU run prefetches nothing: its estimate is unchanged)."""
+    import memtrain
+
+    model = {"from_config": {**TINY_CONFIGS["llama"], "vocab_size": 512, "num_hidden_layers": 4}}
+    recipe = causal_recipe(tmp_path, tiny_text_file, model=model, data={"max_length": 256},
+                           memory={"checkpointing": "full", "loss": "chunked",
+                                   "offload": {"activations": True, "min_tensor_bytes": 1024}})
+    with_prefetch = memtrain.estimate(recipe, device="cuda").peak_bytes
+    cpu = memtrain.estimate(recipe, device="cpu").peak_bytes
+    monkeypatch.setattr(offload, "traced_for_cuda", lambda: False)
+    without = memtrain.estimate(recipe, device="cuda").peak_bytes
+    layer_input = 4 * 256 * TINY_CONFIGS["llama"]["hidden_size"] * 4  # micro-batch x tokens x hidden, fp32
+    assert 0 < with_prefetch - without <= 2 * layer_input
+    assert cpu == without
