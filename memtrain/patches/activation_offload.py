@@ -80,13 +80,14 @@ class HostLedger:
 class _Handle:
     """What autograd keeps instead of a moved tensor; the host copy dies with it."""
 
-    __slots__ = ("__weakref__", "device", "host", "index", "prefetched", "ready", "stored")
+    __slots__ = ("__weakref__", "device", "host", "index", "prefetched", "ready", "stand_in", "stored")
 
     def __init__(self, host: torch.Tensor, stored: Any, device: torch.device, index: int) -> None:
         self.host, self.device, self.index = host, device, index
         self.stored = stored  # CUDA event: the device→host copy has finished
         self.ready: Any = None  # CUDA event: the prefetched host→device copy has finished
         self.prefetched: torch.Tensor | None = None
+        self.stand_in: torch.Tensor | None = None  # a trace for CUDA: the prefetch's bytes (unpack)
 
 
 class ActivationOffloader:
@@ -107,6 +108,7 @@ class ActivationOffloader:
         self._handles: weakref.WeakValueDictionary[int, _Handle] = weakref.WeakValueDictionary()
         self._seen: dict[tuple[Any, ...], tuple[weakref.ref[Any], int, Any]] = {}
         self._stream: Any = None
+        self._stand_in_owner: weakref.ref[_Handle] | None = None
 
     # ------------------------------------------------------------------------------ packing
 
@@ -171,34 +173,46 @@ class ActivationOffloader:
             return packed
         if packed.prefetched is not None:
             tensor, packed.prefetched = packed.prefetched, None
-            if packed.ready is not None:
-                torch.cuda.current_stream(tensor.device).wait_event(packed.ready)
-                # Allocated on the side stream, used on this one: keep the block until use ends.
-                tensor.record_stream(torch.cuda.current_stream(tensor.device))
+            torch.cuda.current_stream(tensor.device).wait_event(packed.ready)
+            # Allocated on the side stream, used on this one: keep the block until use ends.
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
         else:
             if packed.stored is not None:  # the device→host copy ran on the side stream
                 torch.cuda.current_stream(packed.device).wait_event(packed.stored)
             tensor = packed.host.to(packed.device, copy=True, non_blocking=True)
         if packed.device.type == "cuda" and not is_fake(packed.host):
             self._prefetch_before(packed.index)
-        elif is_fake(packed.host) and traced_for_cuda():
-            # an estimate for CUDA traced on a CPU: the prefetched copies, as the GPU will hold them
-            # (the H200, 2026-12-04: two layer inputs, 265 MB at 64,768 tokens of a 317M Llama, over)
-            self._prefetch_before(packed.index, streams=False)
+        elif is_fake(packed.host) and self.prefetch and traced_for_cuda():
+            self._stand_in_for_prefetch(packed, tensor)
         return tensor
 
-    def _prefetch_before(self, index: int, streams: bool = True) -> None:
+    def _stand_in_for_prefetch(self, packed: _Handle, tensor: torch.Tensor) -> None:
+        """An estimate for CUDA traced on a CPU: what the GPU holds in flight while ``tensor`` is in
+        use, ``prefetch`` tensors brought back ahead of need (the H200, 2026-12-04: two layer inputs,
+        265 MB at 64,768 tokens of a 317M Llama, that a trace without them missed).
+
+        One stand-in of ``prefetch`` times this tensor's bytes, kept with its handle (it goes when
+        backward is done with the tensor) and replacing the one before: exact where consecutive
+        packed tensors are alike (the layer inputs under full checkpointing), an upper bound at the
+        bottom layers, where fewer are left to fetch. One allocation per unpack, wherever it is, so
+        that every layer traces the same ops and the depth extrapolation still holds (the real
+        prefetch starts at the top layer with two copies and fetches one per layer after).
+        """
+        earlier = self._stand_in_owner() if self._stand_in_owner is not None else None
+        if earlier is not None:
+            earlier.stand_in = None
+        size = self.prefetch * tensor.numel() * tensor.element_size()
+        packed.stand_in = torch.empty(size, dtype=torch.uint8, device=tensor.device)
+        self._stand_in_owner = weakref.ref(packed)
+
+    def _prefetch_before(self, index: int) -> None:
         """Start bringing back the tensors packed just before ``index`` (backward needs them next).
 
         The side stream orders these copies after the device→host copies it made in forward.
-        ``streams=False``: the copies alone, on fake tensors (a trace for CUDA).
         """
         for earlier in range(index - 1, max(-1, index - 1 - self.prefetch), -1):
             handle = self._handles.get(earlier)
             if handle is None or handle.prefetched is not None:
-                continue
-            if not streams:
-                handle.prefetched = handle.host.to(handle.device, copy=True)
                 continue
             stream = self._side_stream()
             with torch.cuda.stream(stream):
