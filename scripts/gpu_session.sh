@@ -5,8 +5,11 @@
 #                python -m scripts run unsloth --plan docs/bench/unsloth_plans.json     # if stale
 #   the device:  run(command="UNSLOTH_BUDGET=350 bash scripts/gpu_session.sh unsloth", carry=[".gpusite"],
 #                    timeout_s=460)                                                        # first
-#                run(command="BENCH_BUDGET=280 TEST_TIMEOUT=60 bash scripts/gpu_session.sh", carry=[".gpusite"],
-#                    timeout_s=400)                          # at once: the machine goes back after 30 s idle
+#                run(command="BENCH_BUDGET=280 TEST_TIMEOUT=60 bash scripts/gpu_session.sh --skip-calibrate
+#                    --profile docs/bench/gpu_calibration_h200.json --reuse-measured docs/bench/gpu_h200.json",
+#                    carry=[".gpusite"], timeout_s=400)      # at once: the machine goes back after 30 s idle
+#                (on an H200: its profile and measured grid rows are kept, the minutes go to the long row,
+#                the planner's candidates and GRPO; another GPU: drop the three flags)
 # Sized to 15 minutes of device time from the H200 sessions (2026-11-27, 2026-12-04): the start took
 # ~33 s, the install and smoke check 22-35 s per call, a call's budget plus ~40 s of wall time; the
 # first call also runs the attention-scratch probe (scripts/probes/attention_scratch.py, ~20-30 s).
