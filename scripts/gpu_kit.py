@@ -83,10 +83,10 @@ def pins() -> list[str]:
     return [f"{name}=={md.version(name)}" for name in WHEELS]
 
 
-def tracked() -> list[str]:
+def tracked() -> list[Path]:
     """The files git tracks here (they travel with every device call, beside the kit)."""
     done = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
-    return [str(ROOT / name) for name in done.stdout.split("\0") if name]
+    return [ROOT / name for name in done.stdout.split("\0") if name]
 
 
 def kit_bytes(folder: Path) -> int:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     wheels = len(list((args.out / "whl").glob("*.whl")))
     print(f"wrote {args.out}: {size / 2**20:.1f} MiB ({wheels} wheels{extra}; "
           f"carry it with the device tool's carry: [\"{args.out.relative_to(ROOT)}\"])")
-    tree = sum(p.stat().st_size for p in map(Path, tracked()) if p.is_file())
+    tree = sum(p.stat().st_size for p in tracked() if p.is_file())
     if size + tree > CARRY_LIMIT:
         print(f"{size / 2**20:.1f} MiB and the working tree's {tree / 2**20:.1f} are over the device tool's "
               f"{CARRY_LIMIT / 2**20:.0f} MiB for what travels. Fix: --no-unsloth here, and a second kit "

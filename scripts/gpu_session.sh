@@ -65,7 +65,7 @@ PY
 grep -q "IMPORT FAIL\|Traceback" "$OUT/smoke.log" && { echo "SMOKE FAILED"; exit 4; }
 echo "smoke done at $((SECONDS - T0)) s"
 if [ "$MODE" = unsloth ]; then
-  # the attention kernels' own memory per SDPA backend (~20 s): what the 64,768-token row missed
+  # the attention kernels' own memory per SDPA backend (~20 s): cuDNN's beside FA2's, which the estimate holds
   timeout 90 python3 -m scripts.probes.attention_scratch --out "$OUT/attention_scratch.json" \
     > "$OUT/attention.log" 2>&1
   echo "attention probe exit $? at $((SECONDS - T0)) s"

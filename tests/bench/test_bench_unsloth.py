@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts.bench.gpu import unsloth as bench
 
@@ -362,6 +363,14 @@ def test_a_step_that_fails_otherwise_is_a_result_with_its_frames(monkeypatch: py
     result = worker.step(1024, 1)
     assert not result["fits"] and result["error"].startswith("SystemError: <built-in function")
     assert result["where"] and "fail" in result["where"][0]
+
+    def run_out(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.03 GiB\nmore lines")
+
+    monkeypatch.setattr(bench, "train_steps", run_out)
+    result = worker.step(1024, 1)  # out of memory keeps its own wording, as the page reads it
+    assert result["error"] == "out of memory: CUDA out of memory. Tried to allocate 2.03 GiB"
+    assert result["where"] and "run_out" in result["where"][0]
 
 
 def test_a_failed_long_step_is_tried_again_with_the_allocators_history(

@@ -448,6 +448,17 @@ def own_frames(frames: list[dict[str, Any]], keep: int = 4) -> list[str]:
     return out
 
 
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, cut to ``limit`` characters ("" for none). Here,
+    not memtrain.errors': the Unsloth process has nothing of memtrain on its path."""
+    return (str(err).splitlines() or [""])[0][:limit]
+
+
+def described(err: BaseException) -> str:
+    """``Type: first line`` of an exception, as a result line reports it."""
+    return f"{type(err).__name__}: {first_line(err)}"
+
+
 def where(err: BaseException, keep: int = 6) -> list[str]:
     """The innermost frames of an exception's traceback outside torch (where the step ran out)."""
     import traceback
@@ -554,17 +565,15 @@ class Worker:
             )
             out["fits"] = True
             self.timed.append((self.work(length), min(out["steps_s"])))
-        except self.torch.OutOfMemoryError as err:
-            out["fits"], out["error"] = False, "out of memory: " + str(err).splitlines()[0][:160]
-            out["where"] = where(err)
-            out["largest_live"] = self.largest_live()
         except Exception as err:  # any failure of the step is a result, with its frames
-            # The H200 session of 2026-12-04: every planned long step failed in the chunked loss with
-            # "SystemError: <built-in function cross_entropy_loss> returned NULL without setting an
-            # exception" and no frames; the peaks below and the uncapped step after it tell an
-            # out-of-memory error in disguise (it fits uncapped, near the cap) from a fault.
-            first = str(err).splitlines()[0][:300] if str(err) else ""
-            out["fits"], out["error"] = False, f"{type(err).__name__}: {first}"
+            # Not only out of memory: on the H200 (2026-12-04) every planned long step failed in the
+            # chunked loss with "SystemError: <built-in function cross_entropy_loss> returned NULL
+            # without setting an exception" and no frames; the peaks below and the uncapped step
+            # after it tell an out-of-memory error in disguise (it fits uncapped, near the cap) from
+            # a fault.
+            oom = isinstance(err, self.torch.OutOfMemoryError)
+            out["fits"] = False
+            out["error"] = ("out of memory: " + first_line(err, 160)) if oom else described(err)
             out["where"] = where(err)
             out["largest_live"] = self.largest_live()
         out.update(self.peaks())
@@ -684,7 +693,7 @@ def worker_child(job: dict[str, Any]) -> None:
         _emit(
             {
                 "task": "load",
-                "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
+                "error": described(err),
             }
         )
         return
@@ -701,7 +710,7 @@ def worker_child(job: dict[str, Any]) -> None:
         try:
             _emit({**worker.run(task), "seconds": time.monotonic() - began})
         except Exception as err:
-            _emit({"task": task["name"], "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"})
+            _emit({"task": task["name"], "error": described(err)})
 
 
 # ------------------------------------------------------------------------------ memtrain's plans
