@@ -76,8 +76,9 @@ def train(recipe: Recipe, overrides: Overrides = None,
               "`distributed.nodes`, over all machines): one per GPU, sharded with FSDP2; on CPU they "
               "share the cores.")] = None) -> None:
     """Fine-tune as a recipe says: data, model, adapter, memory techniques, training, saving."""
-    from memtrain.config import load_recipe
-    from memtrain.run.train import train as run_training
+    with lazy_setup.importing():
+        from memtrain.config import load_recipe
+        from memtrain.run.train import train as run_training
 
     _setup_logging(verbose)
     given = [o.split("=", 1)[1].strip() for o in overrides or [] if o.split("=", 1)[0].strip() ==
@@ -104,9 +105,10 @@ def validate(recipe: Recipe, overrides: Overrides = None,
     The model is checked from its config, without weights: `data.max_length` within its
     positions, and each technique the recipe fixes applies to it (a fake build).
     """
-    from memtrain.config import RecipeError, dump_recipe, load_recipe
-    from memtrain.estimator.setup import check_max_length
-    from memtrain.plan.search import check_patches
+    with lazy_setup.importing():
+        from memtrain.config import RecipeError, dump_recipe, load_recipe
+        from memtrain.estimator.setup import check_max_length
+        from memtrain.plan.search import check_patches
 
     found: list[MemtrainError] = []
     try:

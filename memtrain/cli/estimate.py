@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from memtrain import lazy_setup
 from memtrain.cli.common import (
     Overrides,
     Recipe,
@@ -86,11 +87,12 @@ def estimate(
     data: ReadData = False,
 ) -> None:
     """Predict peak memory by category and phase, without loading weights or using the network."""
-    from memtrain.config import load_recipe
-    from memtrain.estimator import estimate as est
-    from memtrain.estimator.setup import check_decided
-    from memtrain.plan.autofit import for_estimate
-    from memtrain.reliability.budget import HostBudget
+    with lazy_setup.importing():
+        from memtrain.config import load_recipe
+        from memtrain.estimator import estimate as est
+        from memtrain.estimator.setup import check_decided
+        from memtrain.plan.autofit import for_estimate
+        from memtrain.reliability.budget import HostBudget
 
     _check_device(device)
     _check_plot(plot, sweep)
@@ -143,9 +145,10 @@ def plan(
         "faster, with more memory techniques) and list them: slower; the same choice.")] = False,
 ) -> None:
     """Choose the `auto` settings: the fastest combination whose predicted peak fits the budget."""
-    from memtrain.config import load_recipe
-    from memtrain.plan import planner
-    from memtrain.plan.view import print_plan
+    with lazy_setup.importing():
+        from memtrain.config import load_recipe
+        from memtrain.plan import planner
+        from memtrain.plan.view import print_plan
 
     _check_device(device)
     _check_budget(budget)
@@ -253,8 +256,9 @@ def calibrate(
     quick: Annotated[bool, typer.Option("--quick", help="Shorter, rougher measurements.")] = False,
 ) -> None:
     """Measure this machine's GPU memory overheads and speed rates for the estimator and planner."""
-    from memtrain.estimator.calibrate import calibrate as run_calibration
-    from memtrain.units import format_bytes as fmt
+    with lazy_setup.importing():
+        from memtrain.estimator.calibrate import calibrate as run_calibration
+        from memtrain.units import format_bytes as fmt
 
     profile = run_calibration(output, quick)
     table = Table("device", "measure", "value", title="calibration", title_justify="left")

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from memtrain import lazy_setup
 from memtrain.cli.common import RunDir, console, err_console
 from memtrain.errors import MemtrainError
 
@@ -41,7 +42,8 @@ def merge(run_dir: RunDir, out: Annotated[Path | None, typer.Option(
         help="Folder for the merged model (default: RUN_DIR/merged).")] = None) -> None:
     """Fold a run's LoRA adapter into the base weights (a 4-bit base is dequantized first) and save
     an ordinary Hugging Face model folder."""
-    from memtrain.run.inference import merge as merge_run
+    with lazy_setup.importing():
+        from memtrain.run.inference import merge as merge_run
 
     folder = merge_run(run_dir, out)
     console.print(f"merged model saved to {folder}", highlight=False)
@@ -58,7 +60,8 @@ def generate(
         "--input", help="alpaca runs: the input that goes with the instruction PROMPT.")] = "",
 ) -> None:
     """Generate text with a trained causal LM, written the way its training data was."""
-    from memtrain.run.inference import continuation, load_run
+    with lazy_setup.importing():
+        from memtrain.run.inference import continuation, load_run
 
     def run_generate(text: str | list[dict[str, str]], extra: str = "") -> str:
         made = continuation(run, text, max_new_tokens, temperature, extra)
@@ -93,8 +96,9 @@ def predict(
         help="Where to write predictions: .csv or .jsonl (default: print JSON lines).")] = None,
 ) -> None:
     """Label texts with a trained classifier: the label, its probability and every class's."""
-    from memtrain.run.inference import load_run, read_texts, write_rows
-    from memtrain.run.inference import predict as run_predict
+    with lazy_setup.importing():
+        from memtrain.run.inference import load_run, read_texts, write_rows
+        from memtrain.run.inference import predict as run_predict
 
     run = load_run(run_dir)
     rows = run_predict(run, read_texts(run, file))

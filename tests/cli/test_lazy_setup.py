@@ -84,3 +84,69 @@ def test_the_command_installs_it_before_anything_else():
         cli.main()
     """)
     assert "_Finder" in found["finders"] and found["torch"] is False
+
+
+def test_imports_in_the_block_make_no_full_collection_and_are_then_frozen():
+    code = """
+        import gc, json, sys
+        from memtrain import lazy_setup
+        full = []
+        gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2
+                            else None)
+        if sys.argv[1] == "block":
+            with lazy_setup.importing():
+                import memtrain.estimator.estimate
+        else:
+            import memtrain.estimator.estimate
+        print(json.dumps({"full": len(full), "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}))
+    """
+    def run(how: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), how], capture_output=True,
+                              text=True, timeout=300, check=True)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    plain, block = run("plain"), run("block")
+    assert plain["full"] >= 2 and plain["frozen"] == 0  # what the block spares: full passes over the imports
+    assert block["full"] == 0 and block["enabled"] is True
+    assert block["frozen"] > 300_000  # torch's, transformers' and peft's objects, out of later passes
+
+
+def test_the_collector_runs_again_after_the_block_even_when_it_fails():
+    import gc
+
+    assert gc.isenabled()
+    try:
+        with pytest.raises(ImportError), lazy_setup.importing():
+            assert not gc.isenabled()
+            import memtrain_no_such_module  # noqa: F401
+        assert gc.isenabled()
+        gc.disable()  # one disabled before the block stays disabled
+        with lazy_setup.importing():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_the_heavy_commands_import_their_libraries_in_the_block():
+    found = _run("""
+        import contextlib, json, sys
+        from memtrain import lazy_setup
+        import memtrain.cli.app as cli
+        real, seen = lazy_setup.importing, []
+
+        @contextlib.contextmanager
+        def importing():
+            before = "torch" in sys.modules
+            with real():
+                yield
+            seen.append([before, "torch" in sys.modules])
+
+        lazy_setup.importing = importing
+        end = cli._end_without_teardown
+        cli._end_without_teardown = lambda: (print(json.dumps({"seen": seen})), end())
+        sys.argv = ["memtrain", "estimate", "tiny-llama-shakespeare", "--device", "cpu", "--json"]
+        cli.main()
+    """)
+    assert found["seen"] == [[False, True]]  # torch and the rest were first imported inside it

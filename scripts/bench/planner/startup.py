@@ -5,8 +5,9 @@ rounds (every command once per round, so a machine that slows down or speeds up 
 on all rows alike); the table has the best and the median wall time. Beside them, the libraries
 an estimate of a QLoRA recipe loads (torch, transformers' model classes and Trainer, peft,
 bitsandbytes): a bare ``python -c`` importing them and leaving as ``memtrain`` does, without the
-interpreter's teardown (``os._exit``); the same with the teardown; and the same imports with the
-set-up that the ``memtrain`` command defers (:mod:`memtrain.lazy_setup`), the floor under its
+interpreter's teardown (``os._exit``); the same with the teardown; the same imports with the
+set-up that the ``memtrain`` command defers (:mod:`memtrain.lazy_setup`); and those inside
+``lazy_setup.importing`` (no garbage-collector passes while importing), the floor under its
 commands. The 70B estimate also runs with its two traces one after the other
 (``MEMTRAIN_TRACE_PROCESSES=1``). Writes docs/bench/startup.md.
 
@@ -35,8 +36,11 @@ COMMANDS: list[tuple[str, list[str], dict[str, str]]] = [
     ("memtrain validate recipes/quickstart.yaml", [*CLI, "validate", "recipes/quickstart.yaml"], {}),
     ("the libraries, no teardown", [sys.executable, "-c", f"{LIBRARIES}, os; os._exit(0)"], {}),
     ("the libraries, with the interpreter's teardown", [sys.executable, "-c", LIBRARIES], {}),
+    ("the libraries with the set-up deferred, the collector's passes kept", [sys.executable, "-c",
+     f"from memtrain import lazy_setup; lazy_setup.install(); {LIBRARIES}, os; os._exit(0)"], {}),
     ("the floor: the libraries as memtrain loads them", [sys.executable, "-c", "from memtrain import "
-     f"lazy_setup; lazy_setup.install(); {LIBRARIES}, os; os._exit(0)"], {}),
+     f"lazy_setup; lazy_setup.install()\nwith lazy_setup.importing():\n    {LIBRARIES}, os\nos._exit(0)"],
+     {}),
     ("memtrain estimate 70B QLoRA (--device cuda)", ESTIMATE_70B, {}),
     ("the same, traces one after the other", ESTIMATE_70B, {"MEMTRAIN_TRACE_PROCESSES": "1"}),
 ]
@@ -78,9 +82,11 @@ def main() -> None:
         "The library rows are what loading the libraries an estimate of a QLoRA recipe loads (torch, "
         "transformers' model classes and Trainer, peft, bitsandbytes) costs on this machine before any "
         "of memtrain's work, leaving as `memtrain` does (`os._exit` once its work and exit handlers are "
-        "done); the next row pays the interpreter's teardown too; the floor row loads them as the "
+        "done); the next row pays the interpreter's teardown too; the next two load them as the "
         "`memtrain` command does, with bitsandbytes' import-time `torch.compile` calls deferred and "
-        "`datasets` loaded on first use (memtrain/lazy_setup.py). The 70B estimate's own work is its "
+        "`datasets` loaded on first use, first with Python's garbage collector making its full passes "
+        "over the growing heap, then as the command imports: without them (`lazy_setup.importing`), the "
+        "floor (memtrain/lazy_setup.py). The 70B estimate's own work is its "
         "time above the floor; its last row traces depths 2 and 3 one after the other instead of side "
         "by side (memtrain/estimator/pool.py)."], trial=args.quick)
 
