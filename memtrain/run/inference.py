@@ -306,9 +306,11 @@ def read_texts(run: Run, file: str | Path) -> list[str]:
                             f"`data.text_column`); it has: {', '.join(ds.column_names)}. Fix: name "
                             "the column like the training data's.")
     texts = ds[data.text_column]
-    empty = [i + 1 for i, t in enumerate(texts) if t is None]  # a null, or an empty CSV cell
+    # a null, an empty CSV cell, a blank line of a .txt file (each line a row) or only spaces
+    empty = [i + 1 for i, t in enumerate(texts) if t is None or not str(t).strip()]
     if empty:
         shown = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        lines = "; a .txt file's rows are its lines" if Path(file).suffix == ".txt" else ""
         raise MemtrainError(f"`FILE`: {str(file)!r} has no text in column {data.text_column!r} in row "
-                            f"{shown} (counting from 1). Fix: fill those rows in or remove them.")
+                            f"{shown} (counting from 1{lines}). Fix: fill those rows in or remove them.")
     return [str(t) for t in texts]

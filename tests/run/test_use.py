@@ -246,8 +246,8 @@ def test_a_pretrained_classifier_loads_without_transformers_reporting_its_head_m
 
 
 def test_predict_refuses_rows_without_text(classifier_run: Path, tmp_path: Path) -> None:
-    """A null, a missing key or an empty CSV cell is no text: the command names the rows and exits 2
-    (it used to classify the string "None")."""
+    """A null, a missing key, an empty CSV cell or a blank line of a .txt file is no text: the command
+    names the rows and exits 2 (it used to classify the string "None", and a blank line)."""
     texts = tmp_path / "holes.jsonl"
     texts.write_text("\n".join(json.dumps(r) for r in [{"text": "a cat"}, {"text": None}, {"other": 1}]))
     result = cli.invoke(app, ["predict", str(classifier_run), str(texts)])
@@ -257,6 +257,11 @@ def test_predict_refuses_rows_without_text(classifier_run: Path, tmp_path: Path)
     cells.write_text("text\na dog\n\"\"\n")
     result = cli.invoke(app, ["predict", str(classifier_run), str(cells)])
     assert result.exit_code == 2 and "row 2" in result.output, result.output
+    lines = tmp_path / "holes.txt"  # a blank line, and one of spaces, are rows of no text too
+    lines.write_text("a cat\n\na dog\n   \na bird\n")
+    result = cli.invoke(app, ["predict", str(classifier_run), str(lines)])
+    assert result.exit_code == 2, result.output
+    assert "row 2, 4" in result.output and "rows are its lines" in result.output
 
 
 def test_models_load_with_their_own_layers_not_hub_kernels(tmp_path: Path, monkeypatch) -> None:
