@@ -85,9 +85,33 @@ def read_rows(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase | None = None) 
     sets packing): what bounds the planner's length search."""
     from memtrain.model import load_tokenizer
 
+    return read_data(cfg, tokenizer or load_tokenizer(cfg.model))[0]
+
+
+def read_data(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[Rows, PreparedData]:
+    """:func:`read_rows`, and the data it tokenized: with ``data.max_length: auto``, every row whole,
+    which :func:`cut_to` reuses once the length is decided."""
     read = uncut(cfg)
-    rows = prepare_data(read, tokenizer or load_tokenizer(cfg.model)).rows(read)
-    return rows if read is cfg else dataclasses.replace(rows, packed=cfg.data.packing)
+    data = prepare_data(read, tokenizer)
+    rows = data.rows(read)
+    return (rows if read is cfg else dataclasses.replace(rows, packed=cfg.data.packing)), data
+
+
+def cut_to(whole: PreparedData, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
+    """The data of ``cfg``, whose ``data.max_length`` the planner decided, given ``whole``: the same
+    data read uncut (:func:`read_data`). Where cutting at that length changes nothing it is
+    ``whole`` itself with ``cfg``'s collator: one example per row (no packing), rows of tokens (not
+    preference pairs or GRPO prompts, which are filtered by the length), and no row of the training
+    or evaluation split longer than the length. Else the data is tokenized again at the length:
+    cutting tokens is not tokenizing cut (a classifier's input keeps its closing token)."""
+    limit = cfg.data.max_length
+    splits = [s for s in (whole.train, whole.eval) if s is not None]
+    plain = not cfg.data.packing and all(
+        "input_ids" in s.column_names and not {"chosen_ids", "prompt_tokens"} & set(s.column_names)
+        for s in splits)
+    if plain and isinstance(limit, int) and all(max(token_counts(s), default=0) <= limit for s in splits):
+        return dataclasses.replace(whole, collator=_collator(cfg.data, tokenizer))
+    return prepare_data(cfg, tokenizer)
 
 
 def token_counts(dataset: Dataset) -> list[int]:

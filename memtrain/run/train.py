@@ -24,7 +24,7 @@ from transformers import TrainerCallback, set_seed
 from memtrain import patches
 from memtrain.config import RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
-from memtrain.data.prepare import PreparedData, prepare_data, read_rows
+from memtrain.data.prepare import PreparedData, cut_to, prepare_data, read_data
 from memtrain.data.rows import Rows
 from memtrain.device import cuda_available
 from memtrain.distributed import fsdp as distributed
@@ -93,15 +93,22 @@ def train(cfg: RunConfig, console: Console | None = None,
             "memory), or give `training.micro_batch_size` a number.")
     planning = planner.auto_fields(cfg) or (cfg.memory.budget is not None and "WORLD_SIZE" not in os.environ)
     planned_length = cfg.data.max_length == "auto"
+    whole = None
     if planned_length:  # the longest length that fits (no longer than the data's longest row, read
         # uncut: the plan traces the data's own rows where nothing is cut); then the data is cut to it
-        cfg, planning = _plan(cfg, console, read_rows(cfg)), False
+        set_seed(cfg.training.seed)
+        tokenizer = load_tokenizer(cfg.model)
+        uncut_rows, whole = read_data(cfg, tokenizer)
+        cfg, planning = _plan(cfg, console, uncut_rows), False
     if planning or not launch.launch_needed(cfg):
         # the data before the plan: the plan, the prediction and the auto-fit probe are for the
         # longest batch these rows make, not for rows of data.max_length (memtrain.data.rows)
         set_seed(cfg.training.seed)
-        tokenizer = load_tokenizer(cfg.model)
-        data = prepare_data(cfg, tokenizer)
+        if whole is None:
+            tokenizer = load_tokenizer(cfg.model)
+            data = prepare_data(cfg, tokenizer)
+        else:  # read once where the planned length cuts no row
+            data = cut_to(whole, cfg, tokenizer)
         rows = data.rows(cfg)
         if cfg.training.objective == "grpo":  # loss type, rewards on a real row, prompt + completion length
             from memtrain.estimator.grpo import check_grpo

@@ -229,14 +229,17 @@ def test_train_tokenizes_at_the_planned_length_and_says_how_many_examples_were_c
 
 
 @pytest.mark.slow
-def test_train_plans_no_longer_than_the_data(tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+def test_train_plans_no_longer_than_the_data(tmp_path: Path, tiny_text_file: Path, step: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """`train` reads the data uncut before it plans the length: short rows under a budget that fits
     them but not one step of the worst case train at the data's own length, nothing cut (it failed:
-    no length fits). Planted: `train` planning the length without the rows -> raises."""
+    no length fits), and the rows it read are the training data (tokenized once). Planted: `train`
+    planning the length without the rows -> raises; tokenizing again at the planned length -> fails."""
     import io
 
     from rich.console import Console
 
+    from memtrain.data import prepare
     from memtrain.data.prepare import read_rows
     from memtrain.run.train import train
 
@@ -246,9 +249,13 @@ def test_train_plans_no_longer_than_the_data(tmp_path: Path, tiny_text_file: Pat
     longest = read_rows(cfg).longest
     recipe["memory"]["budget"] = f"{int((_total(cfg, longest) + _total(cfg, step)) / 2 / 0.9)}B"
     out = io.StringIO()
+    encoded = []
+    real = prepare._encode_dataset
+    monkeypatch.setattr(prepare, "_encode_dataset", lambda *a, **k: encoded.append(1) or real(*a, **k))
     result = train(load_recipe(recipe), Console(file=out, width=200))
     assert "the data's longest row" in out.getvalue() and "were cut" not in out.getvalue()
     assert load_recipe(str(result.output_dir / "recipe.yaml")).data.max_length == longest
+    assert encoded == [1]  # the rows read uncut are the training data: tokenized once
 
 
 def test_a_plan_owns_its_traces(tmp_path: Path, tiny_text_file: Path, step: int,
