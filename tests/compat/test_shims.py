@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -189,3 +190,17 @@ def test_a_module_run_inside_its_own_forward_asks_no_one_to_file_a_bug() -> None
     with warnings.catch_warnings(record=True) as seen, ReleasableModTracker():
         Twice()(torch.ones(2, 4))
     assert not [w for w in seen if "file a bug" in str(w.message)], [str(w.message) for w in seen]
+
+
+def test_the_set_up_also_holds_what_the_pinned_set_pulls_in() -> None:
+    """A fresh set-up installs the huggingface_hub and kernels it was checked with (transformers 5.25
+    needs hub 2.x and turns Hub kernels on through `kernels`): both installs of scripts/setup.sh are
+    constrained by scripts/versions/pinned-indirect.txt, exact pins, none of a library TESTED holds."""
+    root = Path(__file__).parents[2]
+    setup = (root / "scripts" / "setup.sh").read_text()
+    assert "indirect=scripts/versions/pinned-indirect.txt" in setup
+    installs = [line for line in setup.splitlines() if "pip install -q -c" in line]
+    assert len(installs) == 2 and all('-c "$indirect"' in line for line in installs)
+    pins = _pins("pinned-indirect")
+    assert set(pins) == {"huggingface_hub", "kernels"} and not set(pins) & set(versions.TESTED)
+    assert all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values())
