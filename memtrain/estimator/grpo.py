@@ -11,8 +11,9 @@ or the reward code, and what the estimate says of the generation phase.
 - the longest prompt plus ``training.grpo_max_completion_length`` must fit the model's positions
   (:func:`memtrain.estimator.setup.position_limit`).
 
-:func:`generation_memory` is the generation phase's memory, an **analytic** estimate (not traced):
-the weights and optimizer state, the KV cache of every completion of a generation batch at prompt +
+:func:`generation_memory` is the generation phase's memory, **analytic** but for the prompts'
+prefill, which is traced (one row's no-grad forward on fake tensors, :func:`prefill_per_row`): the
+weights and optimizer state, the KV cache of every completion of a generation batch at prompt +
 completion length, and the larger of the prompts' prefill and the sampling step's rows x vocabulary
 fp32 tensors. TRL generates a whole generation batch at once (micro-batch x steps_per_generation
 completions, HF ``generate``); :func:`generation_phase` applies it to a recipe,
@@ -149,7 +150,7 @@ def sampling_copies(processors: tuple[str, ...] = ()) -> float:
 @dataclass
 class GenerationPhase:
     """The generation phase's memory: HF ``generate`` of one generation batch at full length
-    (analytic, not traced; see :func:`generation_memory`)."""
+    (analytic but for the prefill; see :func:`generation_memory`)."""
 
     resident: int  # weights, buffers, optimizer state (gradients were freed by the last zero_grad)
     kv_cache: int  # every completion at prompt + completion length
@@ -167,7 +168,8 @@ class GenerationPhase:
 
     def describe(self) -> str:
         mib = 2**20
-        return (f"GRPO generation phase (HF generate; analytic, not traced): {self.peak_bytes / mib:,.2f} "
+        return (f"GRPO generation phase (HF generate; the prefill traced, the rest analytic): "
+                f"{self.peak_bytes / mib:,.2f} "
                 f"MiB = weights and optimizer state {self.resident / mib:,.2f} + KV cache "
                 f"{(self.kv_cache + self.growth) / mib:,.2f} ({self.sequences} completions x {self.length} "
                 f"tokens) + the larger of the prompts' prefill {self.prefill / mib:,.2f} and the sampling "
@@ -183,8 +185,8 @@ def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, 
     completion ``completion`` tokens: the worst case) of a model with text config ``text`` whose
     weights are ``size`` bytes per value, beside ``resident`` bytes: the KV cache at full length in
     the weights' dtype (a ``DynamicCache``: each step concatenates one layer's new key and value to
-    the old ones), the prompts' prefill (per layer: the MLP's two intermediate tensors and four
-    hidden-size tensors per token), and the sampling step (:func:`sampling_copies` fp32 tensors of
+    the old ones), the prompts' prefill (:func:`prefill_per_row` per row: a forward traced on fake
+    tensors), and the sampling step (:func:`sampling_copies` fp32 tensors of
     rows x vocabulary for the logits ``processors`` of :func:`sampling_processors`)."""
     length = prompt + completion
     heads = text.num_attention_heads
@@ -194,11 +196,62 @@ def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, 
     tokens = cached_tokens(text, prompt, length)
     kv = 2 * per_token * sum(tokens)
     growth = per_token * max(tokens, default=0)  # the one tensor concatenated longer beside the old one
-    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-    prefill = sequences * prompt * (2 * intermediate + 4 * text.hidden_size) * size
+    traced = prefill_per_row(text, prompt, size)
+    if traced is None:  # a model the fake forward cannot run: per token, a gated MLP's three
+        # intermediate tensors, four hidden-size ones and the rotary tables (no attention scores)
+        intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+        traced = prompt * (3 * intermediate + 4 * text.hidden_size + 2 * head_dim) * size
+    prefill = sequences * traced
     sampling = math.ceil(sampling_copies(processors) * sequences * text.vocab_size * 4)
     return GenerationPhase(resident=resident, kv_cache=kv, growth=growth, prefill=prefill, sampling=sampling,
                            sequences=sequences, length=length, processors=tuple(processors))
+
+
+_PREFILL: dict[tuple[str, str | None, int, int], int | None] = {}
+
+
+def prefill_per_row(text: Any, prompt: int, size: int) -> int | None:
+    """The bytes one row's prefill holds at its peak beyond the weights and the prompt: a no-grad
+    forward of a ``prompt``-token row (left-padded, as a generation batch is; only the last token's
+    logits, as ``generate`` asks) of the model of ``text`` at two layers (any later layer holds what
+    the second does) on fake tensors, in the dtype of ``size`` bytes and the config's attention
+    implementation, so that whatever a family's layers keep counts: a gated MLP's product, the
+    rotary tables, eager attention's scores and softmax (rows x heads x prompt^2). Linear in the
+    rows, so one row is traced; the cache (counted apart, at full length) is off, its keys and
+    values counted here as well (more, never less). Cached per config, length and size; None where
+    the forward cannot run on fake tensors."""
+    from memtrain._compat.transformers_config import attn_implementation
+
+    key = (text.to_json_string(use_diff=False), attn_implementation(text), prompt, size)
+    if key not in _PREFILL:
+        _PREFILL[key] = _traced_prefill(text, prompt, size)
+    return _PREFILL[key]
+
+
+def _traced_prefill(text: Any, prompt: int, size: int) -> int | None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memtrain._compat import transformers_model
+    from memtrain.estimator.fake import fake_tensor_mode, quiet_libraries
+    from memtrain.estimator.trace import with_depth
+    from memtrain.memory.meter import MemoryMeter
+
+    dtype = torch.float32 if size >= 4 else torch.bfloat16
+    config = with_depth(text, min(2, int(text.num_hidden_layers)))
+    try:
+        with fake_tensor_mode(), quiet_libraries():
+            with transformers_model.uninitialized_values():
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+            ids = torch.zeros(1, prompt, dtype=torch.long)
+            mask = torch.ones(1, prompt, dtype=torch.long)
+            mask[:, 0] = 0
+            with torch.no_grad(), MemoryMeter(model, inputs=[ids, mask], device="cpu") as meter:
+                model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+    except Exception:  # a family the fake forward cannot run: the caller's per-token count
+        return None
+    held = meter.result().peak_by_category
+    return sum(v for k, v in held.items() if k not in ("parameters", "buffers", "inputs"))
 
 
 def cached_tokens(text: Any, prompt: int, length: int) -> list[int]:
