@@ -29,12 +29,22 @@ def resolve_pkg(location: str) -> Path:
     return path
 
 
+def expanded(location: str) -> Path:
+    """``location`` as a path, ``~`` and ``~user`` expanded; as written where that user has no home
+    on this machine (``Path.expanduser`` raises there: ``~0``), so that the caller's "no such file"
+    names it."""
+    try:
+        return Path(location).expanduser()
+    except RuntimeError:
+        return Path(location)
+
+
 def looks_local(location: str) -> bool:
     """True when ``location`` is meant as a local path rather than a hub id."""
     return (
         location.startswith(("/", "./", "../", "~"))
         or location.endswith(LOCAL_SUFFIXES)
-        or Path(location).expanduser().exists()
+        or expanded(location).exists()
     )
 
 
@@ -47,7 +57,7 @@ def resolve(location: str) -> str:
     if location.startswith(PKG_PREFIX):
         return str(resolve_pkg(location))
     if looks_local(location):
-        path = Path(location).expanduser()
+        path = expanded(location)
         if not path.exists():
             raise FileNotFoundError(f"no such file or directory: {location}")
         return str(path.resolve())

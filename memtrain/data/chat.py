@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from memtrain import sources
 from memtrain.config import DataConfig, Problem, RecipeError
 from memtrain.data.formats import Message
 
@@ -52,7 +52,7 @@ def resolve_chat_template(cfg: DataConfig, tok: PreTrainedTokenizerBase) -> str:
         return CHATML
     if "{{" in value or "{%" in value:
         return value
-    path = Path(value).expanduser()
+    path = sources.expanded(value)
     if path.is_file():
         return path.read_text(encoding="utf-8")
     raise RecipeError([Problem(cfg.key("chat_template"), value,

@@ -156,7 +156,7 @@ def portable_recipe(cfg: RunConfig) -> RunConfig:
         if value is None or value.startswith(("builtin:", sources.PKG_PREFIX)) or "{{" in value \
                 or "{%" in value or not sources.looks_local(value):
             return value
-        path = Path(value).expanduser()
+        path = sources.expanded(value)
         return str(path.resolve()) if path.exists() else value
 
     data = cfg.data.model_copy(update={

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
+import pytest
 from conftest import MINILM, TINY_CONFIGS, merge
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -86,8 +88,18 @@ def test_any_recipe_the_schema_could_be_given(sections: dict) -> None:
 
 @SETTINGS
 @given(st.lists(OVERRIDE, max_size=4))
+@example(["model.name=~0"])  # a user with no home here: expanduser raised RuntimeError (found here)
 def test_any_override_string(overrides: list[str]) -> None:
     load_or_refuse(BASE, overrides)
+
+
+def test_a_home_of_a_user_this_machine_lacks_is_a_path_that_does_not_exist(tmp_path) -> None:
+    from memtrain import sources
+
+    assert sources.expanded("~0/x.jsonl") == Path("~0/x.jsonl")
+    assert sources.expanded("~/x") == Path.home() / "x"
+    with pytest.raises(FileNotFoundError, match="no such file or directory: ~0"):
+        sources.resolve("~0")
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
