@@ -222,13 +222,14 @@ def prefill_per_row(text: Any, prompt: int, size: int) -> int | None:
     the forward cannot run on fake tensors."""
     from memtrain._compat.transformers_config import attn_implementation
 
-    key = (text.to_json_string(use_diff=False), attn_implementation(text), prompt, size)
+    attn = attn_implementation(text)
+    key = (text.to_json_string(use_diff=False), attn, prompt, size)
     if key not in _PREFILL:
-        _PREFILL[key] = _traced_prefill(text, prompt, size)
+        _PREFILL[key] = _traced_prefill(text, attn, prompt, size)
     return _PREFILL[key]
 
 
-def _traced_prefill(text: Any, prompt: int, size: int) -> int | None:
+def _traced_prefill(text: Any, attn: str | None, prompt: int, size: int) -> int | None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -242,7 +243,8 @@ def _traced_prefill(text: Any, prompt: int, size: int) -> int | None:
     try:
         with fake_tensor_mode(), quiet_libraries():
             with transformers_model.uninitialized_values():
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+                chosen = {"attn_implementation": attn} if attn else {}  # the user's kernel, said
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, **chosen).eval()
             ids = torch.zeros(1, prompt, dtype=torch.long)
             mask = torch.ones(1, prompt, dtype=torch.long)
             mask[:, 0] = 0

@@ -138,9 +138,8 @@ def test_a_prefill_that_dominates_is_never_predicted_low(model_type: str, attn: 
         values = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
     config = AutoConfig.for_model(model_type, **values)
-    config._attn_implementation = attn
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
     ids = torch.randint(10, 500, (rows, prompt), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :7] = 0  # a shorter prompt, left-padded as TRL pads a generation batch
