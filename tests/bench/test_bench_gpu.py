@@ -489,18 +489,33 @@ def test_a_grpo_row_runs_its_script_and_counts_generation(monkeypatch: pytest.Mo
     assert measured <= result["predicted"]["generation"] <= 1.10 * measured, result
 
 
-def test_the_h200s_long_row_is_predicted_within_a_thousandth(tmp_path: Path,
+def test_a_child_stopped_at_its_time_limit_says_how_far_it_got(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 of 2026-12-04 said only "timed out after 240 s" of its GRPO row: a child's milestones
+    (``progress``) come back with the timeout, the last one named."""
+    script = ("from scripts.bench.gpu.gpu import progress; import time; t = time.monotonic(); "
+              "progress(t, 'model built'); progress(t, 'attach done'); time.sleep(60)")
+    monkeypatch.setattr(bench, "row_command", lambda mode, payload: [sys.executable, "-c", script])
+    began = time.monotonic()
+    result = bench.run_child("grpo", {}, {**os.environ, "PYTHONPATH": str(bench.ROOT)}, timeout=8)
+    assert time.monotonic() - began < 30
+    assert result["error"].startswith("timed out after 8 s; last: attach done at "), result
+    assert bench.reached(None) == "; no milestone reached"
+
+
+@pytest.mark.parametrize("page", ["gpu_h200_2026-12-04.json", "gpu_h200_2026-12-04b.json"])
+def test_the_h200s_long_row_is_predicted_within_a_thousandth(page: str, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The H200 of 2026-12-04 trained the 317M QLoRA plan of 64,768 tokens with every long-context
     technique and measured its ``max_memory_allocated``; the estimate of that recipe for CUDA, with
     that machine's calibration profile, is never below it and at most 0.1% above (it was 264.6 MB
-    low, 11%, before the offload's CUDA prefetch was traced; its stand-in is 0.7 MB high)."""
+    low, 11%, before the offload's CUDA prefetch was traced; its stand-in is 0.7 MB high). The
+    evening's session trained the replanned 56,320 tokens: 0.7 MB high again."""
     import shutil
 
     import memtrain
 
     docs = Path(bench.__file__).resolve().parents[3] / "docs" / "bench"
-    raw = json.loads((docs / "gpu_h200_2026-12-04.json").read_text(encoding="utf-8"))
+    raw = json.loads((docs / page).read_text(encoding="utf-8"))
     row = raw["long_context"][0]
     profile = tmp_path / "gpu_calibration_h200.json"
     shutil.copyfile(docs / "gpu_calibration_h200.json", profile)
