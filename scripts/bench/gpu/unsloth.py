@@ -141,10 +141,20 @@ HOST_BUDGET = "64GiB"
 
 
 def predicted_seconds(length: int, timed: list[tuple[int, float]]) -> float:
-    """A step's time at ``length`` from the steps timed so far, pessimistically: the largest of
-    ``t * (length / l)**2`` (attention grows with the square; the linear layers are slower than
-    that only below the lengths measured). 0 when nothing was timed."""
-    return max((t * (length / n) ** 2 for n, t in timed if n > 0), default=0.0)
+    """A step's time at ``length`` from the steps timed so far: the longest timed step not longer
+    than ``length`` (else the shortest timed), scaled by ``(length / l)**2`` (attention grows with
+    the square; the linear layers only linearly, so longer is pessimistic). Not the worst over every
+    timed step: a short first step is mostly warm-up, not work (the H200, 2026-12-04: Unsloth's cold
+    step at 4,096 tokens took 1.97 s, a warm one at 8,192 0.19 s; squared up from it, every search
+    stopped at 16,384 tokens with most of its slice unused, and memtrain's 221,184-token step was
+    predicted at 990 s from an 8,192-token warm-up, 97 s from the 91,904-token step measured).
+    0 when nothing was timed."""
+    measured = sorted((n, t) for n, t in timed if n > 0)
+    if not measured:
+        return 0.0
+    below = [(n, t) for n, t in measured if n <= length]
+    n, t = below[-1] if below else measured[0]
+    return t * (length / n) ** 2
 
 
 GPU_FLOPS = 2.0e14  # a step's a-priori speed, pessimistic for an H100 (bench_gpu assumes 1e14 on short rows)
