@@ -367,13 +367,28 @@ def run_child(mode: str, payload: Any, env: dict[str, str], timeout: float) -> A
     try:
         done = subprocess.run(row_command(mode, payload), cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as err:
+        return {"error": f"timed out after {timeout:.0f} s{reached(err.stdout)}"}
     result = parse_result(done.stdout)
     if result is None:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
         return {"error": f"exit {done.returncode}: {tail}"}
     return result
+
+
+PROGRESS = "PROGRESS "
+
+
+def progress(began: float, what: str) -> None:
+    """A child's milestone, so that a row stopped at its time limit says how far it got."""
+    print(f"{PROGRESS}{what} at {time.monotonic() - began:.1f} s", flush=True)
+
+
+def reached(stdout: str | bytes | None) -> str:
+    """``"; last: <milestone>"`` from a stopped child's output (its last :func:`progress` line)."""
+    text = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout or ""
+    last = [line[len(PROGRESS):] for line in text.splitlines() if line.startswith(PROGRESS)]
+    return f"; last: {last[-1][:200]}" if last else "; no milestone reached"
 
 
 def _emit(result: Any) -> None:
@@ -507,6 +522,7 @@ def grpo_child(spec: dict[str, Any]) -> dict[str, Any]:
     from memtrain.config import ModelConfig
     from memtrain.model import load_tokenizer
 
+    began = time.monotonic()
     row = GrpoRow(**{**spec["row"], "sampling": tuple(tuple(p) for p in spec["row"]["sampling"])})
     device = spec.get("device", DEVICE)
     cuda = device == "cuda"
@@ -533,12 +549,16 @@ def grpo_child(spec: dict[str, Any]) -> dict[str, Any]:
                           logging_steps=1, report_to="none", save_strategy="no", bf16=cuda, use_cpu=not cuda,
                           disable_tqdm=True, **dict(row.sampling))
     out: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    progress(began, "model built")
     model, args = memtrain.prepare_for_budget(model, args, "auto" if cuda else "8GiB", peft_config=peft,
                                               quiet=True)
+    progress(began, "prepare_for_budget done")
     trainer = trl.GRPOTrainer(model=model, args=args, reward_funcs=lambda completions, **_: [
         -len(c) / 100 for c in completions], train_dataset=prompts, processing_class=tokenizer,
         peft_config=peft)
+    progress(began, "trainer built")
     memtrain.attach(trainer, every=10**6, recover=False)  # the meter measures steps 1-2: not read here
+    progress(began, "attach done")
     plan = model.memtrain_plan
     out["predicted"] = dict(plan.phase_peaks)
     out["settings"] = {k: plan.settings.get(k) for k in ("per_device_train_batch_size",
@@ -569,6 +589,7 @@ def grpo_child(spec: dict[str, Any]) -> dict[str, Any]:
         reset()
         result = stock(*a, **k)
         phases["generation"].append(peak())
+        progress(began, f"generate {len(phases['generation'])} done")
         reset()  # from here on: the training phase, to the step's end
         return result
 
@@ -578,6 +599,7 @@ def grpo_child(spec: dict[str, Any]) -> dict[str, Any]:
         def on_step_end(self, *_: Any, **__: Any) -> None:
             if cuda:
                 phases["training"].append(peak())
+            progress(began, f"step {len(phases['training']) or '?'} done")
 
     trainer.add_callback(Training())
     try:
