@@ -30,6 +30,7 @@ from torch import nn
 from memtrain.config import RunConfig
 from memtrain.estimator.trace import HOST, ROUNDED, Candidates, Work
 from memtrain.estimator.trace_events import CATEGORY_NAMES
+from memtrain.memory.trackers import pinned_bytes
 
 PARAMETERS = CATEGORY_NAMES.index("parameters")
 ROUNDING = 512  # the CUDA caching allocator's rounding of an allocation (as the trace rounds)
@@ -78,7 +79,7 @@ def table_offloaded(cands: Candidates, moved: Table, tokens: int) -> Candidates:
     values = cands.values.copy()
     values[:, PARAMETERS] -= moved.bytes
     values[:, ROUNDED] -= -(-moved.bytes // ROUNDING) * ROUNDING
-    values[:, HOST] += moved.bytes
+    values[:, HOST] += pinned_bytes(moved.bytes)  # derived for CUDA only: the table is pinned
     gather = np.zeros((1, values.shape[1]), dtype=values.dtype)  # no device op holds a peak here
     gather[0, HOST] = values[:, HOST].min() + tokens * moved.row_bytes
     return Candidates([*cands.phases, "forward"], np.vstack([values, gather]))

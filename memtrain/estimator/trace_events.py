@@ -229,6 +229,8 @@ class _EventRecorder:
         if counts is None:
             return
         raw = winfo.size * winfo.element_size
+        if getattr(winfo, "_memtrain_pinned", False):  # host memory CUDA pins: a power of two
+            raw = trackers.pinned_bytes(raw)
         old = getattr(winfo, "_memtrain_raw", raw)
         times = getattr(winfo, "_memtrain_times", 1)  # > 1: a stand-in iteration's storage
         if times > 1 and u_type != UpdateType.ADD and loops.current()[0] >= 0:

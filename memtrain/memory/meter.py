@@ -130,8 +130,8 @@ class MemoryMeter:
         for obj in self._external:  # weights a patch keeps in host memory (offloaded embeddings)
             if isinstance(obj, nn.Module):
                 for param in obj.parameters():
-                    if kept_on_host(param):
-                        self._tracker.move_to_host(param)
+                    if kept_on_host(param):  # pinned on CUDA (embedding_offload)
+                        self._tracker.move_to_host(param, self.for_cuda())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -145,9 +145,14 @@ class MemoryMeter:
         self._tracker.__exit__(*exc)
         self._result = self._collect()
 
-    def mark_host(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s storage as host memory from now on (offloaded copies)."""
-        self._tracker.move_to_host(tensor)
+    def mark_host(self, tensor: torch.Tensor, pinned: bool = False) -> None:
+        """Count ``tensor``'s storage as host memory from now on (offloaded copies); ``pinned``: at
+        the power of two CUDA's pinned allocator rounds it to (:func:`pinned_bytes`)."""
+        self._tracker.move_to_host(tensor, pinned)
+
+    def for_cuda(self) -> bool:
+        """Whether this meter measures a CUDA step, or traces one on fake tensors for CUDA."""
+        return self.device.type == "cuda" or bool(getattr(self._tracker, "cuda_kernels", False))
 
     def result(self) -> StepMemory:
         """The measurement; available after the ``with`` block."""
@@ -178,11 +183,12 @@ class MemoryMeter:
         )
 
 
-def mark_host(tensor: torch.Tensor) -> None:
-    """Tell the active meter (if any) that ``tensor`` lives in host memory (for offload code)."""
+def mark_host(tensor: torch.Tensor, pinned: bool = False) -> None:
+    """Tell the active meter (if any) that ``tensor`` lives in host memory (for offload code);
+    ``pinned``: it is (or, in a trace for CUDA, stands for) pinned memory."""
     meter = _ACTIVE.get()
     if meter is not None:
-        meter.mark_host(tensor)
+        meter.mark_host(tensor, pinned)
 
 
 def traced_for_cuda() -> bool:

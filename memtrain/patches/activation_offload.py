@@ -39,6 +39,7 @@ from memtrain.config.batch import resolve_batch
 from memtrain.device import host_budget_bytes, host_free_bytes, model_device
 from memtrain.errors import MemtrainError
 from memtrain.memory.meter import mark_host, traced_for_cuda
+from memtrain.memory.trackers import pinned_bytes
 from memtrain.patches import OFFLOAD, Doc, Knob, PatchRecord, add_records, fixed, register, undo_records
 from memtrain.patches.checkpointing import disable_kv_cache, find_layers, is_checkpointed, wrap_forward
 from memtrain.units import format_bytes
@@ -56,13 +57,15 @@ class HostLedger:
         self.peak_bytes = 0
         self._live: dict[int, int] = {}  # id of a live host storage -> bytes
 
-    def add(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor`` (a fresh host copy) until :meth:`remove` is called for it."""
+    def add(self, tensor: torch.Tensor, pinned: bool = False) -> None:
+        """Count ``tensor`` (a fresh host copy) until :meth:`remove` is called for it; ``pinned``:
+        at the power of two CUDA's pinned allocator holds for it (:func:`pinned_bytes`)."""
         nbytes = tensor.untyped_storage().nbytes()
+        nbytes = pinned_bytes(nbytes) if pinned else nbytes
         self._live[id(tensor.untyped_storage())] = nbytes
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        mark_host(tensor)
+        mark_host(tensor, pinned)
 
     def remove(self, key: int) -> None:
         """Stop counting the host storage with id ``key`` (it is being freed)."""
@@ -140,7 +143,8 @@ class ActivationOffloader:
             return t
         handle = _Handle(*self._copy_to_host(t), t.device, next(self._counter))
         ptr = id(handle.host.untyped_storage())
-        self.ledger.add(handle.host)
+        # pinned on CUDA: in a trace for CUDA the CPU copy stands for a pinned one
+        self.ledger.add(handle.host, pinned=t.device.type == "cuda" or traced_for_cuda())
         weakref.finalize(handle, self.ledger.remove, ptr)
         self._seen[key] = (weakref.ref(storage), tensor_version(t), weakref.ref(handle))
         self._handles[handle.index] = handle

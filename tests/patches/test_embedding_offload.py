@@ -65,6 +65,10 @@ def test_the_meter_files_the_table_and_the_looked_up_rows_as_host_memory() -> No
 
 
 def test_the_estimate_moves_the_table_to_the_host(tmp_path: Path, tiny_text_file: Path) -> None:
+    """On CUDA the table is pinned (``Tensor.pin_memory``), a block of the next power of two; the
+    looked-up rows are a plain host gather."""
+    from memtrain.memory.trackers import pinned_bytes
+
     recipe = causal_recipe(tmp_path, tiny_text_file)
     plain = estimate(load_recipe(recipe), device="cuda")
     moved = estimate(load_recipe(recipe, ["memory.offload.embeddings=true"]), device="cuda")
@@ -72,7 +76,11 @@ def test_the_estimate_moves_the_table_to_the_host(tmp_path: Path, tiny_text_file
     rows = 4 * 32 * LLAMA["hidden_size"] * 4  # micro-batch 4 x 32 tokens
     assert plain.by_category["parameters"] - moved.by_category["parameters"] == table
     assert plain.peak_bytes - moved.peak_bytes == table
-    assert (moved.host_peak_bytes, moved.host_resident_bytes) == (table + rows, table)
+    assert pinned_bytes(table) > table  # 30,522 x 64 x 4 bytes: not a power of two
+    pinned = pinned_bytes(table)
+    assert (moved.host_peak_bytes, moved.host_resident_bytes) == (pinned + rows, pinned)
+    on_cpu = estimate(load_recipe(recipe, ["memory.offload.embeddings=true"]), device="cpu")
+    assert on_cpu.host_resident_bytes == table  # nothing is pinned on a CPU
 
 
 def test_model_to_leaves_the_table_where_it_is_and_undo_restores_it() -> None:
