@@ -501,6 +501,9 @@ def measure_child(recipe: dict[str, Any]) -> dict[str, Any]:
     out["reserved"] = torch.cuda.max_memory_reserved()
     out["nvml_after"] = nvml_memory("used")
     out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # torch's pinned-memory allocator
+    if stats is not None:
+        out["pinned_peak"] = stats().get("allocated_bytes.peak")
     return out
 
 
@@ -927,11 +930,14 @@ def long_lines(records: list[dict[str, Any]]) -> list[str]:
             continue
         c = comparisons(plan, meas)
         growth = meas["rss_peak"] - meas["rss_start"]
+        pinned = meas.get("pinned_peak")  # what the offload pinned, without the libraries' RSS
+        host = _gib(growth) if pinned is None else f"{_gib(growth)} (pinned {_gib(pinned)})"
         cells += [_gib(predicted_allocated(plan)), _gib(meas["allocated"]), c["allocated"],
                   _gib(plan["total"]),
                   _gib(meas["reserved"]), c["reserved"], _gib(nvml_run_bytes(meas)), c["nvml"],
-                  within_budget(plan, meas), _gib(plan["host"]), _gib(growth),
-                  verdict(growth, plan["host"], RESERVED_TOLERANCE), f"{meas['step_s']:.3f}"]
+                  within_budget(plan, meas), _gib(plan["host"]), host,
+                  verdict(growth if pinned is None else pinned, plan["host"], RESERVED_TOLERANCE),
+                  f"{meas['step_s']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -1079,7 +1085,9 @@ def page(meta: dict[str, Any], grid: list[dict[str, Any]], planned: list[dict[st
               "the plan was made for. *Host RSS growth*: the process's peak resident set "
               "(`getrusage`) less its resident set before the model was built, against the plan's "
               "host bytes (offloaded activations and embeddings); it also holds whatever the build "
-              "and CUDA keep in host memory.", ""]
+              "and CUDA keep in host memory. *Pinned*: the peak bytes of torch's pinned-memory "
+              "allocator (`torch.cuda.host_memory_stats`, each block a power of two), which the host "
+              "verdict holds against the plan where it was measured.", ""]
     if meta.get("long_plans_from"):
         lines += [f"These plans were made before the run, not on the GPU machine: {meta['long_plans_from']}.",
                   ""]
