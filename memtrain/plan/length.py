@@ -56,6 +56,16 @@ class LengthSearch:
     limit: int | None = None  # the model's position limit, when it bounded the search
     estimate: est.Estimate | None = None  # the leanest settings at ``chosen``
     data_longest: int | None = None  # the data's longest row (read uncut), when it bounded the search
+    host: int | None = None  # the host memory allowed, when the search held the host to it
+    host_over: dict[int, int] = field(default_factory=dict)  # length -> host bytes, over ``host``
+
+    def needs(self, length: int) -> str:
+        """What ``length`` needs that does not fit: its host memory where that was over the host's
+        budget (its probe then reads as one byte over the device's), else its device bytes."""
+        if length in self.host_over and self.host is not None:
+            return (f"{format_bytes(self.host_over[length])} of host memory, more than the "
+                    f"{format_bytes(self.host)} allowed")
+        return format_bytes(self.probes[length])
 
     def explain(self) -> str:
         """One sentence: the length, what the next one needs, and the settings it was found with."""
@@ -64,8 +74,8 @@ class LengthSearch:
         if self.chosen == self.data_longest:  # nothing longer to train on: the data bounded the search
             return (f"data.max_length {self.chosen:,} tokens: the data's longest row (read uncut), whose "
                     f"leanest settings {fit}); probed {_count(len(self.probes), 'length')} with {with_}")
-        nxt = self.probes.get(self.chosen + self.step)
-        why = (f"{self.chosen + self.step:,} needs {format_bytes(nxt)}" if nxt is not None else
+        nxt = self.chosen + self.step
+        why = (f"{nxt:,} needs {self.needs(nxt)}" if nxt in self.probes else
                f"the model's {self.limit:,} positions" if self.limit is not None else "the search's end")
         return (f"data.max_length {self.chosen:,} tokens: the longest multiple of {self.step} whose "
                 f"leanest settings {fit}; {why}); probed {_count(len(self.probes), 'length')} with {with_}")
@@ -104,7 +114,7 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
     settings = {**lean.values, "training.micro_batch_size": lean.micro,
                 "training.gradient_accumulation": lean.accumulation}
     found = LengthSearch(0, step, usable, settings, limit=limit,
-                         data_longest=data_longest if data_longest == top else None)
+                         data_longest=data_longest if data_longest == top else None, host=host)
     base = with_values(cfg, {**settings, MAX_KEY: 1}).model_dump_json() + f"|{device}|{exact_length}"
 
     def at(length: int) -> est.Estimate:
@@ -117,6 +127,7 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
         found.probes[length] = estimate.total_bytes
         if host is not None and estimate.host_peak_bytes > host:
             found.probes[length] = max(found.probes[length], usable + 1)  # does not fit: the host's
+            found.host_over[length] = estimate.host_peak_bytes
         return estimate
 
     for length in cache.lengths(base):  # lengths probed before with these settings and this cache
@@ -137,9 +148,11 @@ def longest_length(cfg: RunConfig, device: str, usable: int, step: int | None = 
         shortest = min(found.probes)
         raise MemtrainError(
             f"`data.max_length`: `auto` finds no length that fits: {shortest:,} tokens need "
-            f"{format_bytes(found.probes[shortest])} with the leanest settings, more than the "
-            f"{format_bytes(usable)} usable. Fix: raise `{cfg.memory.budget_field}`, set more fields to "
-            "`auto`, or train a smaller model.")
+            f"{found.needs(shortest)} with the leanest settings"
+            + ("" if shortest in found.host_over else f", more than the {format_bytes(usable)} usable")
+            + f". Fix: raise `{cfg.memory.budget_field}`"
+            + (" or `memory.host_budget`" if found.host_over else "")
+            + ", set more fields to `auto`, or train a smaller model.")
     found.chosen, found.estimate = lo, at(lo)
     return found
 

@@ -108,6 +108,26 @@ def test_exact_length_runs_every_loop_iteration_of_every_trace_and_finds_the_sam
     assert whole.chosen == elided.chosen and whole.probes == elided.probes
 
 
+def test_a_length_the_host_cannot_hold_says_so(tmp_path: Path, tiny_text_file: Path, step: int) -> None:
+    """Where the host memory bounds the length (activation offload), the plan names it: the 80 GiB
+    row of docs/bench/long_context.md said "524,544 needs 72.00 GiB", the device's budget plus one
+    byte, for a length whose 278 GiB of host memory was over the 256 GiB allowed."""
+    cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full",
+                              offload={"activations": True, "min_tensor_bytes": 1024}))
+    host = [estimate(planner.with_values(cfg, {"data.max_length": n}), device="cpu").host_peak_bytes
+            for n in (3 * step, 4 * step)]
+    assert 0 < host[0] < host[1]
+    found = length.longest_length(cfg, "cpu", 2**40, host=(host[0] + host[1]) // 2)
+    assert found.chosen == 3 * step
+    assert found.host_over[4 * step] == host[1]
+    assert (f"{4 * step:,} needs {length.format_bytes(host[1])} of host memory, more than the "
+            f"{length.format_bytes((host[0] + host[1]) // 2)} allowed") in found.explain()
+    with pytest.raises(MemtrainError, match=r"finds no length that fits: .* of host memory, more than the "
+                                            r".* allowed with the leanest settings\. Fix: raise "
+                                            r"`memory.budget` or `memory.host_budget`"):
+        length.longest_length(cfg, "cpu", 2**40, host=1024)
+
+
 def test_a_budget_that_fits_no_length_names_the_field_and_the_peak(
         tmp_path: Path, tiny_text_file: Path, step: int) -> None:
     cfg = load_recipe(_recipe(tmp_path, tiny_text_file, checkpointing="full"))
