@@ -184,7 +184,11 @@ def write(rows: list[dict], line: list[dict], check: tuple | None, seconds: floa
         per = (b["est"].total_bytes - a["est"].total_bytes) / (b["tokens"] - a["tokens"])
         host = (b["est"].host_peak_bytes - a["est"].host_peak_bytes) / (b["tokens"] - a["tokens"])
         lines += ["", f"The line: {per / 1024:.1f} KiB of device memory and {host / 1024:.1f} KiB of "
-                  f"host RAM per added token, through {a['tokens']:,} and {b['tokens']:,} tokens."]
+                  f"host RAM per added token, through {a['tokens']:,} and {b['tokens']:,} tokens. "
+                  "The host RAM grows in steps: CUDA pins each offloaded layer input in a block of the "
+                  "next power of two (torch's pinned-memory allocator; docs/estimate.md), so the host "
+                  "column doubles where the inputs cross one, and a row whose next length's blocks "
+                  "would pass the host RAM allowed stops there (the search's `probes` say which)."]
     if check is not None:
         row, exact = check
         lines += [f"Check (`--check`): at {row['tokens']:,} tokens the line says "
