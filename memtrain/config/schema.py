@@ -140,6 +140,15 @@ class AdapterConfig(Section):
     r: int = Field(8, gt=0, description="LoRA rank.")
     alpha: float = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    compute_dtype: Literal["fp32", "model"] = Field(
+        "fp32",
+        description="The dtype of the adapter's matmuls on a bf16/fp16 model. `fp32`: in the adapter "
+        "weights' own fp32, as peft computes them without autocast (exact to peft; full-size fp32 "
+        "work in row chunks). `model`: in the model's compute dtype, the fp32 weights cast each step "
+        "and their gradients kept in fp32, the adapter's output added to the base layer's in one "
+        "fused matmul: what autocast (the HF Trainer's `bf16=True`) and Unsloth compute, fewer "
+        "casts and copies on a GPU.",
+    )
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
         description="Module name suffixes to adapt, or `all-linear` for every linear layer except "

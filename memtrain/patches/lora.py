@@ -79,12 +79,13 @@ def apply(model: nn.Module, cfg: AdapterConfig, task: str = "causal-lm", lean_kb
         raise
     if quantized and lean_kbit:
         prepare_lean(peft_model)
-    lean_lora_layers(peft_model)
+    lean_lora_layers(peft_model, model_dtype=cfg.compute_dtype == "model")
     adapted = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")
                and name.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
     kind = "QLoRA" if quantized else "LoRA"
     lean = " (frozen weights kept in their dtype)" if quantized and lean_kbit else ""
-    detail = f"{kind} r={cfg.r} on {len(adapted)} layers{lean}"
+    in_model_dtype = ", adapter matmuls in the model's dtype" if cfg.compute_dtype == "model" else ""
+    detail = f"{kind} r={cfg.r} on {len(adapted)} layers{lean}{in_model_dtype}"
     add_records(peft_model, [PatchRecord("lora", adapted, detail)])
     return peft_model
 
@@ -286,6 +287,8 @@ def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -
         return type(self).forward(self, x, *args, **kwargs)
     check_forward_args(self, x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)
+    if getattr(self, "adapter_in_model_dtype", False) and result.dtype != torch.float32:
+        return _model_dtype_adapters(self, x, result)
     for name in self.active_adapters:
         if name not in self.lora_A:
             continue
@@ -296,8 +299,37 @@ def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -
     return result
 
 
-def lean_lora_layers(model: nn.Module) -> int:
-    """Route every plain peft LoRA linear layer through :class:`_LoraAdd` (exact, less memory).
+def _model_dtype_low_rank(x: torch.Tensor, weight: torch.Tensor, dropout: nn.Module,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """``lora_A(dropout(x))`` in ``dtype``; with dropout, recomputed in backward (only ``x`` kept)."""
+    def run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(dropout(x.to(dtype)), weight.to(dtype))
+
+    if isinstance(dropout, nn.Identity) or not dropout.training or not torch.is_grad_enabled():
+        return run(x, weight)
+    return checkpoint(run, x, weight, use_reentrant=False)
+
+
+def _model_dtype_adapters(self: nn.Module, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """``adapter.compute_dtype: model``: each adapter in the base output's dtype, its output added
+    with one ``addmm`` (no full-size fp32 tensor, no row chunks), the fp32 weights cast for the
+    matmuls (their gradients flow back through the casts into fp32), as autocast computes peft's
+    adapter and Unsloth its own."""
+    dtype, shape = result.dtype, result.shape
+    flat = result.reshape(-1, shape[-1])
+    for name in self.active_adapters:
+        if name not in self.lora_A:
+            continue
+        low_rank = _model_dtype_low_rank(x, self.lora_A[name].weight, self.lora_dropout[name], dtype)
+        flat = torch.addmm(flat, low_rank.reshape(-1, low_rank.shape[-1]),
+                           self.lora_B[name].weight.to(dtype).t(), alpha=self.scaling[name])
+    return flat.view(shape)
+
+
+def lean_lora_layers(model: nn.Module, model_dtype: bool = False) -> int:
+    """Route every plain peft LoRA linear layer through :class:`_LoraAdd` (exact, less memory), or,
+    with ``model_dtype`` (``adapter.compute_dtype: model``), through
+    :func:`_model_dtype_adapters` on a bf16/fp16 base.
 
     Covers peft's ``Linear`` and its bitsandbytes ``Linear4bit``/``Linear8bitLt`` (which round the
     adapter's output to the output dtype before adding it); layers whose adapters have a bias are
@@ -321,6 +353,7 @@ def lean_lora_layers(model: nn.Module) -> int:
         if any(m.bias is not None for m in (*module.lora_A.values(), *module.lora_B.values())):
             continue
         module.round_adapter_first = round_first
+        module.adapter_in_model_dtype = model_dtype
         module.forward = types.MethodType(_lean_forward, module)
         changed += 1
     return changed

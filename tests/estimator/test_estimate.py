@@ -57,6 +57,12 @@ CASES = {
                                              "memory": {"checkpointing": "full"},
                                              "training": {"gradient_accumulation": 4}}),  # 2 traced
     "mixtral-full-fp32": ("mixtral", {"adapter": {"method": "full"}}),
+    # the adapter's matmuls in bf16 (adapter.compute_dtype: model), its dropout recomputed
+    "llama-lora-bf16-model-dtype": ("llama", {"model": {"dtype": "bf16"},
+                                              "adapter": {"compute_dtype": "model", "dropout": 0.1}}),
+    "llama-qlora-model-dtype": ("llama", {"model": {"dtype": "bf16", "quantization": "nf4"},
+                                          "adapter": {"compute_dtype": "model", "dropout": 0.0},
+                                          "memory": {"checkpointing": "full"}}),
     "llama-offload-activations": ("llama", {"memory": {
         "checkpointing": "full", "offload": {"activations": True, "min_tensor_bytes": 0}}}),
 }
