@@ -148,10 +148,17 @@ def test_a_fake_run_finds_each_frameworks_longest_and_renders_the_page(
     assert speed["tokens_per_s"] == pytest.approx(bench.SPEED_LENGTH / speed["step_s"])
     at_theirs = ours["speed at their longest"]
     assert at_theirs["length"] == fake_longest("unsloth", bench.CAPS_GIB[0]) and at_theirs["fits"]
+    bf16 = ours[bench.MODEL_DTYPE_SPEED]  # the same step with the adapter's matmuls in bf16
+    assert bf16["length"] == bench.SPEED_LENGTH and bf16["tokens_per_s"] and bf16["kernels"]
+    dtype_note = "adapter matmuls in the model's dtype"
+    assert any(dtype_note in p for p in bf16["info"]["patches"])
+    assert not any(dtype_note in p for p in speed["info"]["patches"])
 
     page = (tmp_path / "unsloth.md").read_text(encoding="utf-8")
     assert "Fake backend: not a measurement" in page
     assert "Where the speed row's step goes" in page and f"`{speed['kernels'][0]['op']}`" in page
+    assert "| fixed length, memtrain's adapter in bf16 (`adapter.compute_dtype: model`) |" in page
+    assert "memtrain with `adapter.compute_dtype: model`:" in page
     ratio = raw["plans"]["8"]["length"] / fake_longest("unsloth", 8)
     assert f"| 8 GiB | {fake_longest('unsloth', 8):,} |" in page and f"{ratio:.2f}x" in page
     rendered = tmp_path / "again.md"

@@ -414,7 +414,10 @@ def load_memtrain(job: dict[str, Any], recipe: dict[str, Any]) -> tuple[Any, dic
             ),
         )
     model = AutoModelForCausalLM.from_pretrained(job["dir"], **kwargs, **PLAIN)
-    return memtrain.apply_patches(model, cfg), {"memtrain": memtrain.__version__}
+    model = memtrain.apply_patches(model, cfg)
+    from memtrain.patches import records
+
+    return model, {"memtrain": memtrain.__version__, "patches": [r.detail or r.name for r in records(model)]}
 
 
 def train_steps(
@@ -963,6 +966,9 @@ def baseline_tasks(end: float) -> list[dict[str, Any]]:
     return [dict(t, phase_end=end) for t in tasks]
 
 
+MODEL_DTYPE_SPEED = "speed, adapter in the model's dtype"
+
+
 def memtrain_tasks(
     plans: dict[str, Any], baseline: list[dict[str, Any]], config: dict[str, Any], end: float
 ) -> list[dict[str, Any]]:
@@ -1005,6 +1011,18 @@ def memtrain_tasks(
                 "profile": True,
             }
         )
+        # the same settings with the adapter's matmuls in bf16 (adapter.compute_dtype: model), the
+        # path the H200's profile of 2026-12-04 pointed at: which default is faster is measured here
+        tasks.append(
+            {
+                "name": MODEL_DTYPE_SPEED,
+                "kind": "step",
+                "length": SPEED_LENGTH,
+                "cap_gib": SPEED_CAP_GIB,
+                "recipe": with_settings(recipe, {"adapter.compute_dtype": "model"}),
+                "profile": True,
+            }
+        )
     small = CAPS_GIB[0]
     theirs = next((r for r in baseline if r.get("task") == f"longest {small} GiB"), {}).get("longest")
     plan = plans.get(str(small)) or {}
@@ -1022,7 +1040,7 @@ def memtrain_tasks(
                 "recipe": recipe,
             }
         )
-    order = [f"longest {CAPS_GIB[0]} GiB", "speed at their longest", "speed"]
+    order = [f"longest {CAPS_GIB[0]} GiB", "speed at their longest", "speed", MODEL_DTYPE_SPEED]
     tasks.sort(key=lambda t: order.index(t["name"]) if t["name"] in order else len(order))
     return [dict(t, phase_end=end) for t in tasks]
 
@@ -1272,6 +1290,8 @@ def page(raw: dict[str, Any]) -> str:
     small = CAPS_GIB[0]
     for label, key_t, key_o, cap in (
         ("fixed length", "speed", "speed", SPEED_CAP_GIB),
+        ("fixed length, memtrain's adapter in bf16 (`adapter.compute_dtype: model`)", "speed",
+         MODEL_DTYPE_SPEED, SPEED_CAP_GIB),
         (f"{name}'s longest at {small} GiB", "speed at their longest", None, small),
     ):
         t = theirs.get(key_t, {}) if key_o else {}
@@ -1322,6 +1342,9 @@ def page(raw: dict[str, Any]) -> str:
                 f"`{next((r['info'].get('allocator') for r in rows.values() if r.get('info')), None)}`."
             )
     lines += kernel_lines(name, theirs.get("speed", {}), ours.get("speed", {}))
+    if ours.get(MODEL_DTYPE_SPEED, {}).get("kernels"):
+        lines += ["", "memtrain with `adapter.compute_dtype: model`:"]
+        lines += kernel_lines(name, theirs.get("speed", {}), ours[MODEL_DTYPE_SPEED])[3:]
     lines += [
         "",
         "All numbers come from `scripts/bench/gpu/unsloth.py`; the raw results are in the JSON beside this "
