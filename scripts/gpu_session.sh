@@ -8,6 +8,8 @@
 #                run(command="BENCH_BUDGET=280 TEST_TIMEOUT=60 bash scripts/gpu_session.sh --skip-calibrate
 #                    --profile docs/bench/gpu_calibration_h200.json --reuse-measured docs/bench/gpu_h200.json",
 #                    carry=[".gpusite"], timeout_s=400)      # at once: the machine goes back after 30 s idle
+#                (2026-12-04 evening: the first call took 233 s of its 460, so the second ran with
+#                BENCH_BUDGET=420 and timeout_s=560: size the second from what the first left)
 #                (on an H200: its profile and measured grid rows are kept, the minutes go to the long row,
 #                the planner's candidates and GRPO; another GPU: drop the three flags)
 # Sized to 15 minutes of device time from the H200 sessions (2026-11-27, 2026-12-04): the start took
