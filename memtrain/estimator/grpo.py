@@ -208,6 +208,7 @@ def generation_memory(text: Any, *, resident: int, sequences: int, prompt: int, 
 
 
 _PREFILL: dict[tuple[str, str | None, int, int], int | None] = {}
+PREFILL_KEPT = 64  # prefill traces cached (a long-lived process plans many configs and lengths)
 
 
 def prefill_per_row(text: Any, prompt: int, size: int) -> int | None:
@@ -218,14 +219,18 @@ def prefill_per_row(text: Any, prompt: int, size: int) -> int | None:
     implementation, so that whatever a family's layers keep counts: a gated MLP's product, the
     rotary tables, eager attention's scores and softmax (rows x heads x prompt^2). Linear in the
     rows, so one row is traced; the cache (counted apart, at full length) is off, its keys and
-    values counted here as well (more, never less). Cached per config, length and size; None where
-    the forward cannot run on fake tensors."""
+    values counted here as well (more, never less). Cached per config, length and size (the
+    :data:`PREFILL_KEPT` most recently used); None where the forward cannot run on fake tensors."""
     from memtrain._compat.transformers_config import attn_implementation
 
     attn = attn_implementation(text)
     key = (text.to_json_string(use_diff=False), attn, prompt, size)
-    if key not in _PREFILL:
+    if key in _PREFILL:
+        _PREFILL[key] = _PREFILL.pop(key)  # the most recently used last
+    else:
         _PREFILL[key] = _traced_prefill(text, attn, prompt, size)
+        while len(_PREFILL) > PREFILL_KEPT:
+            del _PREFILL[next(iter(_PREFILL))]  # the least recently used
     return _PREFILL[key]
 
 

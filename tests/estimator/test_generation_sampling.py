@@ -155,3 +155,22 @@ def test_a_prefill_that_dominates_is_never_predicted_low(model_type: str, attn: 
     assert phase.prefill > phase.sampling  # the case this test is about
     measured = probe.device_peak
     assert measured <= phase.peak_bytes <= 1.25 * measured, (phase.peak_bytes, measured)
+
+
+def test_the_prefill_cache_keeps_the_most_recently_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived process (a notebook, a service) plans many configs and lengths: the prefill
+    traces it keeps are the :data:`grpo.PREFILL_KEPT` most recently used, a hit traced once."""
+    from transformers import LlamaConfig
+
+    from memtrain.estimator import grpo
+
+    traced: list[int] = []
+    monkeypatch.setattr(grpo, "_PREFILL", {})
+    monkeypatch.setattr(grpo, "PREFILL_KEPT", 3)
+    monkeypatch.setattr(grpo, "_traced_prefill",
+                        lambda text, attn, prompt, size: traced.append(prompt) or prompt)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    for prompt in (1, 2, 3, 1, 4, 1, 2):
+        assert grpo.prefill_per_row(text, prompt, 2) == prompt
+    assert traced == [1, 2, 3, 4, 2]  # 1 kept by its uses; 2, the least recently used, dropped for 4
+    assert [key[2] for key in grpo._PREFILL] == [4, 1, 2]
