@@ -28,7 +28,7 @@ import numpy as np
 from torch import nn
 
 from memtrain.config import RunConfig
-from memtrain.estimator.trace import HOST, ROUNDED, Candidates, Work
+from memtrain.estimator.trace import HOST, PINNED, ROUNDED, Candidates, Work
 from memtrain.estimator.trace_events import CATEGORY_NAMES
 from memtrain.memory.trackers import pinned_bytes
 
@@ -79,9 +79,11 @@ def table_offloaded(cands: Candidates, moved: Table, tokens: int) -> Candidates:
     values = cands.values.copy()
     values[:, PARAMETERS] -= moved.bytes
     values[:, ROUNDED] -= -(-moved.bytes // ROUNDING) * ROUNDING
-    values[:, HOST] += pinned_bytes(moved.bytes)  # derived for CUDA only: the table is pinned
+    values[:, HOST] += moved.bytes
+    values[:, PINNED] += pinned_bytes(moved.bytes) - moved.bytes  # derived for CUDA only: pinned
     gather = np.zeros((1, values.shape[1]), dtype=values.dtype)  # no device op holds a peak here
     gather[0, HOST] = values[:, HOST].min() + tokens * moved.row_bytes
+    gather[0, PINNED] = values[:, PINNED].min()
     return Candidates([*cands.phases, "forward"], np.vstack([values, gather]))
 
 

@@ -40,6 +40,7 @@ from memtrain.estimator.pool import run_all
 from memtrain.estimator.setup import TraceSetup, trace_setup
 from memtrain.estimator.trace import (
     HOST,
+    PINNED,
     ROUNDED,
     Candidates,
     Trace,
@@ -98,6 +99,10 @@ class Estimate:
     method: str
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # the host bytes that come and go in a step (offloaded activations, looked-up rows) at their
+    # size: what crosses to the host and back, without the pinned blocks' rounding (the cost
+    # model's); None: host_peak_bytes - host_resident_bytes
+    host_moved_bytes: int | None = None
     work: Work | None = None  # FLOPs, ops and bytes written (the planner's cost model)
 
     def to_dict(self) -> dict[str, Any]:
@@ -374,7 +379,8 @@ def summarize(plan: TraceSetup, cands: Candidates, counts: Counts, method: str,
     peak = int(totals[top])
     overheads, sources = _overheads(plan, peak, int(values[:, ROUNDED].max()),
                                     _resident(_categories(values[top])))
-    shared = int((totals + values[:, HOST]).max()) - peak
+    host = values[:, HOST] + values[:, PINNED]  # on CUDA, the pinned tensors at their blocks' size
+    shared = int((totals + host).max()) - peak
     if plan.device == "cpu" and shared > 0:  # offloading to the RAM the "device" is: one budget
         overheads["host_offload"] = shared
         sources["host_offload"] = "offloaded tensors: on a CPU the host is the same RAM"
@@ -392,8 +398,8 @@ def summarize(plan: TraceSetup, cands: Candidates, counts: Counts, method: str,
     return Estimate(
         model=plan.label, device=plan.device, settings=settings, parameters=counts.parameters,
         trainable=counts.trainable, peak_bytes=peak, by_category=_categories(values[top]), by_phase=by_phase,
-        category_at_phase_peak=at_phase, host_peak_bytes=int(values[:, HOST].max()),
-        host_resident_bytes=int(values[:, HOST].min()),
+        category_at_phase_peak=at_phase, host_peak_bytes=int(host.max()), host_resident_bytes=int(host.min()),
+        host_moved_bytes=int(values[:, HOST].max() - values[:, HOST].min()),
         overheads=overheads, overhead_sources=sources, total_bytes=peak + sum(overheads.values()),
         method=method, notes=list(plan.notes), seconds=round(seconds, 3), work=counts.work,
     )

@@ -53,7 +53,10 @@ from memtrain.model import count_parameters
 from memtrain.trainer.build import build_optimizer, example_batch, step_loss, step_settings
 from memtrain.trainer.step import hold_gradients, training_step
 
-HOST, ROUNDED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1  # extra value columns
+# extra value columns: host bytes (tensors at their size), the device's 512-byte rounding, and what
+# CUDA's pinned-memory allocator adds to the host's pinned tensors (each a power of two:
+# memtrain.memory.trackers.pinned_bytes)
+HOST, ROUNDED, PINNED = len(CATEGORY_NAMES), len(CATEGORY_NAMES) + 1, len(CATEGORY_NAMES) + 2
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Trace:
     phases: list[str]  # phase name of each occurrence (forward, backward, forward, ..., optimizer)
     occurrence: np.ndarray  # (ops,)
     layer: np.ndarray  # (ops,)
-    values: np.ndarray  # (ops, categories + host + rounded)
+    values: np.ndarray  # (ops, categories + host + rounded + pinned)
     parameters: int
     trainable: int
     patches: list[str]  # what the applied patches did

@@ -99,6 +99,11 @@ class _StandIn:
     events: tuple[int, int] = (0, 0)  # its span of the recorded allocations (start, end once ended)
 
 
+def _pin_extra(nbytes: int) -> int:
+    """What CUDA's pinned-memory allocator adds to a pinned host tensor of ``nbytes``."""
+    return trackers.pinned_bytes(nbytes) - nbytes
+
+
 class _EventRecorder:
     """What the tracing meter adds to the meter's trackers: raw bytes per category after every op
     (one row per op that changes them), the phase and decoder layer of each row, and the step's
@@ -110,6 +115,7 @@ class _EventRecorder:
         self._fqns: list[str | None] = [None] * len(layers)
         self._raw = {d: [0] * len(CATEGORY_NAMES) for d in (self.compute_device, self.host_device)}  # type: ignore[attr-defined]
         self._rounded = 0
+        self._pinned = 0  # what the pinned host tensors' blocks add to their bytes (PINNED)
         self.phases: list[str] = []
         self.rows: list[tuple[int, ...]] = []
         # per row: (loop instance, iteration) at the top level and nested in it (memory.loops)
@@ -229,8 +235,6 @@ class _EventRecorder:
         if counts is None:
             return
         raw = winfo.size * winfo.element_size
-        if getattr(winfo, "_memtrain_pinned", False):  # host memory CUDA pins: a power of two
-            raw = trackers.pinned_bytes(raw)
         old = getattr(winfo, "_memtrain_raw", raw)
         times = getattr(winfo, "_memtrain_times", 1)  # > 1: a stand-in iteration's storage
         if times > 1 and u_type != UpdateType.ADD and loops.current()[0] >= 0:
@@ -263,6 +267,13 @@ class _EventRecorder:
         winfo._memtrain_raw = raw
         if winfo.device == self.compute_device:  # type: ignore[attr-defined]
             self._rounded += delta_rounded
+        elif getattr(winfo, "_memtrain_pinned", False):  # host memory CUDA pins (move_to_host)
+            if u_type == UpdateType.ADD:
+                self._pinned += _pin_extra(raw)
+            elif u_type == UpdateType.DEL:
+                self._pinned -= _pin_extra(old) * times
+            elif u_type == UpdateType.SIZE:
+                self._pinned += (_pin_extra(raw) - _pin_extra(old)) * times
 
     def _record(self, u_type: UpdateType, winfo: Any, raw: int) -> None:
         # a serial number, not id(): a storage's id is reused once it is gone
@@ -321,15 +332,18 @@ class _EventRecorder:
         device, host = held[self.compute_device], sum(held[self.host_device])  # type: ignore[attr-defined]
         rounded = sum(round_size(w._memtrain_raw) for w in pending.survivors.values()
                       if w.device == self.compute_device)  # type: ignore[attr-defined]
+        pinned = sum(_pin_extra(w._memtrain_raw) for w in pending.survivors.values()
+                     if w.device == self.host_device and getattr(w, "_memtrain_pinned", False))  # type: ignore[attr-defined]
         for d, counts in held.items():
             for slot, n in enumerate(counts):
                 self._raw[d][slot] += n * extra
         self._rounded += rounded * extra
+        self._pinned += pinned * extra
         for winfo in pending.survivors.values():
             winfo._memtrain_times = pending.times
         if self.allocations is not None:
             self._repeat(pending)
-        shift = np.array([0, 0, *device, host, rounded], dtype=np.int64) * extra
+        shift = np.array([0, 0, *device, host, rounded, pinned], dtype=np.int64) * extra
         self.rows[pending.first_row:] = [tuple(int(v) for v in np.add(row, shift))
                                          for row in self.rows[pending.first_row:]]
         self.scaled.add(pending.mark[0])
@@ -370,7 +384,7 @@ class _EventRecorder:
         if not self.phases or self.phases[-1] != phase:
             self.phases.append(phase)
         row = (len(self.phases) - 1, self._current_layer(), *self._raw[self.compute_device],  # type: ignore[attr-defined]
-               sum(self._raw[self.host_device]), self._rounded)  # type: ignore[attr-defined]
+               sum(self._raw[self.host_device]), self._rounded, self._pinned)  # type: ignore[attr-defined]
         mark = (*loops.current(), *loops.inner())  # the loop iterations (tile, chunk) it ran in, if any
         # ops that allocate nothing (views) add no row
         if not self.rows or row != self.rows[-1] or mark != self.marks[-1]:

@@ -684,7 +684,10 @@ class Search:
         knob's cost hook: :func:`space.cost_terms`). ``summary`` (None: a lower bound) gives the
         bytes activation offload moves to the host and back per micro-batch: its host peak less
         what stays there all step (weights, state)."""
-        offloaded = summary.host_peak_bytes - summary.host_resident_bytes if summary is not None else 0
+        offloaded = 0
+        if summary is not None:  # what crosses to the host and back, not the pinned blocks' size
+            offloaded = (summary.host_moved_bytes if summary.host_moved_bytes is not None
+                         else summary.host_peak_bytes - summary.host_resident_bytes)
         inputs = CostInputs(cfg, self.shape, micro, counts.parameters, counts.trainable,
                             lambda: self.cost_model, work.recomputed, work.recomputed_selective, traced)
         terms = space.cost_terms(inputs)

@@ -425,13 +425,18 @@ def test_a_cuda_estimate_holds_each_offloaded_copy_at_the_power_of_two_cuda_pins
     recipe = causal_recipe(tmp_path, tiny_text_file, model=model, data={"max_length": 200},
                            memory={"checkpointing": "full", "loss": "chunked",
                                    "offload": {"activations": True, "min_tensor_bytes": 1024}})
-    cpu = memtrain.estimate(recipe, device="cpu", exact=True).host_peak_bytes
+    on_cpu = memtrain.estimate(recipe, device="cpu", exact=True)
+    cpu = on_cpu.host_peak_bytes
     assert sizes and not any(p for _, p in sizes) and cpu == sum(n for n, _ in sizes)
     assert any(pinned_bytes(n) != n for n, _ in sizes)  # 200 tokens: not a power of two
     sizes.clear()
-    cuda = memtrain.estimate(recipe, device="cuda", exact=True).host_peak_bytes
+    on_cuda = memtrain.estimate(recipe, device="cuda", exact=True)
+    cuda = on_cuda.host_peak_bytes
     assert sizes and all(p for _, p in sizes)
     assert cuda == sum(pinned_bytes(n) for n, _ in sizes) > cpu
+    # what crosses to the host and back (the planner's cost model) is the tensors' bytes, not the
+    # blocks' (counted rounded, the 8B plan for 8 GiB chose full checkpointing over none)
+    assert on_cuda.host_moved_bytes == cpu - on_cpu.host_resident_bytes == sum(n for n, _ in sizes)
 
 
 def test_the_prefetch_stand_in_keeps_the_layers_alike_for_the_depth_extrapolation(
