@@ -39,6 +39,10 @@ __all__ = ["IGNORE_INDEX", "PreparedData", "class_names", "load_raw", "load_spli
            "read_rows"]
 
 
+# the columns that hold token ids (a row, a preference pair's parts, a completion)
+TOKEN_COLUMNS = ("input_ids", "prompt_ids", "chosen_ids", "rejected_ids", "completion_ids")
+
+
 @dataclass
 class PreparedData:
     """Tokenized splits and how to batch them."""
@@ -64,6 +68,27 @@ class PreparedData:
         if "prompt_tokens" in self.train.column_names:  # GRPO prompts: the longest prompt
             return rows_of(cfg, self.train["prompt_tokens"])
         return rows_of(cfg, token_counts(self.train))
+
+    def largest_token_id(self) -> int | None:
+        """The largest token id in either split's :data:`TOKEN_COLUMNS` (not ``position_ids``,
+        ``token_type_ids``), read from the Arrow columns; None where no split holds ids (GRPO's
+        prompts are text until TRL tokenizes them)."""
+        import pyarrow.compute as pc
+
+        found = None
+        for split in (self.train, self.eval):
+            if split is None:
+                continue
+            table = split.with_format("arrow")
+            for name in split.column_names:
+                if name in TOKEN_COLUMNS:
+                    column = table[name]
+                    if not str(column.type).startswith(("list", "large_list")):
+                        continue
+                    top = pc.max(pc.list_flatten(column)).as_py()
+                    if top is not None:
+                        found = top if found is None else max(found, top)
+        return found
 
 
 UNCUT = 10**9  # data.max_length to read rows with when the planner has not chosen it yet

@@ -128,6 +128,7 @@ def train(cfg: RunConfig, console: Console | None = None,
     batch = resolve_batch(cfg.training, cfg.distributed.processes)
     model = build_model(cfg, data.num_labels, tokenizer.pad_token_id, data.label_names)
     check_positions(model.config, rows.longest)  # the loaded config (a hub id the check above could not read)
+    check_token_ids(cfg, data, model)
     # before the processes' group exists: the estimate traces sharding in a group of its own
     predicted = _predict(cfg, rows) if cfg.output.report else None
     model = distributed.shard_model(model, cfg)  # FSDP2 with several processes, else unchanged
@@ -229,6 +230,30 @@ def _confirm_batch(trainer: Any, cfg: RunConfig, batch: Batch, choices: list[tup
     probe = autofit.confirm(trainer, cfg, batch, choices=choices, rows=rows)
     console.print(autofit.describe(probe, rows.longest))
     return probe.batch
+
+
+def check_token_ids(cfg: RunConfig, data: PreparedData, model: torch.nn.Module) -> None:
+    """Every token id of the data must have a row in the model's input embedding: a tokenizer with
+    more ids than the model (a `model.from_config` built with a smaller `vocab_size`) otherwise
+    fails the first lookup with an IndexError deep in the model, after the plan and the load."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    top = data.largest_token_id()
+    if not isinstance(rows, int) or top is None or top < rows:
+        return
+    from memtrain.config import Problem, RecipeError
+
+    if cfg.model.from_config is not None:
+        raise RecipeError([Problem("model.from_config.vocab_size", rows,
+                                   "too small for the data's token ids (the largest is "
+                                   f"{top:,}, from `model.tokenizer`)",
+                                   f"set `model.from_config.vocab_size` to at least {top + 1:,}, or "
+                                   "use a tokenizer whose ids the model has.")])
+    raise RecipeError([Problem("model.tokenizer", cfg.model.tokenizer or cfg.model.name,
+                               "gives token ids the model has no embedding row for (the largest is "
+                               f"{top:,}; the model has {rows:,} rows)",
+                               "use the model's own tokenizer (leave `model.tokenizer` unset), or a "
+                               "model whose vocabulary holds the tokenizer's ids.")])
 
 
 def _plan(cfg: RunConfig, console: Console, rows: Rows | None) -> RunConfig:

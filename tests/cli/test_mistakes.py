@@ -117,6 +117,10 @@ def test_train_mistakes_exit_2_naming_the_field(tmp_path: Path, corpus: Path) ->
         "fits), `memory.checkpointing: full`, a shorter `data.max_length`, QLoRA (`model.quantization: "
         "nf4`), or the settings `memtrain plan` chooses for fields set to `auto`.",
         "training.learning_rate=true": "`training.learning_rate`: expected a number, got True",
+        # a tokenizer with more ids than the model built from its config: an IndexError in the
+        # embedding lookup ("internal error") before the check
+        "model.from_config.vocab_size=64": "`model.from_config.vocab_size`: too small for the data's token "
+        "ids (the largest is",
     }
     for overrides, expected in cases.items():
         assert expected in run_cli(["train", recipe, *overrides.split()]), overrides
