@@ -80,14 +80,10 @@ class PreparedData:
             if split is None:
                 continue
             table = split.with_format("arrow")
-            for name in split.column_names:
-                if name in TOKEN_COLUMNS:
-                    column = table[name]
-                    if not str(column.type).startswith(("list", "large_list")):
-                        continue
-                    top = pc.max(pc.list_flatten(column)).as_py()
-                    if top is not None:
-                        found = top if found is None else max(found, top)
+            for name in set(TOKEN_COLUMNS) & set(split.column_names):
+                top = pc.max(pc.list_flatten(table[name])).as_py()
+                if top is not None:
+                    found = top if found is None else max(found, top)
         return found
 
 

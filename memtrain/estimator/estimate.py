@@ -100,9 +100,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     # the host bytes that come and go in a step (offloaded activations, looked-up rows) at their
-    # size: what crosses to the host and back, without the pinned blocks' rounding (the cost
-    # model's); None: host_peak_bytes - host_resident_bytes
-    host_moved_bytes: int | None = None
+    # size: what crosses to the host and back, without the pinned blocks' rounding (the cost model's)
+    host_moved_bytes: int = 0
     work: Work | None = None  # FLOPs, ops and bytes written (the planner's cost model)
 
     def to_dict(self) -> dict[str, Any]:

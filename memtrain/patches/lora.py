@@ -299,17 +299,6 @@ def _lean_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -
     return result
 
 
-def _model_dtype_low_rank(x: torch.Tensor, weight: torch.Tensor, dropout: nn.Module,
-                          dtype: torch.dtype) -> torch.Tensor:
-    """``lora_A(dropout(x))`` in ``dtype``; with dropout, recomputed in backward (only ``x`` kept)."""
-    def run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(dropout(x.to(dtype)), weight.to(dtype))
-
-    if isinstance(dropout, nn.Identity) or not dropout.training or not torch.is_grad_enabled():
-        return run(x, weight)
-    return checkpoint(run, x, weight, use_reentrant=False)
-
-
 def _model_dtype_adapters(self: nn.Module, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     """``adapter.compute_dtype: model``: each adapter in the base output's dtype, its output added
     with one ``addmm`` (no full-size fp32 tensor, no row chunks), the fp32 weights cast for the
@@ -320,7 +309,8 @@ def _model_dtype_adapters(self: nn.Module, x: torch.Tensor, result: torch.Tensor
     for name in self.active_adapters:
         if name not in self.lora_A:
             continue
-        low_rank = _model_dtype_low_rank(x, self.lora_A[name].weight, self.lora_dropout[name], dtype)
+        # peft's low rank on the weight cast to the model's dtype (x is already in it)
+        low_rank = _low_rank(x, self.lora_A[name].weight.to(dtype), self.lora_dropout[name])
         flat = torch.addmm(flat, low_rank.reshape(-1, low_rank.shape[-1]),
                            self.lora_B[name].weight.to(dtype).t(), alpha=self.scaling[name])
     return flat.view(shape)

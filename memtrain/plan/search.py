@@ -682,12 +682,9 @@ class Search:
         """Step time of the candidate recipe ``cfg`` at ``micro`` from ``work`` (its trace's, or with
         ``traced``, a lower bound's trace of that recipe); each technique adds its terms (its
         knob's cost hook: :func:`space.cost_terms`). ``summary`` (None: a lower bound) gives the
-        bytes activation offload moves to the host and back per micro-batch: its host peak less
-        what stays there all step (weights, state)."""
-        offloaded = 0
-        if summary is not None:  # what crosses to the host and back, not the pinned blocks' size
-            offloaded = (summary.host_moved_bytes if summary.host_moved_bytes is not None
-                         else summary.host_peak_bytes - summary.host_resident_bytes)
+        bytes activation offload moves to the host and back per micro-batch
+        (``host_moved_bytes``: the tensors' bytes, not the pinned blocks' size)."""
+        offloaded = summary.host_moved_bytes if summary is not None else 0
         inputs = CostInputs(cfg, self.shape, micro, counts.parameters, counts.trainable,
                             lambda: self.cost_model, work.recomputed, work.recomputed_selective, traced)
         terms = space.cost_terms(inputs)

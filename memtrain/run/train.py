@@ -22,7 +22,7 @@ from rich.table import Table
 from transformers import TrainerCallback, set_seed
 
 from memtrain import patches
-from memtrain.config import RunConfig, dump_recipe
+from memtrain.config import Problem, RecipeError, RunConfig, dump_recipe
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
 from memtrain.data.prepare import PreparedData, cut_to, prepare_data, read_data
 from memtrain.data.rows import Rows
@@ -241,8 +241,6 @@ def check_token_ids(cfg: RunConfig, data: PreparedData, model: torch.nn.Module) 
     top = data.largest_token_id()
     if not isinstance(rows, int) or top is None or top < rows:
         return
-    from memtrain.config import Problem, RecipeError
-
     if cfg.model.from_config is not None:
         raise RecipeError([Problem("model.from_config.vocab_size", rows,
                                    "too small for the data's token ids (the largest is "

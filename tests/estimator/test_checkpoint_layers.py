@@ -31,8 +31,8 @@ from tests.conftest import TINY_CONFIGS, causal_recipe
 
 DEPTH = 8  # deeper than the 2 + 3 layers traced, so the fast estimate extrapolates
 COMPARED = ("peak_bytes", "by_category", "by_phase", "category_at_phase_peak", "host_peak_bytes",
-            "host_resident_bytes", "overheads", "overhead_sources", "total_bytes", "parameters",
-            "trainable", "work")
+            "host_resident_bytes", "host_moved_bytes", "overheads", "overhead_sources", "total_bytes",
+            "parameters", "trainable", "work")
 FULL = {"adapter": {"method": "full"}}
 OFFLOAD = {"offload": {"activations": True, "min_tensor_bytes": 0}}
 LONG = {"loss": "chunked", "loss_chunk_tokens": 48, "tiled_mlp": True, "tiled_mlp_tile_tokens": 64}

@@ -34,7 +34,7 @@ EVERY = {"checkpointing": "full", "loss": "chunked", "loss_chunk_tokens": 48, "t
 LENGTH = 1024
 NESTED = 2048  # the nested loops' cases: 8 tiles of 256 tokens, each with LoRA chunks of its own
 COMPARED = ("peak_bytes", "by_category", "by_phase", "category_at_phase_peak", "host_peak_bytes",
-            "host_resident_bytes", "overheads", "total_bytes")
+            "host_resident_bytes", "host_moved_bytes", "overheads", "total_bytes")
 
 
 def _cfg(tmp_path: Path, data: Path, arch: str, length: int | str, memory: dict[str, Any],

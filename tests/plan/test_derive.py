@@ -53,8 +53,8 @@ def _estimates(search: Search, cfg: Any, held: bool) -> dict[tuple[int, int], An
             s = search._summary(traced, micro, accumulation)
             out[accumulation, micro] = (
                 s.peak_bytes, s.total_bytes, s.by_category, s.by_phase, s.category_at_phase_peak,
-                s.host_peak_bytes, s.host_resident_bytes, s.overheads, s.settings["patches"],
-                traced.counts2, traced.counts3)
+                s.host_peak_bytes, s.host_resident_bytes, s.host_moved_bytes, s.overheads,
+                s.settings["patches"], traced.counts2, traced.counts3)
     return out
 
 
