@@ -150,3 +150,31 @@ def test_the_heavy_commands_import_their_libraries_in_the_block():
         cli.main()
     """)
     assert found["seen"] == [[False, True]]  # torch and the rest were first imported inside it
+
+
+def test_transformers_reads_its_model_folders_once_with_the_same_structure():
+    code = """
+        import json, sys
+        from memtrain import lazy_setup
+        if sys.argv[1] == "installed":
+            lazy_setup.install()
+        import transformers
+        from transformers.models.bert import modeling_bert  # imports transformers.models: its second scan
+        import transformers.utils.import_utils as iu
+        info = iu.create_import_structure_from_path.cache_info()
+        models = sys.modules["transformers.models"]
+        print(json.dumps({"misses": info.misses, "hits": info.hits, "maxsize": info.maxsize,
+                          "top": sorted(dir(transformers)), "models": sorted(dir(models))}))
+    """
+    def run(how: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), how], capture_output=True,
+                              text=True, timeout=300, check=True)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    plain, installed = run("plain"), run("installed")
+    assert plain["maxsize"] == 128 and installed["maxsize"] is None
+    # the plain import reads each folder twice (its cache keeps 128 of ~570); once installed, once
+    assert installed["misses"] > 400 and plain["misses"] > 1.8 * installed["misses"]
+    assert installed["hits"] > 400  # the second scan's folders, from the first
+    assert installed["top"] == plain["top"] and installed["models"] == plain["models"]
+    assert len(installed["top"]) > 1000
