@@ -142,6 +142,24 @@ def model_class(cfg: ModelConfig) -> Any:
     return _AUTO_CLASSES[cfg.task]
 
 
+def attention(cfg: ModelConfig, config: PretrainedConfig) -> str:
+    """The attention kernel a model of ``config`` built from the recipe runs: ``model.attn_implementation``,
+    else the config's own, else transformers' default for the model class (SDPA where the class
+    supports it, eager attention otherwise: Gemma-2). Raises :class:`RecipeError` naming
+    ``model.attn_implementation`` where the recipe asks for SDPA and the model has none (transformers'
+    own error names no field)."""
+    from memtrain._compat.transformers_config import attn_implementation, supports_sdpa
+
+    asked = cfg.attn_implementation or attn_implementation(config)
+    sdpa = supports_sdpa(model_class(cfg), config)
+    if asked == "sdpa" and sdpa is False:
+        name = type(config).__name__.removesuffix("Config")
+        raise RecipeError([Problem(
+            "model.attn_implementation", "sdpa", f"{name} models have no SDPA attention in transformers",
+            "set `model.attn_implementation: eager` or leave it unset (the model's default, eager).")])
+    return asked or ("eager" if sdpa is False else "sdpa")
+
+
 def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """Keyword arguments every model build shares: weight dtype and attention kernel.
 
@@ -209,6 +227,7 @@ def load_model(
     if pad_token_id is not None and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = pad_token_id
     auto = model_class(cfg)
+    attention(cfg, config)  # SDPA asked of a model without it: the recipe's field, before any download
     kwargs = model_kwargs(cfg)
     quant = quantization_config(cfg, quant_storage)
     if cfg.from_config is not None and quant is None:

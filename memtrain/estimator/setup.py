@@ -69,7 +69,14 @@ def trace_setup(recipe: RunConfig | str | Path | dict, overrides: Sequence[str],
     if target == "cuda" and trace_device == "cpu":
         notes.append("CUDA run traced on CPU fake tensors, with CUDA's multi-tensor optimizer kernels; "
                      "int8 layers follow their CPU path")
-    notes.append(attention_note(cfg, config, target, trace_device, rows.packed or rows.padded(batch.micro)))
+    from memtrain.model import attention
+
+    kernel = attention(cfg.model, config)  # the recipe's, else the model's default (eager for Gemma-2)
+    note = attention_note(kernel, config, target, trace_device, rows.packed or rows.padded(batch.micro))
+    if kernel == "eager" and not cfg.model.attn_implementation:
+        name = type(config).__name__.removesuffix("Config")
+        note += f"; the model's default: transformers has no SDPA for {name}"
+    notes.append(note)
     notes += _process_notes(cfg)
     if target == "cuda" and trace_device == "cpu" and cfg.memory.offload.optimizer is True:
         notes.append("optimizer offload traced with synchronous copies (its CPU mode): the state and "
@@ -107,16 +114,17 @@ def check_decided(cfg: RunConfig, allow: Sequence[str] = (), length: bool = True
 DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
-def attention_note(cfg: RunConfig, config: PretrainedConfig, target: str, trace_device: str,
+def attention_note(kernel: str, config: PretrainedConfig, target: str, trace_device: str,
                    masked: bool) -> str:
-    """Which attention kernel the trace ran and whether it holds a tokens x tokens matrix.
+    """Which attention kernel the trace ran (``kernel``: :func:`memtrain.model.attention`) and
+    whether it holds a tokens x tokens matrix.
 
     PyTorch's ``scaled_dot_product_attention`` picks a kernel per call: on a CPU (torch 2.x) its
     flash kernel for any mask, but the math path (an s x s matrix per head, kept for backward)
     when attention dropout is on; on CUDA flash (no mask) or memory-efficient (a mask; dropout
     too), neither with an s x s matrix.
     """
-    if cfg.model.attn_implementation == "eager":
+    if kernel == "eager":
         return "attention: eager, an s x s matrix of scores per head kept for backward (quadratic in length)"
     mask = "; the 4D attention mask (padded or packed batch) is s x s itself" if masked else ""
     if trace_device == "cuda":
