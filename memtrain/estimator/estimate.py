@@ -36,6 +36,7 @@ from memtrain.config import RunConfig
 from memtrain.config.batch import resolve_batch
 from memtrain.data.rows import Rows
 from memtrain.estimator import calibrate, grpo_step
+from memtrain.estimator.layers import Pattern
 from memtrain.estimator.pool import run_all
 from memtrain.estimator.setup import TraceSetup, trace_setup
 from memtrain.estimator.trace import (
@@ -201,21 +202,25 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
                           "to extrapolate from shorter traces, so every layer was traced")
     count = plan.cfg.memory.checkpointing
     kinds = not whole and isinstance(count, int)  # the first n layers are checkpointed, the rest not
-    if kinds and not plan.pattern.uniform:  # two patterns at once: not extrapolated
+    unit = checkpointed_unit(plan.pattern, count) if kinds else 1  # layers per group of each kind
+    if kinds and not unit:  # two patterns at once, out of step: not extrapolated
         if "checkpointing" not in " ".join(plan.notes):
             plan.notes.append(f"memory.checkpointing: {count} of {plan.depth} layers where the layers "
-                              f"differ ({plan.pattern.describe()}), so every layer was traced")
+                              f"differ ({plan.pattern.describe()}) and {count} is not a multiple of "
+                              f"their group of {plan.pattern.period}, so every layer was traced")
         whole, kinds = True, False
-    if kinds and not 2 <= count <= plan.depth - 2:
+    if kinds and not 2 * unit <= count <= plan.depth - 2 * unit:
         if "checkpointing" not in " ".join(plan.notes):
             plan.notes.append(f"memory.checkpointing: {count} of {plan.depth} layers leaves fewer than 2 "
-                              "layers checkpointed or not, so every layer was traced")
+                              f"{'groups of layers' if unit > 1 else 'layers'} checkpointed or not, so "
+                              "every layer was traced")
         whole, kinds = True, False
     even = kinds and 2 * count == plan.depth
-    if kinds and plan.depth <= max(d for d, _ in (KINDS_EVEN if even else KINDS_TRACED)):
+    if kinds and plan.depth <= unit * max(d for d, _ in (KINDS_EVEN if even else KINDS_TRACED)):
         whole, kinds, even = True, False, False  # one trace of every layer is no deeper than theirs
     # (depth, checkpointed layers: None for the recipe's own setting) of each trace of a point
-    shapes = ([(plan.depth, None)] if whole else KINDS_EVEN if even else KINDS_TRACED if kinds
+    shapes = ([(plan.depth, None)] if whole
+              else [(unit * d, unit * n) for d, n in (KINDS_EVEN if even else KINDS_TRACED)] if kinds
               else [(depth, None) for depth in plan.pattern.traced])
     elide = not (exact or exact_length)
     jobs = [functools.partial(_trace, plan if n is None else _checkpointing(plan, n), depth, micro, seq,
@@ -244,9 +249,9 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
         if whole:
             cands, counts, method = _whole(plan, mine[0])
         elif even:
-            cands, counts, method = _even_kinds(plan, *mine, micro, seq)
+            cands, counts, method = _even_kinds(plan, *mine, micro, seq, unit)
         elif kinds:
-            cands, counts, method = _two_kinds(plan, *mine, micro, seq)
+            cands, counts, method = _two_kinds(plan, *mine, micro, seq, unit)
         else:
             cands, counts, method = _extrapolated(plan, mine[0], mine[1], micro, seq)
         found.append((cands, counts, method + (f"; {elided}" if elided else "")))
@@ -276,13 +281,37 @@ def _counts_along(a: Trace, b: Trace, steps: int) -> Counts:
                   a.trainable + steps * (b.trainable - a.trainable), b.patches, work)
 
 
+def checkpointed_unit(pattern: Pattern, count: int) -> int:
+    """How many layers :data:`KINDS_TRACED` and :data:`KINDS_EVEN` count as one where the first
+    ``count`` of ``pattern``'s layers are checkpointed: 1 for alike layers; for layers that repeat in
+    groups, a group (``period`` layers: Gemma-2's sliding and global pair), where the groups fall in
+    step with both kinds: the first layers of their own fit in the first group, and the depth and
+    ``count`` are whole groups. Then every group after the first is alike within its kind, and the
+    two-kind extrapolation holds with groups for layers (:func:`_grouped`). 0: out of step."""
+    if pattern.uniform:
+        return 1
+    period = pattern.period
+    if pattern.first <= period and pattern.depth % period == 0 and count % period == 0:
+        return period
+    return 0
+
+
+def _grouped(trace: Trace, unit: int) -> Trace:
+    """``trace`` with each group of ``unit`` layers as one layer (its ops in the group's order)."""
+    if unit == 1:
+        return trace
+    return dataclasses.replace(trace, layer=np.where(trace.layer >= 0, trace.layer // unit, trace.layer))
+
+
 def _two_kinds(plan: TraceSetup, base: Trace, more_checkpointed: Trace, more_plain: Trace,
-               micro_batch: int, seq_len: int) -> tuple[Candidates, Counts, str]:
+               micro_batch: int, seq_len: int, unit: int = 1) -> tuple[Candidates, Counts, str]:
     """The full-depth step of a recipe that checkpoints its first n layers, from traces of
-    (checkpointed, plain) = (2, 2), (3, 2) and (2, 3) layers (:data:`KINDS_TRACED`)."""
-    checkpointed = int(plan.cfg.memory.checkpointing)
-    plain = plan.depth - checkpointed
+    (checkpointed, plain) = (2, 2), (3, 2) and (2, 3) layers (:data:`KINDS_TRACED`), or groups of
+    ``unit`` layers (:func:`checkpointed_unit`)."""
+    checkpointed = int(plan.cfg.memory.checkpointing) // unit
+    plain = plan.depth // unit - checkpointed
     dc, dp = checkpointed - 2, plain - 2
+    base, more_checkpointed, more_plain = (_grouped(t, unit) for t in (base, more_checkpointed, more_plain))
 
     def plane(at: Any, more_c: Any, more_p: Any) -> Any:  # affine in both counts, as the bytes are
         return at + dc * (more_c - at) + dp * (more_p - at)
@@ -296,24 +325,32 @@ def _two_kinds(plan: TraceSetup, base: Trace, more_checkpointed: Trace, more_pla
                     more_checkpointed.patches, work)
     found = extrapolate_checkpointed(base, more_checkpointed, more_plain, checkpointed, plain)
     if found is not None:
-        return found, counts, (f"traced 2+2, 3+2 and 2+3 of {checkpointed}+{plain} layers "
-                               "(checkpointed+plain), extrapolated")
+        u = unit
+        return found, counts, (f"traced {2 * u}+{2 * u}, {3 * u}+{2 * u} and {2 * u}+{3 * u} of "
+                               f"{checkpointed * u}+{plain * u} layers (checkpointed+plain"
+                               f"{_in_groups(plan, unit)}), extrapolated")
     plan.notes.append("layers differ in structure, so every layer was traced")
     return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
 
 
-def _even_kinds(plan: TraceSetup, base: Trace, more: Trace, micro_batch: int, seq_len: int
+def _even_kinds(plan: TraceSetup, base: Trace, more: Trace, micro_batch: int, seq_len: int, unit: int = 1
                 ) -> tuple[Candidates, Counts, str]:
     """The full-depth step of a recipe that checkpoints the first half of its layers, from traces of
-    (checkpointed, plain) = (2, 2) and (3, 3) layers (:data:`KINDS_EVEN`)."""
-    half = int(plan.cfg.memory.checkpointing)
+    (checkpointed, plain) = (2, 2) and (3, 3) layers (:data:`KINDS_EVEN`), or groups of ``unit``
+    layers (:func:`checkpointed_unit`)."""
+    half = int(plan.cfg.memory.checkpointing) // unit
     counts = _counts_along(base, more, half - 2)
-    found = extrapolate_checkpointed_evenly(base, more, half)
+    found = extrapolate_checkpointed_evenly(_grouped(base, unit), _grouped(more, unit), half)
     if found is not None:
-        return found, counts, (f"traced 2+2 and 3+3 of {half}+{half} layers (checkpointed+plain), "
-                               "extrapolated")
+        u = unit
+        return found, counts, (f"traced {2 * u}+{2 * u} and {3 * u}+{3 * u} of {half * u}+{half * u} "
+                               f"layers (checkpointed+plain{_in_groups(plan, unit)}), extrapolated")
     plan.notes.append("layers differ in structure, so every layer was traced")
     return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))
+
+
+def _in_groups(plan: TraceSetup, unit: int) -> str:
+    return f", in groups of {unit}: {plan.pattern.describe()}" if unit > 1 else ""
 
 
 def _checkpointing(plan: TraceSetup, layers: int) -> TraceSetup:

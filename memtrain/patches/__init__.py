@@ -60,6 +60,9 @@ class ModelShape:
     depth: int = 0  # repeated layers (``num_hidden_layers``)
     hidden: int = 0
     vocab: int = 0
+    # layers per group where they repeat in groups (Gemma-2's sliding and global pair: 2;
+    # memtrain.estimator.layers.Pattern.period), 1 where they are alike
+    period: int = 1
 
 
 @dataclass(frozen=True)

@@ -288,6 +288,13 @@ def _rank(value: Any, shape: ModelShape) -> tuple[int, ...]:
     return {"none": (0, 0), "selective": (1, -1), "full": (1, 1)}.get(value, (0, 1))
 
 
+def half_of_the_groups(shape: ModelShape) -> int:
+    """The planner's ``n`` of L: half the layers, rounded down to whole groups where layers repeat in
+    groups, so that the estimate traces groups of each kind, not every layer
+    (:func:`memtrain.estimator.estimate.checkpointed_unit`; Gemma-2-9B: 20 of 42)."""
+    return max(1, shape.period * (shape.depth // (2 * shape.period)))
+
+
 def recompute_passes(value: Any, depth: int) -> float:
     """Extra forward passes over the decoder layers' weights per micro-batch that checkpointing
     ``value`` recomputes (0 to 1: ``n`` layers of ``depth`` recompute n/depth of one pass; the
@@ -311,7 +318,7 @@ def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
 
 
 KNOBS = (Knob("memory.checkpointing",
-              lambda cfg, shape: ["none", "selective", max(1, shape.depth // 2), "full"], "none",
+              lambda cfg, shape: ["none", "selective", half_of_the_groups(shape), "full"], "none",
               order=40, rank=_rank, plugin=True, patches_model=True, cost=_cost,
               # under offload: without checkpointing every saved activation leaves the device, where
               # a selective checkpoint's region boundaries stay on it (Llama-3.1-8B at 131,072

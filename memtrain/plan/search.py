@@ -24,6 +24,7 @@ from memtrain.estimator import derive
 from memtrain.estimator import estimate as est
 from memtrain.estimator.fake import build_fake_model, fake_tensor_mode, quiet_libraries
 from memtrain.estimator.grpo import generation_phase
+from memtrain.estimator.layers import layer_pattern
 from memtrain.estimator.setup import recipe_value, resolve_config, trace_setup
 from memtrain.estimator.trace import Work, in_batch, with_depth
 from memtrain.patches import CostInputs, ModelShape, NoMatchError
@@ -138,7 +139,8 @@ class Search:
         # different micro-batches, are compared per example then (per step otherwise: the same order)
         self.per_example = len({m * a for m, a in self.batches}) > 1
         self.unit = "s per example" if self.per_example else "s per step"
-        self.shape = ModelShape(self.depth, self.hidden, self.vocab)
+        period = layer_pattern(cfg, self.config, self.depth).period  # layers repeating in groups
+        self.shape = ModelShape(self.depth, self.hidden, self.vocab, period)
         self.rates = costmodel.rates(device)
         self.host_rates = costmodel.rates("cpu") if device == "cuda" else self.rates
         self.done: list[Candidate] = []

@@ -17,6 +17,7 @@ from typing import Any
 from memtrain import patches
 from memtrain.config import RunConfig
 from memtrain.config.batch import Batch, resolve_batch, valid_batches
+from memtrain.estimator.layers import layer_pattern
 from memtrain.estimator.setup import NEEDS_VALUE, recipe_value, resolve_config
 from memtrain.patches import ModelShape
 
@@ -61,8 +62,9 @@ def model_shape(cfg: RunConfig, depth: int | None = None) -> ModelShape:
     the config's layer count."""
     config = resolve_config(cfg.model)[0]
     size = lambda name: int(getattr(config, name, 0) or 0)  # noqa: E731
-    return ModelShape(size("num_hidden_layers") if depth is None else depth, size("hidden_size"),
-                      size("vocab_size"))
+    layers = size("num_hidden_layers") if depth is None else depth
+    period = layer_pattern(cfg, config, layers).period  # layers repeating in groups (Gemma-2: 2)
+    return ModelShape(layers, size("hidden_size"), size("vocab_size"), period)
 
 
 def with_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:

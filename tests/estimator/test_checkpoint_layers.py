@@ -174,3 +174,68 @@ def test_a_model_no_deeper_than_the_kinds_traces_is_traced_whole(tmp_path: Path,
     full = estimate(cfg, device="cuda", exact=True)
     for name in COMPARED:
         assert getattr(fast, name) == getattr(full, name), name
+
+
+# Layers that repeat in groups: Gemma-2 alternates sliding-window and global attention (groups of 2,
+# its first 2 layers of their own); the Gemma-3 layout here is two sliding layers, then a global one
+# (groups of 3). Where n and the depth are whole groups, the kinds are traced in groups of layers.
+PATTERNED = {
+    "gemma2": {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 30522, "max_position_embeddings": 256,
+               "sliding_window": 8},
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 30522,
+                    "max_position_embeddings": 256, "sliding_window": 8},
+}
+GROUPED_CASES: dict[str, tuple[str, int, int, dict[str, Any], dict[str, Any]]] = {  # arch, depth, n, ...
+    "gemma2-lora-4-of-16": ("gemma2", 16, 4, {}, {}),
+    "gemma2-full-8-of-16-offload": ("gemma2", 16, 8, OFFLOAD, FULL),  # half: two traces
+    "gemma3-lora-6-of-18-offload": ("gemma3_text", 18, 6, OFFLOAD, {}),
+}
+
+
+def _patterned(tmp_path: Path, data: Path, arch: str, depth: int, n: int, memory: dict[str, Any],
+               sections: dict[str, Any]) -> Any:
+    recipe = causal_recipe(tmp_path, data, training={"micro_batch_size": 1}, memory={**memory, "checkpointing": n},
+                           **copy.deepcopy(sections))
+    config = {**PATTERNED[arch], "num_hidden_layers": depth}
+    if arch == "gemma3_text":
+        config["layer_types"] = ["sliding_attention", "sliding_attention", "full_attention"] * (depth // 3)
+    recipe["model"]["from_config"] = config
+    return load_recipe(recipe)
+
+
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_layers_in_groups_extrapolate_by_groups_to_the_whole_trace(case: str, tmp_path: Path,
+                                                                   tiny_text_file: Path, traced) -> None:
+    arch, depth, n, memory, sections = GROUPED_CASES[case]
+    cfg = _patterned(tmp_path, tiny_text_file, arch, depth, n, memory, sections)
+    fast = estimate(cfg, device="cuda")
+    unit = 2 if arch == "gemma2" else 3
+    assert f"(checkpointed+plain, in groups of {unit}" in fast.method, fast.method
+    assert max(t.layer.max() for t in traced[-1]) + 1 < depth  # shorter traces than the model
+    full = estimate(cfg, device="cuda", exact=True)
+    assert full.method == f"traced all {depth} layers"
+    for name in COMPARED:
+        assert getattr(fast, name) == getattr(full, name), name
+
+
+def test_n_out_of_step_with_the_groups_is_traced_whole(tmp_path: Path, tiny_text_file: Path) -> None:
+    found = estimate(_patterned(tmp_path, tiny_text_file, "gemma2", 16, 5, {}, {}), device="cuda")
+    assert found.method == "traced all 16 layers"
+    assert "5 is not a multiple of their group of 2" in " ".join(found.notes)
+
+
+def test_the_planners_n_is_whole_groups_so_its_estimate_extrapolates(tmp_path: Path, tiny_text_file: Path,
+                                                                     traced) -> None:
+    """18 layers: n = 9 for alike layers (Llama), 8 for Gemma-2's pairs, whose estimate then traces
+    groups of each kind (9 of its layers would be out of step: every layer traced)."""
+    from memtrain.plan import space
+
+    gemma = _patterned(tmp_path, tiny_text_file, "gemma2", 18, 8, {}, {})
+    llama = _cfg(tmp_path, tiny_text_file, "llama", 3, {}, {})
+    llama.model.from_config["num_hidden_layers"] = 18
+    n_of = lambda cfg: [v for v in space.options(cfg, "memory.checkpointing", space.model_shape(cfg))  # noqa: E731
+                        if isinstance(v, int)]
+    assert n_of(llama) == [9] and n_of(gemma) == [8]
+    assert "in groups of 2" in estimate(gemma, device="cuda").method
