@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import logging
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -148,15 +150,19 @@ def attention(cfg: ModelConfig, config: PretrainedConfig) -> str:
     supports it, eager attention otherwise: Gemma-2). Raises :class:`RecipeError` naming
     ``model.attn_implementation`` where the recipe asks for SDPA and the model has none (transformers'
     own error names no field)."""
-    from memtrain._compat.transformers_config import attn_implementation, supports_sdpa
+    from memtrain._compat.transformers_config import attn_implementation, supports_flash, supports_sdpa
 
     asked = cfg.attn_implementation or attn_implementation(config)
     sdpa = supports_sdpa(model_class(cfg), config)
+    name = type(config).__name__.removesuffix("Config")
     if asked == "sdpa" and sdpa is False:
-        name = type(config).__name__.removesuffix("Config")
         raise RecipeError([Problem(
             "model.attn_implementation", "sdpa", f"{name} models have no SDPA attention in transformers",
             "set `model.attn_implementation: eager` or leave it unset (the model's default, eager).")])
+    if asked and "flash" in asked and supports_flash(model_class(cfg), config) is False:
+        raise RecipeError([Problem(
+            "model.attn_implementation", asked, f"{name} models take no FlashAttention in transformers",
+            f"set `model.attn_implementation` to {'sdpa' if sdpa else 'eager'} or leave it unset.")])
     return asked or ("eager" if sdpa is False else "sdpa")
 
 
@@ -228,8 +234,34 @@ def load_model(
         config.pad_token_id = pad_token_id
     auto = model_class(cfg)
     attention(cfg, config)  # SDPA asked of a model without it: the recipe's field, before any download
-    kwargs = model_kwargs(cfg)
     quant = quantization_config(cfg, quant_storage)
+    with _flash_errors(cfg):
+        model = _load(cfg, config, auto, quant)
+    if quant is not None:
+        keep_4bit_trainable_on_cpu(model)
+    return model
+
+
+@contextmanager
+def _flash_errors(cfg: ModelConfig) -> Iterator[None]:
+    """transformers' error for a FlashAttention it cannot load (no ``flash_attn`` package, no CUDA, no
+    Hub kernel offline), as the recipe field's."""
+    try:
+        yield
+    except (ImportError, ValueError, RuntimeError) as err:
+        kernel = cfg.attn_implementation
+        if not kernel or "flash" not in kernel or "flash" not in str(err).lower():
+            raise
+        raise RecipeError([Problem(
+            "model.attn_implementation", kernel, f"transformers cannot run it here ({first_line(err)[:200]})",
+            "install the flash-attn package on a CUDA GPU (pip install flash-attn --no-build-isolation), "
+            "or set `model.attn_implementation: sdpa` (eager where the model has no SDPA); estimates and "
+            "plans need neither.")]) from None
+
+
+def _load(cfg: ModelConfig, config: PretrainedConfig, auto: Any, quant: BitsAndBytesConfig | None) -> Any:
+    """The model of ``config`` as the recipe builds or loads it (quantized where ``quant`` says)."""
+    kwargs = model_kwargs(cfg)
     if cfg.from_config is not None and quant is None:
         return auto.from_config(config, **kwargs)
     if quant is not None:
@@ -247,8 +279,6 @@ def load_model(
         assert cfg.name is not None
         model = _from_pretrained(auto, "model.name", cfg.name, cfg,
                                  {"config": config, **kwargs, **PRETRAINED_KWARGS})
-    if quant is not None:
-        keep_4bit_trainable_on_cpu(model)
     return model
 
 
@@ -296,6 +326,8 @@ def _from_pretrained(factory: Any, field: str, location: str, cfg: ModelConfig,
     except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as err:
         # OSError: missing files or network; ValueError/KeyError: an unknown `model_type` or a
         # config without one; SafetensorError: truncated or damaged weights
+        if cfg.attn_implementation and "flash" in cfg.attn_implementation and "flash" in str(err).lower():
+            raise  # the FlashAttention kernel, not the model: named by load_model
         first = first_line(err)
         raise MemtrainError(
             f"`{field}`: could not load {location!r}: {first}\n"

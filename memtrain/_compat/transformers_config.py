@@ -29,9 +29,18 @@ def supports_sdpa(auto_class: Any, config: Any) -> bool | None:
     (``PreTrainedModel._supports_sdpa``, found through the auto class's private ``_model_mapping``:
     transformers builds such a model with SDPA unless told otherwise, any other with eager attention,
     and refuses SDPA for it); None where the auto class has no model for the config."""
-    mapping = private(auto_class, "_model_mapping", "transformers_config.supports_sdpa", "transformers")
+    return _supports(auto_class, config, "_supports_sdpa")
+
+
+def supports_flash(auto_class: Any, config: Any) -> bool | None:
+    """Whether that class takes FlashAttention (``_supports_flash_attn``); None as above."""
+    return _supports(auto_class, config, "_supports_flash_attn")
+
+
+def _supports(auto_class: Any, config: Any, flag: str) -> bool | None:
+    mapping = private(auto_class, "_model_mapping", "transformers_config.supports", "transformers")
     try:
         cls = mapping[type(config)]
     except (KeyError, ValueError):
         return None
-    return bool(getattr(cls, "_supports_sdpa", False))
+    return bool(getattr(cls, flag, False))

@@ -100,8 +100,10 @@ class ModelConfig(Section):
     compute_dtype: DType | None = Field(
         None, description="4-bit only: dtype the matmuls run in; defaults to `dtype`."
     )
-    attn_implementation: Literal["eager", "sdpa"] | None = Field(
-        None, description="Attention kernel; defaults to the model's choice."
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3"] | None = Field(
+        None, description="Attention kernel; defaults to the model's choice (SDPA where transformers has it "
+        "for the model, else eager). FlashAttention needs its package and a CUDA GPU to train; estimates "
+        "trace a stand-in that keeps what it keeps (no s x s matrix)."
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub repository.")

@@ -71,7 +71,8 @@ from memtrain._compat.torch_tools import FakeTensor, FakeTensorMode, unset_fake_
 from memtrain.config import RunConfig
 from memtrain.distributed.sharding import quant_storage
 from memtrain.errors import recipe_stage
-from memtrain.model import keep_4bit_trainable_on_cpu, model_class, model_kwargs
+from memtrain.estimator.flash_standin import fake_model_kwargs
+from memtrain.model import keep_4bit_trainable_on_cpu, model_class
 from memtrain.patches import apply_patches
 from memtrain.trainer.build import no_kv_cache
 
@@ -173,7 +174,7 @@ def build_fake_model(cfg: RunConfig, config: PretrainedConfig) -> nn.Module:
     source = "model.from_config" if cfg.model.from_config is not None else "model.name"
     with (recipe_stage(source, f"building the {config.model_type} architecture"),
           transformers_model.uninitialized_values()):
-        model = model_class(cfg.model).from_config(config, **model_kwargs(cfg.model))
+        model = model_class(cfg.model).from_config(config, **fake_model_kwargs(cfg.model))
     if cfg.model.quantization not in ("none", "auto"):
         from memtrain.memory.quantized import quantize_fake
 

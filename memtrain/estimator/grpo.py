@@ -240,6 +240,7 @@ def _traced_prefill(text: Any, attn: str | None, prompt: int, size: int) -> int 
 
     from memtrain._compat import transformers_model
     from memtrain.estimator.fake import fake_tensor_mode, quiet_libraries
+    from memtrain.estimator.flash_standin import traced_attention
     from memtrain.estimator.trace import with_depth
     from memtrain.memory.meter import MemoryMeter
 
@@ -248,7 +249,8 @@ def _traced_prefill(text: Any, attn: str | None, prompt: int, size: int) -> int 
     try:
         with fake_tensor_mode(), quiet_libraries():
             with transformers_model.uninitialized_values():
-                chosen = {"attn_implementation": attn} if attn else {}  # the user's kernel, said
+                # the user's kernel, said (FlashAttention as its stand-in: memtrain.estimator.flash_standin)
+                chosen = {"attn_implementation": traced_attention(attn)} if attn else {}
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, **chosen).eval()
             ids = torch.zeros(1, prompt, dtype=torch.long)
             mask = torch.ones(1, prompt, dtype=torch.long)

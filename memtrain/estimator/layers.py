@@ -118,7 +118,8 @@ _CACHE: dict[str, Pattern] = {}
 def layer_pattern(cfg: RunConfig, config: PretrainedConfig, depth: int) -> Pattern:
     """The :class:`Pattern` of the recipe's model (``depth`` layers); uniform where its layers cannot
     be found or counted."""
-    from memtrain.model import model_class, model_kwargs
+    from memtrain.estimator.flash_standin import fake_model_kwargs
+    from memtrain.model import model_class
 
     key = f"{cfg.model.task}|{cfg.model.dtype}|{cfg.model.attn_implementation}|{config.to_json_string()}"
     if depth < 6:  # the model is traced whole anyway (`Pattern.worth_extrapolating`)
@@ -129,7 +130,8 @@ def layer_pattern(cfg: RunConfig, config: PretrainedConfig, depth: int) -> Patte
 
         try:
             with torch.device("meta"), transformers_model.uninitialized_values(), quiet_libraries():
-                model = model_class(cfg.model).from_config(copy.deepcopy(config), **model_kwargs(cfg.model))
+                kwargs = fake_model_kwargs(cfg.model)
+                model = model_class(cfg.model).from_config(copy.deepcopy(config), **kwargs)
         except Exception:  # the trace builds it again and reports what fails
             return Pattern(depth)
         layers = decoder_layers(model)

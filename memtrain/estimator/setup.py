@@ -126,6 +126,11 @@ def attention_note(kernel: str, config: PretrainedConfig, target: str, trace_dev
     """
     if kernel == "eager":
         return "attention: eager, an s x s matrix of scores per head kept for backward (quadratic in length)"
+    if "flash" in kernel:
+        return (f"attention: {kernel}, traced as a stand-in on SDPA's flash kernel without a mask or dropout "
+                "(memtrain/estimator/flash_standin.py): no s x s matrix, its output and log-sum-exp kept for "
+                "backward, what FlashAttention keeps; padding and packing take its variable-length path, "
+                "no 4D mask")
     mask = "; the 4D attention mask (padded or packed batch) is s x s itself" if masked else ""
     if trace_device == "cuda":
         return f"attention: SDPA as this GPU's kernel choice (traced on fake CUDA tensors){mask}"

@@ -26,7 +26,9 @@ OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_
                "adamw_8bit": "adamw_8bit", "paged_adamw_8bit": "paged_adamw_8bit",
                "adafactor": "adafactor", "sgd": "sgd"}
 STAND_IN_OPTIMIZER = "adamw"
-MODELLED_ATTENTION = ("eager", "sdpa")  # memtrain's recipe field model.attn_implementation
+# memtrain's recipe field model.attn_implementation; a Hub FlashAttention kernel is planned as
+# flash_attention_2 (the estimator's stand-in for any: memtrain.estimator.flash_standin)
+MODELLED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def _attention(modelled: bool) -> Callable[[Seen], Any]:
         found = attn_implementation(inner.config)
         if found is None or found == "sdpa":  # the estimator's default: nothing to say
             return None
-        return found if (found in MODELLED_ATTENTION) == modelled else None
+        return found if (_modelled(found) is not None) == modelled else None
 
     return value
 
@@ -165,8 +167,9 @@ RULES: tuple[Rule, ...] = (
         f"traced with the model's {found} attention (eager keeps an s x s matrix of scores per head "
         "for backward)")),
     Rule("attn_implementation", False, _attention(False), lambda _: (
-        "planned as sdpa: flash and flex kernels keep no s x s matrix, as SDPA's flash kernels; where "
-        "the trace takes SDPA's math path (a CPU with attention dropout) the prediction errs high")),
+        "planned with the model's default attention (SDPA where transformers has it for the model, else "
+        "eager): a flex kernel keeps no s x s matrix, as SDPA's flash kernels; where the trace takes "
+        "SDPA's math path (a CPU with attention dropout) or eager's, the prediction errs high")),
     Rule("use_kernels", False, _hub_kernels, lambda _: (
         "transformers swapped the model's layers for kernels from the Hugging Face Hub (from_pretrained's "
         "default from transformers 5.25): the estimate traces the layers the model defines, and memtrain's "
@@ -212,5 +215,11 @@ def planned_optimizer(args: Any) -> str:
 def planned_attention(model: Any) -> str | None:
     """memtrain's ``model.attn_implementation`` for the user's model (None: the estimator's default)."""
     inner = patches.base_model(model)
-    found = attn_implementation(inner.config)
-    return found if found in MODELLED_ATTENTION else None
+    return _modelled(attn_implementation(inner.config))
+
+
+def _modelled(found: str | None) -> str | None:
+    """The recipe's ``model.attn_implementation`` for the kernel a model runs (None: not modelled)."""
+    if found in MODELLED_ATTENTION:
+        return found
+    return "flash_attention_2" if found is not None and "flash" in found else None
