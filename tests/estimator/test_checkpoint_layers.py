@@ -196,8 +196,8 @@ GROUPED_CASES: dict[str, tuple[str, int, int, dict[str, Any], dict[str, Any]]] =
 
 def _patterned(tmp_path: Path, data: Path, arch: str, depth: int, n: int, memory: dict[str, Any],
                sections: dict[str, Any]) -> Any:
-    recipe = causal_recipe(tmp_path, data, training={"micro_batch_size": 1}, memory={**memory, "checkpointing": n},
-                           **copy.deepcopy(sections))
+    recipe = causal_recipe(tmp_path, data, training={"micro_batch_size": 1},
+                           memory={**memory, "checkpointing": n}, **copy.deepcopy(sections))
     config = {**PATTERNED[arch], "num_hidden_layers": depth}
     if arch == "gemma3_text":
         config["layer_types"] = ["sliding_attention", "sliding_attention", "full_attention"] * (depth // 3)

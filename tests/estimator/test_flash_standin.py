@@ -68,7 +68,8 @@ def test_flash_attention_on_a_model_without_it_names_the_field(tmp_path: Path, t
     assert "eager" in problem.fix  # Bloom has no SDPA either
 
 
-def test_training_where_flash_attention_cannot_run_names_the_field(tmp_path: Path, tiny_text_file: Path) -> None:
+def test_training_where_flash_attention_cannot_run_names_the_field(tmp_path: Path,
+                                                                   tiny_text_file: Path) -> None:
     """No flash-attn package and no CUDA here: loading the model for training says which field, and
     that estimates need neither."""
     from memtrain.model import load_model
