@@ -11,6 +11,8 @@ plan's own imports left out.
 
     python -m scripts run plan_traces
     python -m scripts run plan_traces --budget 24
+    python -m scripts run plan_traces --budget 24 --out docs/bench/plan_traces_gemma2.md \
+        --overrides model.name=google/gemma-2-9b <the issue's overrides>   # layers in groups
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="where the planned run trains")
     parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--overrides", nargs="*", default=AUTO)
+    parser.add_argument("--out", help="write the page here (default docs/bench/plan_traces.md)")
     parser.add_argument("--alternatives", action="store_true",
                         help="also trace what cannot change the choice (`memtrain plan --alternatives`)")
     args = parser.parse_args()
@@ -100,7 +103,7 @@ def main() -> None:
     for kind, seconds in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
         share = sum(seconds) / max(total, 1e-9)
         lines.append(f"| {kind} | {len(seconds)} | {sum(seconds):.1f} | {share:.0%} |")
-    harness.write("plan_traces", lines)
+    harness.write("plan_traces", lines, args.out)
 
 
 def _value(memory: Any, path: str) -> Any:
