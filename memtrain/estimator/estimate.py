@@ -205,22 +205,25 @@ def trace_candidates_at(plan: TraceSetup, points: Sequence[tuple[int, int]], exa
     unit = checkpointed_unit(plan.pattern, count) if kinds else 1  # layers per group of each kind
     if kinds and not unit:  # two patterns at once, out of step: not extrapolated
         if "checkpointing" not in " ".join(plan.notes):
+            period = plan.pattern.period
+            why = (f"{count} is not a multiple of their group of {period}" if count % period
+                   else "its first layers of their own are more than a group")
             plan.notes.append(f"memory.checkpointing: {count} of {plan.depth} layers where the layers "
-                              f"differ ({plan.pattern.describe()}) and {count} is not a multiple of "
-                              f"their group of {plan.pattern.period}, so every layer was traced")
+                              f"differ ({plan.pattern.describe()}) and {why}, so every layer was traced")
         whole, kinds = True, False
-    if kinds and not 2 * unit <= count <= plan.depth - 2 * unit:
+    tail = plan.depth % unit if kinds else 0  # a last group cut short, after the plain groups
+    if kinds and not 2 * unit <= count <= plan.depth - tail - 2 * unit:
         if "checkpointing" not in " ".join(plan.notes):
             plan.notes.append(f"memory.checkpointing: {count} of {plan.depth} layers leaves fewer than 2 "
                               f"{'groups of layers' if unit > 1 else 'layers'} checkpointed or not, so "
                               "every layer was traced")
         whole, kinds = True, False
     even = kinds and 2 * count == plan.depth
-    if kinds and plan.depth <= unit * max(d for d, _ in (KINDS_EVEN if even else KINDS_TRACED)):
+    if kinds and plan.depth <= unit * max(d for d, _ in (KINDS_EVEN if even else KINDS_TRACED)) + tail:
         whole, kinds, even = True, False, False  # one trace of every layer is no deeper than theirs
     # (depth, checkpointed layers: None for the recipe's own setting) of each trace of a point
     shapes = ([(plan.depth, None)] if whole
-              else [(unit * d, unit * n) for d, n in (KINDS_EVEN if even else KINDS_TRACED)] if kinds
+              else [(unit * d + tail, unit * n) for d, n in (KINDS_EVEN if even else KINDS_TRACED)] if kinds
               else [(depth, None) for depth in plan.pattern.traced])
     elide = not (exact or exact_length)
     jobs = [functools.partial(_trace, plan if n is None else _checkpointing(plan, n), depth, micro, seq,
@@ -285,13 +288,15 @@ def checkpointed_unit(pattern: Pattern, count: int) -> int:
     """How many layers :data:`KINDS_TRACED` and :data:`KINDS_EVEN` count as one where the first
     ``count`` of ``pattern``'s layers are checkpointed: 1 for alike layers; for layers that repeat in
     groups, a group (``period`` layers: Gemma-2's sliding and global pair), where the groups fall in
-    step with both kinds: the first layers of their own fit in the first group, and the depth and
-    ``count`` are whole groups. Then every group after the first is alike within its kind, and the
-    two-kind extrapolation holds with groups for layers (:func:`_grouped`). 0: out of step."""
+    step with both kinds: the first layers of their own fit in the first group, and ``count`` is
+    whole groups. Then every group after the first is alike within its kind, and the two-kind
+    extrapolation holds with groups for layers (:func:`_grouped`); a depth that is not whole groups
+    ends with a group cut short after the plain ones (Gemma-3-27B: 62 layers in groups of 6), which
+    the traces end with too and which gets a line of its own. 0: out of step."""
     if pattern.uniform:
         return 1
     period = pattern.period
-    if pattern.first <= period and pattern.depth % period == 0 and count % period == 0:
+    if pattern.first <= period and count % period == 0:
         return period
     return 0
 
@@ -309,6 +314,7 @@ def _two_kinds(plan: TraceSetup, base: Trace, more_checkpointed: Trace, more_pla
     (checkpointed, plain) = (2, 2), (3, 2) and (2, 3) layers (:data:`KINDS_TRACED`), or groups of
     ``unit`` layers (:func:`checkpointed_unit`)."""
     checkpointed = int(plan.cfg.memory.checkpointing) // unit
+    tail = plan.depth % unit  # a last group cut short (checkpointed_unit)
     plain = plan.depth // unit - checkpointed
     dc, dp = checkpointed - 2, plain - 2
     base, more_checkpointed, more_plain = (_grouped(t, unit) for t in (base, more_checkpointed, more_plain))
@@ -323,11 +329,11 @@ def _two_kinds(plan: TraceSetup, base: Trace, more_checkpointed: Trace, more_pla
     counts = Counts(plane(base.parameters, more_checkpointed.parameters, more_plain.parameters),
                     plane(base.trainable, more_checkpointed.trainable, more_plain.trainable),
                     more_checkpointed.patches, work)
-    found = extrapolate_checkpointed(base, more_checkpointed, more_plain, checkpointed, plain)
+    found = extrapolate_checkpointed(base, more_checkpointed, more_plain, checkpointed, plain, tail > 0)
     if found is not None:
-        u = unit
-        return found, counts, (f"traced {2 * u}+{2 * u}, {3 * u}+{2 * u} and {2 * u}+{3 * u} of "
-                               f"{checkpointed * u}+{plain * u} layers (checkpointed+plain"
+        u, t = unit, tail
+        return found, counts, (f"traced {2 * u}+{2 * u + t}, {3 * u}+{2 * u + t} and {2 * u}+{3 * u + t} of "
+                               f"{checkpointed * u}+{plain * u + t} layers (checkpointed+plain"
                                f"{_in_groups(plan, unit)}), extrapolated")
     plan.notes.append("layers differ in structure, so every layer was traced")
     return _whole(plan, _trace(plan, plan.depth, micro_batch, seq_len))

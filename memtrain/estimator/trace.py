@@ -460,7 +460,7 @@ def _with_layers(pre_a: np.ndarray, pre_b: np.ndarray, post_a: np.ndarray, post_
 
 
 def extrapolate_checkpointed(base: Trace, more_checkpointed: Trace, more_plain: Trace, checkpointed: int,
-                             plain: int) -> Candidates | None:
+                             plain: int, tail: bool = False) -> Candidates | None:
     """Candidates of a step whose first ``checkpointed`` layers are checkpointed and the next ``plain``
     are not (``memory.checkpointing: n``), from traces of (checkpointed, plain) = (2, 2) (``base``),
     (3, 2) and (2, 3) layers.
@@ -473,17 +473,29 @@ def extrapolate_checkpointed(base: Trace, more_checkpointed: Trace, more_plain: 
     for the ops outside the layers and for the first and second layer of each kind (the first of a
     kind gets its own line, as layer 0 does in depth: it follows an embedding or a layer of the other
     kind); the last layer of a kind is its second plus the per-index slope (layers 2 - 1 of the (3, 2)
-    trace, 4 - 3 of the (2, 3) one). Returns None when the traces do not align (then trace the full
-    depth).
+    trace, 4 - 3 of the (2, 3) one). With ``tail``, each trace ends with one more block, a group cut
+    short after the plain layers (layers in groups: :func:`memtrain.estimator.estimate.checkpointed_unit`),
+    which gets its own plane, as the first layers do. Returns None when the traces do not align
+    (then trace the full depth).
     """
     steps = (checkpointed - 2, plain - 2)
+    expected = [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
+    if tail:
+        expected = [[*e, len(e)] for e in expected]
 
     def phase(pre: tuple, blocks: tuple, post: tuple) -> np.ndarray | None:
         if not any(blocks):
             return _outside_plane(pre, steps)
-        if [sorted(b) for b in blocks] == [[0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]:
+        if [sorted(b) for b in blocks] != expected:
+            return None
+        if not tail:
             return _with_two_kinds(pre, post, blocks, steps)
-        return None
+        ends = tuple(b[e[-1]] for b, e in zip(blocks, expected, strict=True))
+        if len({len(v) for v in ends}) != 1:
+            return None
+        body = tuple({k: v for k, v in b.items() if k != e[-1]}
+                     for b, e in zip(blocks, expected, strict=True))
+        return _with_two_kinds(pre, post, body, steps, _plane(ends, steps))
 
     return _per_phase((base, more_checkpointed, more_plain), phase)
 
@@ -509,7 +521,8 @@ def _outside_plane(values: tuple[np.ndarray, ...], steps: tuple[int, int]) -> np
 
 
 def _with_two_kinds(pre: tuple[np.ndarray, ...], post: tuple[np.ndarray, ...],
-                    blocks: tuple[dict[int, np.ndarray], ...], steps: tuple[int, int]) -> np.ndarray | None:
+                    blocks: tuple[dict[int, np.ndarray], ...], steps: tuple[int, int],
+                    tail: np.ndarray | None = None) -> np.ndarray | None:
     _, more_checkpointed, more_plain = blocks
     slopes = ((more_checkpointed[1], more_checkpointed[2]), (more_plain[3], more_plain[4]))
     if any(len(a) != len(b) for a, b in slopes):
@@ -524,7 +537,7 @@ def _with_two_kinds(pre: tuple[np.ndarray, ...], post: tuple[np.ndarray, ...],
     last_c = second_c + steps[0] * (slopes[0][1] - slopes[0][0])  # layer c - 1
     last_p = second_p + steps[1] * (slopes[1][1] - slopes[1][0])  # layer c + p - 1
     parts = [_outside_plane(pre, steps), first_c, second_c, last_c, first_p, second_p, last_p,
-             _outside_plane(post, steps)]
+             *([] if tail is None else [tail]), _outside_plane(post, steps)]
     return np.concatenate(parts)
 
 

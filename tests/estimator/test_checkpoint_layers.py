@@ -239,3 +239,41 @@ def test_the_planners_n_is_whole_groups_so_its_estimate_extrapolates(tmp_path: P
                         if isinstance(v, int)]
     assert n_of(llama) == [9] and n_of(gemma) == [8]
     assert "in groups of 2" in estimate(gemma, device="cuda").method
+
+
+@pytest.mark.parametrize(("arch", "depth", "n"), [("gemma2", 17, 4), ("gemma3_text", 20, 6)])
+def test_a_depth_that_ends_in_a_group_cut_short_extrapolates_too(arch: str, depth: int, n: int,
+                                                                 tmp_path: Path, tiny_text_file: Path,
+                                                                 traced) -> None:
+    """17 layers in pairs (one left over), 20 in threes (two left over; Gemma-3-27B: 62 in sixes):
+    the traces end with the same short group after the plain ones, and it gets its own line."""
+    cfg = _patterned(tmp_path, tiny_text_file, arch, depth, n, {}, {})
+    # a small vocabulary and longer rows: the layers' activations, not the logits, hold the peak
+    cfg.model.from_config.update(vocab_size=512, max_position_embeddings=512)
+    cfg.data.max_length = 256
+    if arch == "gemma3_text":
+        cfg.model.from_config["layer_types"] = (["sliding_attention", "sliding_attention", "full_attention"] * 7)[:depth]
+    fast = estimate(cfg, device="cuda")
+    assert "in groups of" in fast.method, fast.method
+    short = traced[-1]
+    assert max(t.layer.max() for t in short) + 1 < depth
+    full = estimate(cfg, device="cuda", exact=True)
+    for name in COMPARED:
+        assert getattr(fast, name) == getattr(full, name), name
+    # row by row (the figures are maxima, which the short group rarely holds): the extrapolated ops
+    # of groups 0, 1, c - 1 (checkpointed), c, c + 1, the last whole group (plain) and the short one
+    unit = 2 if arch == "gemma2" else 3
+    c, q = n // unit, depth // unit - n // unit
+    found = extrapolate_checkpointed(*(est._grouped(t, unit) for t in short), c, q, tail=True)
+    assert found is not None
+    whole = est._grouped(traced[-1][0], unit)
+    labels = np.array(found.phases)
+    starts = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]])
+    compared = 0
+    for occ, got in enumerate(np.split(found.values, starts[1:])):
+        if not (whole.layer[whole.occurrence == occ] >= 0).any():
+            continue  # outside the layers (the optimizer's): the figures above
+        want = _representative(whole, occ, [0, 1, c - 1, c, c + 1, c + q - 1, c + q]).astype(np.float64)
+        assert np.array_equal(got, want), (whole.phases[occ], occ)
+        compared += 1
+    assert compared >= 2  # forward and backward
