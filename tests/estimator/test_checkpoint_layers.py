@@ -252,7 +252,8 @@ def test_a_depth_that_ends_in_a_group_cut_short_extrapolates_too(arch: str, dept
     cfg.model.from_config.update(vocab_size=512, max_position_embeddings=512)
     cfg.data.max_length = 256
     if arch == "gemma3_text":
-        cfg.model.from_config["layer_types"] = (["sliding_attention", "sliding_attention", "full_attention"] * 7)[:depth]
+        layers = ["sliding_attention", "sliding_attention", "full_attention"] * 7
+        cfg.model.from_config["layer_types"] = layers[:depth]
     fast = estimate(cfg, device="cuda")
     assert "in groups of" in fast.method, fast.method
     short = traced[-1]
