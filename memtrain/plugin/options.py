@@ -164,8 +164,9 @@ RULES: tuple[Rule, ...] = (
         "torch.utils.checkpoint per layer), which replaces transformers' own: these keyword arguments "
         "are not passed on")),
     Rule("attn_implementation", True, _attention(True), lambda found: (
-        f"traced with the model's {found} attention (eager keeps an s x s matrix of scores per head "
-        "for backward)")),
+        f"traced with the model's {found} attention" + (
+            " (eager keeps an s x s matrix of scores per head for backward)" if found == "eager" else
+            " (as memtrain's stand-in for FlashAttention, which keeps what it keeps: no s x s matrix)"))),
     Rule("attn_implementation", False, _attention(False), lambda _: (
         "planned with the model's default attention (SDPA where transformers has it for the model, else "
         "eager): a flex kernel keeps no s x s matrix, as SDPA's flash kernels; where the trace takes "
