@@ -144,6 +144,12 @@ def model_class(cfg: ModelConfig) -> Any:
     return _AUTO_CLASSES[cfg.task]
 
 
+def is_flash(kernel: str | None) -> bool:
+    """Whether the attention implementation ``kernel`` is a FlashAttention (``flash_attention_2``, a Hub
+    flash kernel): transformers' own test, "flash" in its name."""
+    return kernel is not None and "flash" in kernel
+
+
 def attention(cfg: ModelConfig, config: PretrainedConfig) -> str:
     """The attention kernel a model of ``config`` built from the recipe runs: ``model.attn_implementation``,
     else the config's own, else transformers' default for the model class (SDPA where the class
@@ -153,13 +159,14 @@ def attention(cfg: ModelConfig, config: PretrainedConfig) -> str:
     from memtrain._compat.transformers_config import attn_implementation, supports_flash, supports_sdpa
 
     asked = cfg.attn_implementation or attn_implementation(config)
-    sdpa = supports_sdpa(model_class(cfg), config)
+    auto = model_class(cfg)
+    sdpa = supports_sdpa(auto, config)
     name = type(config).__name__.removesuffix("Config")
     if asked == "sdpa" and sdpa is False:
         raise RecipeError([Problem(
             "model.attn_implementation", "sdpa", f"{name} models have no SDPA attention in transformers",
             "set `model.attn_implementation: eager` or leave it unset (the model's default, eager).")])
-    if asked and "flash" in asked and supports_flash(model_class(cfg), config) is False:
+    if is_flash(asked) and supports_flash(auto, config) is False:
         raise RecipeError([Problem(
             "model.attn_implementation", asked, f"{name} models take no FlashAttention in transformers",
             f"set `model.attn_implementation` to {'sdpa' if sdpa else 'eager'} or leave it unset.")])
@@ -250,7 +257,7 @@ def _flash_errors(cfg: ModelConfig) -> Iterator[None]:
         yield
     except (ImportError, ValueError, RuntimeError) as err:
         kernel = cfg.attn_implementation
-        if not kernel or "flash" not in kernel or "flash" not in str(err).lower():
+        if not is_flash(kernel) or "flash" not in str(err).lower():
             raise
         raise RecipeError([Problem(
             "model.attn_implementation", kernel, f"transformers cannot run it here ({first_line(err)[:200]})",
@@ -326,7 +333,7 @@ def _from_pretrained(factory: Any, field: str, location: str, cfg: ModelConfig,
     except (OSError, ValueError, KeyError, SafetensorError, StrictDataclassError) as err:
         # OSError: missing files or network; ValueError/KeyError: an unknown `model_type` or a
         # config without one; SafetensorError: truncated or damaged weights
-        if cfg.attn_implementation and "flash" in cfg.attn_implementation and "flash" in str(err).lower():
+        if is_flash(cfg.attn_implementation) and "flash" in str(err).lower():
             raise  # the FlashAttention kernel, not the model: named by load_model
         first = first_line(err)
         raise MemtrainError(

@@ -25,13 +25,10 @@ STAND_IN = "memtrain_fa_standin"
 _registered = False
 
 
-def is_flash(kernel: str | None) -> bool:
-    """Whether ``kernel`` is a FlashAttention (transformers' own test: "flash" in its name)."""
-    return kernel is not None and "flash" in kernel
-
-
 def traced_attention(kernel: str | None) -> str | None:
     """The attention implementation a fake model of a run with ``kernel`` is built with."""
+    from memtrain.model import is_flash
+
     if not is_flash(kernel):
         return kernel
     register()
@@ -71,6 +68,6 @@ def fake_model_kwargs(cfg: Any) -> dict[str, Any]:
     from memtrain.model import model_kwargs
 
     kwargs = model_kwargs(cfg)
-    if is_flash(kwargs.get("attn_implementation")):
+    if "attn_implementation" in kwargs:
         kwargs["attn_implementation"] = traced_attention(kwargs["attn_implementation"])
     return kwargs

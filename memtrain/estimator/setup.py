@@ -124,9 +124,11 @@ def attention_note(kernel: str, config: PretrainedConfig, target: str, trace_dev
     when attention dropout is on; on CUDA flash (no mask) or memory-efficient (a mask; dropout
     too), neither with an s x s matrix.
     """
+    from memtrain.model import is_flash
+
     if kernel == "eager":
         return "attention: eager, an s x s matrix of scores per head kept for backward (quadratic in length)"
-    if "flash" in kernel:
+    if is_flash(kernel):
         return (f"attention: {kernel}, traced as a stand-in on SDPA's flash kernel without a mask or dropout "
                 "(memtrain/estimator/flash_standin.py): no s x s matrix, its output and log-sum-exp kept for "
                 "backward, what FlashAttention keeps; padding and packing take its variable-length path, "

@@ -221,6 +221,8 @@ def planned_attention(model: Any) -> str | None:
 
 def _modelled(found: str | None) -> str | None:
     """The recipe's ``model.attn_implementation`` for the kernel a model runs (None: not modelled)."""
+    from memtrain.model import is_flash
+
     if found in MODELLED_ATTENTION:
         return found
-    return "flash_attention_2" if found is not None and "flash" in found else None
+    return "flash_attention_2" if is_flash(found) else None
