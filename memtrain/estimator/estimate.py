@@ -447,6 +447,16 @@ def summarize(plan: TraceSetup, cands: Candidates, counts: Counts, method: str,
     )
 
 
+# what a step holds from its start to its end: the weights, buffers and optimizer state
+HELD = tuple(CATEGORY_NAMES.index(name) for name in ("parameters", "buffers", "optimizer_state"))
+
+
+def held_bytes(cands: Candidates) -> int:
+    """Device bytes a step holds from start to end (its weights, buffers and optimizer state), as
+    ``cands`` (the ops of a trace that can hold its peak) show them: their least over those ops."""
+    return int(np.rint(cands.values[:, HELD].sum(axis=1).min()))
+
+
 def _categories(row: np.ndarray) -> dict[str, int]:
     return {name: int(v) for name, v in zip(CATEGORY_NAMES, row[:HOST], strict=True)}
 

@@ -195,6 +195,14 @@ class Knob:
             tiled MLP keeps only each MLP's input), so ``slower_when_leaner`` holds only without
             activation offload (the audit above: 36 of 1,184 pairs, all tiled MLP on vs off under
             offload, up to 1.07 s of a step faster, before this rule).
+        holds_same: its values leave what a step holds on the device from start to end as it is
+            (the weights, buffers and optimizer state): it acts on activations alone. A candidate
+            that differs from its plain trace (the one its time bound traces) only in such fields
+            holds that trace's bytes throughout, which the planner adds to a floor
+            (``memtrain.plan.search.Search.floor``; tests/plan/test_knob_floors.py checks the sum
+            against traced peaks). False (the default) where a value moves, shards, adds or
+            shrinks weights or optimizer state (embedding or optimizer offload, sharding, an 8-bit
+            optimizer, a precomputed reference) or has not been checked (the approximate layers).
     """
 
     path: str
@@ -217,6 +225,7 @@ class Knob:
     floor: Floor | None = None
     slower_when_leaner: bool = False
     unordered_time_offloaded: bool = False
+    holds_same: bool = False
 
     def rank_of(self, value: Any, shape: ModelShape) -> tuple[int, ...]:
         """``value``'s position in this knob's memory order."""

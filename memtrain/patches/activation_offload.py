@@ -375,7 +375,7 @@ def check_host_ram(model: nn.Module, batch_size: int, seq_len: int,
 
 # no cost hook: its transfers are the estimate's own host bytes (memtrain.plan.search.Search._cost)
 KNOBS = (Knob("memory.offload.activations", fixed(False, True), False, order=50, plugin=True,
-              patches_model=True, to_host=True, slower_when_leaner=True),)
+              patches_model=True, to_host=True, slower_when_leaner=True, holds_same=True),)
 DOC = Doc("activation offload", "`memory.offload.activations: true`",
           "device memory for host memory and transfers; on a CPU-only machine both are the same RAM, "
           "so the bytes moved are measured, not a saving", "[memory_modes.md](docs/bench/memory_modes.md)")

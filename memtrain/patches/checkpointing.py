@@ -323,7 +323,7 @@ KNOBS = (Knob("memory.checkpointing",
               # under offload: without checkpointing every saved activation leaves the device, where
               # a selective checkpoint's region boundaries stay on it (Llama-3.1-8B at 131,072
               # tokens: 15.1 GiB without checkpointing, 226.9 GiB selective)
-              unordered_offloaded=True),)
+              unordered_offloaded=True, holds_same=True),)
 DOC = Doc("activation checkpointing", "`memory.checkpointing: full \\| selective \\| n`",
           "activations for recompute FLOPs", "[memory_modes.md](docs/bench/memory_modes.md)")
 

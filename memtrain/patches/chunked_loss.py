@@ -252,13 +252,14 @@ KNOBS = (
     # DPO's loss is TRL's tiled log-prob head, not the model's loss
     Knob("memory.loss", lambda cfg, shape: (["standard", "chunked"] if cfg.model.task == "causal-lm"
                                             and cfg.training.objective == "sft" else ["standard"]),
-         "standard", order=100, plugin=True, patches_model=True, floor=standard_loss_floor),
+         "standard", order=100, plugin=True, patches_model=True, floor=standard_loss_floor,
+         holds_same=True),
     # a size whose default (None) sits inside its memory order: a size other than the default counts
     # as one more technique, so ties keep the default. The cost model predicts the loss chunks equal
     # (same FLOPs); measured, a quarter of the rule's chunk took 1.07x the rule's step and one chunk
     # of everything 0.95x, at 1.8x its peak (docs/bench/loss_chunk.md, a 2-core CPU)
     Knob("memory.loss_chunk_tokens", lambda cfg, shape: chunk_ladder(shape.vocab), None, order=110,
-         rank=chunk_rank, plugin=True, sizes="memory.loss"),
+         rank=chunk_rank, plugin=True, sizes="memory.loss", holds_same=True),
 )
 DOC = Doc("chunked loss",
           "`memory.loss: chunked`, `memory.loss_chunk_tokens: auto` (chunk sized from the budget)",

@@ -299,7 +299,7 @@ def undo(model: nn.Module) -> nn.Module:
 # unordered under offload: at 14,336 tokens (Llama-3.1-8B QLoRA) it kept 1 MiB more than the plain
 # norm (scripts/bench/planner/dominance.py)
 KNOBS = (Knob("memory.lean_norm", fixed(False, True), False, order=150, plugin=True, patches_model=True,
-              lowers_cost=True, unordered_offloaded=True),)
+              lowers_cost=True, unordered_offloaded=True, holds_same=True),)
 DOC = Doc("lean RMSNorm", "`memory.lean_norm: true`",
           "each norm keeps its input and rstd, not its fp32 intermediates; element-wise recompute",
           "[lean_norm.md](docs/bench/lean_norm.md)")

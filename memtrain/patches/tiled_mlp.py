@@ -442,10 +442,11 @@ def _cost(inputs: CostInputs, value: Any) -> dict[str, float]:
 KNOBS = (
     # keeps only each MLP's input; one more MLP forward (4-bit weights dequantized once per tile)
     Knob("memory.tiled_mlp", fixed(False, True), False, order=130, plugin=True, patches_model=True,
-         cost=_cost, slower_when_leaner=True, unordered_time_offloaded=True),
+         cost=_cost, slower_when_leaner=True, unordered_time_offloaded=True, holds_same=True),
     # smaller tiles: more launches and dequantizations for the same work
     Knob("memory.tiled_mlp_tile_tokens", lambda cfg, shape: [None, *tile_ladder(shape.hidden)], None,
-         order=140, rank=tile_rank, plugin=True, sizes="memory.tiled_mlp", slower_when_leaner=True),
+         order=140, rank=tile_rank, plugin=True, sizes="memory.tiled_mlp", slower_when_leaner=True,
+         holds_same=True),
 )
 DOC = Doc("tiled MLP",
           "`memory.tiled_mlp: true`, `memory.tiled_mlp_tile_tokens: auto` (tile sized from the budget)",

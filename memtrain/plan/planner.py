@@ -15,7 +15,9 @@ nothing to act on in this model, found by applying its patch to a fake model):
 - *branch and bound on time*: a candidate's time at the largest micro-batch (accumulation 1) is a
   lower bound of its time at any micro-batch it fits with; candidates are traced in the order of
   that bound (computed from one trace per adapter and quantization choice plus the known extra
-  costs of each technique) and the search stops once the bound exceeds the best time found;
+  costs of each technique; a traced activation offload adds its transfers to the bounds of the
+  candidates that move at least as much) and the search stops once the bound exceeds the best
+  time found;
 - *memory dominance*: each technique has an order from "keeps more" to "keeps less" (no
   checkpointing > selective > full, AdamW > 8-bit AdamW, ...); a candidate that keeps at least as
   much as one that does not fit at micro-batch 1 in every field does not fit either.

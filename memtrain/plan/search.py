@@ -112,6 +112,8 @@ PATCHED_FIELDS = space.patched_fields()
 BASE_FIELDS = space.base_fields()
 # and the techniques a lower bound keeps as well (they can make a step cheaper than plain)
 BOUND_FIELDS = space.bound_fields()
+# the fields whose values leave the weights, buffers and optimizer state as they are (Knob.holds_same)
+HOLDS_SAME = space.holds_same_fields()
 
 
 class Search:
@@ -148,6 +150,7 @@ class Search:
         self._patch_errors: dict[str, str | None] = {}  # applicability of one technique value
         self._tables: dict[str, derive.Table | None] = {}  # what an embedding offload moves
         self._floors: dict[str, tuple[int, str]] = {}
+        self._held: dict[str, int] = {}  # of a floor: what the step holds throughout (see held)
         self._cfgs: dict[str, RunConfig] = {}
         self.floored: list[Candidate] = []  # rejected by their floor, untraced (in `pruned` too)
         # the plan's traces (a trace depends only on the settings in its key, never on the budget)
@@ -165,8 +168,7 @@ class Search:
 
     def run(self) -> Candidate | None:
         cands = list(self.candidates())
-        bounds = [(self.lower_bound(c), i) for i, c in enumerate(cands)]
-        bound_of = {i: b for b, i in bounds}
+        bound_of = {i: self.lower_bound(c) for i, c in enumerate(cands)}
         fastest: Candidate | None = None
         too_big: list[Candidate] = []
         host_big: list[Candidate] = []  # fit the device, not the host
@@ -194,12 +196,17 @@ class Search:
             if fastest is None or self.time(cand) < self.time(fastest):
                 fastest = cand
 
-        for bound, i in sorted(bounds):
-            cand = cands[i]
-            if i in seen:
-                continue  # judged already: in `fits`, or in `too_big` / `done` with its reason
-            seen.add(i)
+        def judged(cand: Candidate) -> None:
+            judge(cand)
+            self._raise_bounds(cand, cands, bound_of, seen)
+
+        # in the order of their bounds, which a traced offload can raise for the others (see
+        # _raise_bounds): the next is the least of what is left, so the order never goes down
+        while left := [k for k in range(len(cands)) if k not in seen]:
+            i = min(left, key=lambda k: (bound_of[k], k))
+            cand, bound = cands[i], bound_of[i]
             if self._pruned(cand, bound, fastest, fits, too_big, host_big):
+                seen.add(i)
                 continue
             # Near the limit (a candidate was too big), before tracing it, the leanest candidate it
             # keeps at least as much as, if that one could win too (its bound within reach): where
@@ -208,10 +215,14 @@ class Search:
             k = self._leaner(cands, i, bound_of, seen, fastest, too_big, fits) if too_big else None
             if k is not None:
                 seen.add(k)
-                judge(cands[k])
-                if self._pruned(cand, bound, fastest, fits, too_big, host_big):
+                judged(cands[k])
+                if bound_of[i] > bound:  # its bound raised by that trace: back in line
                     continue
-            judge(cand)
+                if self._pruned(cand, bound, fastest, fits, too_big, host_big):
+                    seen.add(i)
+                    continue
+            seen.add(i)
+            judged(cand)
         if fastest is None:
             self._smallest_traced()
             return None
@@ -235,6 +246,29 @@ class Search:
                 cand.reason = f"slower: {self.time(cand):.3g} {self.unit} vs {self.time(best):.3g} s"
         return best
 
+    def _raise_bounds(self, traced: Candidate, cands: list[Candidate], bound_of: dict[int, float],
+                      seen: set[int]) -> None:
+        """After ``traced`` was evaluated: the bounds of the candidates not judged yet that move at
+        least its offloaded bytes (:meth:`moves_at_least`), with those bytes' transfers counted."""
+        if not traced.moved:
+            return
+        for k, cand in enumerate(cands):
+            if k not in seen and self.moves_at_least(cand, traced):
+                bound_of[k] = max(bound_of[k], self.lower_bound(cand, traced.moved))
+
+    def moves_at_least(self, cand: Candidate, traced: Candidate) -> bool:
+        """``cand``'s activation offload moves at least the bytes ``traced``'s (evaluated) moved per
+        micro-batch: both offload activations, at the one micro-batch the search allows (so at
+        the same one), with the same other offloads (the same bytes resident on the host), and
+        ``cand`` keeps at least as much on the host in every field (:meth:`dominated` with
+        ``host``: it saves at least as much for backward, so offload moves at least as much).
+        ``tests/plan/test_offload_bound.py`` audits it on every pair of a search."""
+        if len(self.batches) != 1 or not self._offloaded(cand) or not self._offloaded(traced):
+            return False
+        if any(space.to_host(f) and cand.values[f] != traced.values[f] for f in self.fields):
+            return False
+        return self.dominated(cand, traced, host=True)
+
     def _pruned(self, cand: Candidate, bound: float, fastest: Candidate | None, fits: list[Candidate],
                 too_big: list[Candidate], host_big: list[Candidate]) -> bool:
         """Whether ``cand`` is judged without a trace (its reason set, added to ``pruned``):
@@ -246,8 +280,12 @@ class Search:
             cand.micro, cand.accumulation = (self.batches_for(cand) or self.batches)[0]
             cand.min_peak, path = self._floor(cand)
             value = cand.values.get(path, recipe_value(self.cfg, path))
-            cand.reason = (f"does not fit: `{path}: {value}` alone keeps at least "
-                           f"{format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
+            held = self._held.get(_key(cand.values), 0)
+            kept = (f"keeps at least {format_bytes(cand.min_peak - held)} beside the "
+                    f"{format_bytes(held)} of weights and optimizer state every step holds, "
+                    f"{format_bytes(cand.min_peak)}" if held else
+                    f"alone keeps at least {format_bytes(cand.min_peak)}")
+            cand.reason = (f"does not fit: `{path}: {value}` {kept} at micro-batch {cand.micro} > "
                            f"{format_bytes(self.usable)} usable (not traced)")
             self.floored.append(cand)
         elif fastest is not None and bound > self.time(fastest) * (1 + TIE):
@@ -435,18 +473,39 @@ class Search:
         return cand.min_peak <= self.usable and self.host is not None and not self.host.fits(cand.host)
 
     def floor(self, cand: Candidate) -> int:
-        """Device bytes ``cand`` keeps at least at its smallest micro-batch, without a trace
-        (:func:`space.floor`: its knobs' ``floor``); 0 when the search plans for the data at hand
-        (``rows``: its rows may be shorter than ``data.max_length``)."""
+        """Device bytes ``cand`` keeps at least at its smallest micro-batch, without a trace of its
+        own: its knobs' ``floor`` (:func:`space.floor`), plus what the step holds beside it from
+        start to end (:meth:`held`) where a knob has one; 0 when the search plans for the data at
+        hand (``rows``: its rows may be shorter than ``data.max_length``)."""
         return self._floor(cand)[0]
 
     def _floor(self, cand: Candidate) -> tuple[int, str]:
         key = _key(cand.values)
         if key not in self._floors:
             micro = (self.batches_for(cand) or self.batches)[0][0]
-            at_hand = self.rows is not None
-            self._floors[key] = (0, "") if at_hand else space.floor(self._cfg(cand), self.shape, micro)
+            if self.rows is not None:
+                return 0, ""
+            found, path = space.floor(self._cfg(cand), self.shape, micro)
+            held = self.held(cand) if found else 0
+            if held is None:
+                return found, path  # its plain trace is not made yet: kept until it is
+            self._floors[key] = (found + held, path)
+            self._held[key] = held
         return self._floors[key]
+
+    def held(self, cand: Candidate) -> int | None:
+        """Device bytes every step of ``cand`` holds from start to end (its weights, buffers and
+        optimizer state), from the trace its time bound made (:meth:`_bound_trace`: the searched
+        fields off but the model's own and those that can make a step cheaper): ``cand`` holds the
+        same where it differs from that trace only in fields that act on activations alone
+        (``Knob.holds_same``), else 0 (unknown). None where that trace is not made yet."""
+        cfg, accumulation, values = self._bound_trace(cand)
+        if any(cand.values[f] != values.get(f, cand.values[f]) and f not in HOLDS_SAME for f in self.fields):
+            return 0
+        traced = self.cache.traces.get(self._trace_key(cfg, accumulation))
+        if traced is None:
+            return None
+        return est.held_bytes(traced.c2 if traced.c2 is not None else traced.points[1])
 
     def floored_out(self, cand: Candidate) -> bool:
         """``cand``'s floor alone exceeds the usable budget: it does not fit, untraced."""
@@ -472,27 +531,37 @@ class Search:
                 cand.reason = "not applicable to this model: " + str(err).split(" Fix:")[0]
                 self.pruned.append(cand)
 
-    def lower_bound(self, cand: Candidate) -> float:
+    def lower_bound(self, cand: Candidate, moved: int = 0) -> float:
         """What :meth:`time` ranks ``cand`` by, at least: from the plain trace of its adapter and
         base (and of the techniques that can make a step cheaper, as ``cand`` has them), plus what
         its other techniques add at least (a checkpoint's recompute, the tiled MLP's), at the
         largest micro-batch: where a step with a fixed effective batch, or an example, costs least
-        (the micro-batch ``cand`` fits is not known before its trace)."""
-        base = {f: v for f, v in cand.values.items() if f in BOUND_FIELDS}
-        cfg = with_values(self.cfg, {**self._plain(cand), **base})
+        (the micro-batch ``cand`` fits is not known before its trace). ``moved``: activation bytes
+        ``cand``'s offload moves to the host per micro-batch at least (:meth:`moves_at_least`),
+        whose transfers count too (0: unknown before its trace)."""
+        cfg, traced_at, _ = self._bound_trace(cand)
         batches = self.batches_for(cand) or self.batches
-        held = 2 if any(a > 1 for _, a in self.batches) else 1
         try:
-            traced = self._traced(cfg, held)
+            traced = self._traced(cfg, traced_at)
         except NoMatchError:  # e.g. a lean norm on a model without RMSNorm: `inapplicable` prunes it
             return 0.0
         micro, accumulation = batches[-1]  # a step, or an example, costs least there
         work = costmodel.work_at(traced.counts2.work, traced.counts3.work, micro)
         # what the candidate's techniques add to the bound's trace (each knob's cost hook; where the
         # recipe fixes a technique, that trace has its work already)
-        cost = self._cost(self._cfg(cand), work, traced.counts2, accumulation, None, micro, traced=cfg)
+        cost = self._cost(self._cfg(cand), work, traced.counts2, accumulation, None, micro, traced=cfg,
+                          moved=moved)
         seconds = cost.seconds
         return seconds / (micro * accumulation) if self.per_example else seconds
+
+    def _bound_trace(self, cand: Candidate) -> tuple[RunConfig, int, dict[str, Any]]:
+        """The recipe :meth:`lower_bound` traces for ``cand``, the accumulation it traces it at, and
+        the values it sets: the searched fields off, but the model's own and the techniques that
+        can make a step cheaper as ``cand`` has them."""
+        base = {f: v for f, v in cand.values.items() if f in BOUND_FIELDS}
+        values = {**self._plain(cand), **base}
+        accumulation = 2 if any(a > 1 for _, a in self.batches) else 1
+        return with_values(self.cfg, values), accumulation, values
 
     @functools.cached_property
     def cost_model(self) -> torch.nn.Module | None:
@@ -605,6 +674,7 @@ class Search:
             cand.micro, cand.accumulation = batches[0]
             smallest = self._summary(traced, cand.micro, cand.accumulation)
             cand.min_peak, cand.host = smallest.total_bytes, smallest.host_peak_bytes
+            cand.moved = smallest.host_moved_bytes
             cand.reason = (f"does not fit: {format_bytes(cand.min_peak)} at micro-batch {cand.micro} > "
                            f"{format_bytes(self.usable)} usable" if cand.min_peak > self.usable else
                            f"does not fit the host: at micro-batch {cand.micro}, "
@@ -613,7 +683,7 @@ class Search:
             return
         micro, accumulation, summary, traced = fitted
         cand.micro, cand.accumulation, cand.peak = micro, accumulation, summary.total_bytes
-        cand.host = summary.host_peak_bytes
+        cand.host, cand.moved = summary.host_peak_bytes, summary.host_moved_bytes
         first = batches[0][0]  # below 2 the linear model is not used: bound it from micro 2
         smallest = 2 if first == 1 and micro > 1 else first
         cand.min_peak = self._summary(traced, smallest, dict(batches).get(smallest, accumulation)).total_bytes
@@ -680,13 +750,14 @@ class Search:
 
     def _cost(self, cfg: RunConfig, work: Work, counts: est.Counts, accumulation: int,
               summary: est.Estimate | None, micro: int,
-              traced: RunConfig | None = None) -> costmodel.StepCost:
+              traced: RunConfig | None = None, moved: int = 0) -> costmodel.StepCost:
         """Step time of the candidate recipe ``cfg`` at ``micro`` from ``work`` (its trace's, or with
         ``traced``, a lower bound's trace of that recipe); each technique adds its terms (its
         knob's cost hook: :func:`space.cost_terms`). ``summary`` (None: a lower bound) gives the
         bytes activation offload moves to the host and back per micro-batch
-        (``host_moved_bytes``: the tensors' bytes, not the pinned blocks' size)."""
-        offloaded = summary.host_moved_bytes if summary is not None else 0
+        (``host_moved_bytes``: the tensors' bytes, not the pinned blocks' size); without it, a lower
+        bound, ``moved`` such bytes at least."""
+        offloaded = summary.host_moved_bytes if summary is not None else moved
         inputs = CostInputs(cfg, self.shape, micro, counts.parameters, counts.trainable,
                             lambda: self.cost_model, work.recomputed, work.recomputed_selective, traced)
         terms = space.cost_terms(inputs)

@@ -36,6 +36,7 @@ class Candidate:
     parts: dict[str, float] = field(default_factory=dict)
     min_peak: int = 0  # predicted peak at the smallest micro-batch
     host: int = 0  # predicted host bytes (offloaded tensors) at the chosen micro-batch, else the smallest
+    moved: int = 0  # activation bytes its offload moves to the host per micro-batch, at ``host``'s
     reason: str = ""  # why it was not chosen
     measured: float | None = None  # seconds of a real step, when the plan was tuned
 
@@ -136,6 +137,12 @@ def bound_fields() -> tuple[str, ...]:
     """The fields a lower bound traces as the candidate has them: the model's own, and techniques
     that can make a step cheaper (``Knob.lowers_cost``)."""
     return tuple(k.path for k in patches.knobs() if k.base or k.lowers_cost)
+
+
+def holds_same_fields() -> tuple[str, ...]:
+    """The fields whose values leave the bytes a step holds throughout as they are
+    (``Knob.holds_same``)."""
+    return tuple(k.path for k in patches.knobs() if k.holds_same)
 
 
 def unordered_offloaded_fields() -> tuple[str, ...]:

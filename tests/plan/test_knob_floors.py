@@ -85,7 +85,8 @@ def test_the_planner_rejects_what_its_floor_rules_out_untraced_and_chooses_the_s
     assert decided.chosen.values["memory.loss"] == "chunked"
     assert not any(v["memory.loss"] == "standard" for v in traced), traced
     floored = [c for c in decided.rejected if c.values["memory.loss"] == "standard"]
-    assert floored and all("`memory.loss: standard` alone keeps at least" in c.reason for c in floored)
+    assert floored and all("`memory.loss: standard`" in c.reason and "keeps at least" in c.reason
+                           for c in floored)
     floor = space.floor
     monkeypatch.setattr(space, "floor", lambda *args: (0, ""))  # no floors: every candidate traced
     assert planner.plan(cfg, budget, device="cpu").chosen.values == decided.chosen.values
@@ -106,3 +107,74 @@ def test_the_planner_rejects_what_its_floor_rules_out_untraced_and_chooses_the_s
     # much as a traced one that does not fit): no more traces than without floors (planted: every
     # floored candidate traced -> more; in the plugin's searches, 6x the suite time)
     assert len(traced) <= without, (len(traced), without)
+
+
+@pytest.mark.parametrize(("arch", "dtype", "values"), [
+    ("llama", "bf16", {"memory.checkpointing": "full", "memory.offload.activations": True,
+                       "memory.lean_norm": True, "memory.tiled_mlp": True}),
+    ("gemma", "bf16", {"memory.checkpointing": "selective", "memory.offload.activations": False,
+                       "memory.lean_norm": False, "memory.tiled_mlp": True}),
+    ("gpt2", "fp32", {"memory.checkpointing": "none", "memory.offload.activations": True,
+                      "memory.lean_norm": False, "memory.tiled_mlp": False}),
+])
+def test_a_floor_with_what_the_step_holds_is_at_most_the_traced_peak(
+        tmp_path: Path, tiny_text_file: Path, arch: str, dtype: str, values: dict) -> None:
+    """The search adds to a knob's floor what the candidate's step holds from start to end (weights,
+    buffers, optimizer state: ``Search.held``), read from the plain trace its time bound made,
+    where the candidate differs from that trace only in fields that act on activations alone
+    (``Knob.holds_same``): the sum is at most the candidate's traced peak and more than the knob's
+    floor alone; a candidate that offloads its embeddings (weights off the device) gets none.
+    Planted: activations counted as held -> above the peak; the embedding offload marked
+    ``holds_same`` -> its candidate gets the plain trace's bytes."""
+    cfg = _cfg(tmp_path, tiny_text_file, arch, data={"max_length": 256}, model={"dtype": dtype},
+               training={"micro_batch_size": 2, "gradient_accumulation": 1},
+               memory={"loss": "auto", "checkpointing": "auto", "lean_norm": "auto", "tiled_mlp": "auto",
+                       "offload": {"activations": "auto", "embeddings": "auto", "min_tensor_bytes": 1024}})
+    search = Search(cfg, "cuda", 1 << 40)
+    wanted = {**values, "memory.loss": "standard"}
+    cands = [c for c in search.candidates() if all(c.values[k] == v for k, v in wanted.items())]
+    kept = next(c for c in cands if not c.values["memory.offload.embeddings"])
+    moved = next(c for c in cands if c.values["memory.offload.embeddings"])
+    search.lower_bound(kept)  # traces its plain settings, as a search does first
+    chosen = planner.with_values(cfg, kept.values)
+    knob, _ = space.floor(chosen, search.shape, 2)
+    held = search.held(kept)
+    assert held is not None and held > 0
+    assert search.held(moved) == 0
+    peak = estimate(chosen, device="cuda").peak_bytes
+    assert knob < search.floor(kept) == knob + held <= peak, (knob, held, peak)
+
+
+def test_what_the_step_holds_rejects_the_standard_loss_where_its_floor_alone_would_not(
+        tmp_path: Path, tiny_text_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget above the standard loss's floor but below it plus the weights and optimizer state
+    every step holds: the standard-loss candidates are rejected untraced, their reason naming both,
+    and the plan is the one found without the held bytes, which traces them. Planted: the held
+    bytes left out of the floor (``Search.held`` 0) -> standard-loss candidates traced."""
+    cfg = _cfg(tmp_path, tiny_text_file, "llama", data={"max_length": 256},
+               training={"micro_batch_size": 1, "gradient_accumulation": 1, "effective_batch_size": 1},
+               memory={"loss": "auto", "loss_chunk_tokens": 32, "checkpointing": "auto"})
+    probe = Search(cfg, "cpu", 1 << 40)
+    standard = next(c for c in probe.candidates() if c.values["memory.loss"] == "standard")
+    probe.lower_bound(standard)
+    knob = space.floor(planner.with_values(cfg, standard.values), probe.shape, 1)[0]
+    held = probe.held(standard)
+    assert held
+    budget = int((knob + held // 2) / 0.9)  # the planner's usable share of a CPU budget: 90%
+    traced: list[dict] = []
+    evaluate = Search.evaluate
+
+    def counted(self: Search, cand: object) -> None:
+        traced.append(dict(cand.values))  # type: ignore[attr-defined]
+        evaluate(self, cand)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Search, "evaluate", counted)
+    decided = planner.plan(cfg, budget, device="cpu")
+    assert decided.chosen.values["memory.loss"] == "chunked"
+    assert not any(v["memory.loss"] == "standard" for v in traced), traced
+    floored = [c for c in decided.rejected if c.values["memory.loss"] == "standard"]
+    assert floored and all("of weights and optimizer state every step holds" in c.reason for c in floored)
+    traced.clear()
+    monkeypatch.setattr(Search, "held", lambda self, cand: 0)
+    assert planner.plan(cfg, budget, device="cpu").chosen.values == decided.chosen.values
+    assert any(v["memory.loss"] == "standard" for v in traced)  # the loss's floor alone does not reject
