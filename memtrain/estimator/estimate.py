@@ -453,8 +453,11 @@ HELD = tuple(CATEGORY_NAMES.index(name) for name in ("parameters", "buffers", "o
 
 def held_bytes(cands: Candidates) -> int:
     """Device bytes a step holds from start to end (its weights, buffers and optimizer state), as
-    ``cands`` (the ops of a trace that can hold its peak) show them: their least over those ops."""
-    return int(np.rint(cands.values[:, HELD].sum(axis=1).min()))
+    ``cands`` (the ops of a trace that can hold its peak) show them: their least over those ops
+    that hold anything on the device (a host-only row, as a derived embedding offload's lookup,
+    says nothing of it)."""
+    rows = cands.values[cands.values[:, :HOST].sum(axis=1) > 0]
+    return int(np.rint(rows[:, HELD].sum(axis=1).min())) if len(rows) else 0
 
 
 def _categories(row: np.ndarray) -> dict[str, int]:

@@ -196,9 +196,11 @@ class Search:
             if fastest is None or self.time(cand) < self.time(fastest):
                 fastest = cand
 
+        moved_of: dict[int, int] = {}  # the bytes each candidate's bound counts as moved so far
+
         def judged(cand: Candidate) -> None:
             judge(cand)
-            self._raise_bounds(cand, cands, bound_of, seen)
+            self._raise_bounds(cand, cands, bound_of, seen, moved_of)
 
         # in the order of their bounds, which a traced offload can raise for the others (see
         # _raise_bounds): the next is the least of what is left, so the order never goes down
@@ -247,14 +249,17 @@ class Search:
         return best
 
     def _raise_bounds(self, traced: Candidate, cands: list[Candidate], bound_of: dict[int, float],
-                      seen: set[int]) -> None:
+                      seen: set[int], moved_of: dict[int, int]) -> None:
         """After ``traced`` was evaluated: the bounds of the candidates not judged yet that move at
-        least its offloaded bytes (:meth:`moves_at_least`), with those bytes' transfers counted."""
+        least its offloaded bytes (:meth:`moves_at_least`), with those bytes' transfers counted
+        (``moved_of``: the bytes each bound counts already; fewer raise nothing)."""
         if not traced.moved:
             return
         for k, cand in enumerate(cands):
-            if k not in seen and self.moves_at_least(cand, traced):
-                bound_of[k] = max(bound_of[k], self.lower_bound(cand, traced.moved))
+            if k in seen or traced.moved <= moved_of.get(k, 0) or not self.moves_at_least(cand, traced):
+                continue
+            moved_of[k] = traced.moved
+            bound_of[k] = max(bound_of[k], self.lower_bound(cand, traced.moved))
 
     def moves_at_least(self, cand: Candidate, traced: Candidate) -> bool:
         """``cand``'s activation offload moves at least the bytes ``traced``'s (evaluated) moved per
@@ -505,7 +510,7 @@ class Search:
         traced = self.cache.traces.get(self._trace_key(cfg, accumulation))
         if traced is None:
             return None
-        return est.held_bytes(traced.c2 if traced.c2 is not None else traced.points[1])
+        return est.held_bytes(traced.c2 if traced.c2 is not None else self._point(traced, 1))
 
     def floored_out(self, cand: Candidate) -> bool:
         """``cand``'s floor alone exceeds the usable budget: it does not fit, untraced."""

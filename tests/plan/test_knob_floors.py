@@ -178,3 +178,25 @@ def test_what_the_step_holds_rejects_the_standard_loss_where_its_floor_alone_wou
     monkeypatch.setattr(Search, "held", lambda self, cand: 0)
     assert planner.plan(cfg, budget, device="cpu").chosen.values == decided.chosen.values
     assert any(v["memory.loss"] == "standard" for v in traced)  # the loss's floor alone does not reject
+
+
+def test_what_a_step_holds_with_its_embeddings_on_the_host_leaves_them_out(
+        tmp_path: Path, tiny_text_file: Path) -> None:
+    """Where the recipe itself offloads the embeddings and a step is one row (its plain trace is
+    derived from the one without the offload, row 1 alone), the held bytes are read from the
+    derived trace: fewer than with the embeddings on the device, and the floor still at most the
+    traced peak. Planted: the derived trace's row read as if traced (``points[1]``) -> KeyError;
+    its host-only lookup row (no device bytes) counted -> held 0, fails."""
+    held = {}
+    for offload in (False, True):
+        cfg = _cfg(tmp_path, tiny_text_file, "llama", data={"max_length": 256},
+                   training={"micro_batch_size": 1, "gradient_accumulation": 1, "effective_batch_size": 1},
+                   memory={"loss": "auto", "checkpointing": "auto", "offload": {"embeddings": offload}})
+        search = Search(cfg, "cuda", 1 << 40)
+        cand = next(c for c in search.candidates()
+                    if c.values == {"memory.checkpointing": "full", "memory.loss": "standard"})
+        search.lower_bound(cand)
+        held[offload] = search.held(cand)
+        peak = estimate(planner.with_values(cfg, cand.values), device="cuda").peak_bytes
+        assert held[offload] and search.floor(cand) <= peak, (offload, search.floor(cand), peak)
+    assert held[True] < held[False], held
