@@ -32,6 +32,30 @@ def _cfg(tmp_path: Path, corpus: Path, arch: str, **sections: object) -> object:
     return load_recipe(recipe)
 
 
+def _plan_tracing(cfg: object, budget: int, monkeypatch: pytest.MonkeyPatch) -> tuple[object, list[dict]]:
+    """The plan of ``cfg`` at ``budget`` on the CPU, and the values of every candidate its search
+    traces (this plan's, and those of later plans in the test)."""
+    traced: list[dict] = []
+    evaluate = Search.evaluate
+
+    def counted(self: Search, cand: object) -> None:
+        traced.append(dict(cand.values))  # type: ignore[attr-defined]
+        evaluate(self, cand)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Search, "evaluate", counted)
+    return planner.plan(cfg, budget, device="cpu"), traced
+
+
+def _floored_standard(decided: object, traced: list[dict]) -> list:
+    """The standard-loss candidates ``decided`` rejected, after checking that it chose the chunked
+    loss and traced none of them."""
+    assert decided.chosen.values["memory.loss"] == "chunked"  # type: ignore[attr-defined]
+    assert not any(v["memory.loss"] == "standard" for v in traced), traced
+    floored = [c for c in decided.rejected if c.values["memory.loss"] == "standard"]  # type: ignore[attr-defined]
+    assert floored
+    return floored
+
+
 def test_every_floor_is_registered_where_the_planner_reads_it() -> None:
     floors = [k.path for k in patches.knobs() if k.floor is not None]
     assert floors == ["memory.loss"]
@@ -73,20 +97,9 @@ def test_the_planner_rejects_what_its_floor_rules_out_untraced_and_chooses_the_s
                memory={"loss": "auto", "loss_chunk_tokens": 32, "checkpointing": "auto"})
     standard = planner.with_values(cfg, {"memory.loss": "standard", "memory.checkpointing": "full"})
     budget = int(space.floor(standard, space.model_shape(standard), 1)[0] * 0.95 / 0.9)
-    traced: list[dict] = []
-    evaluate = Search.evaluate
-
-    def counted(self: Search, cand: object) -> None:
-        traced.append(dict(cand.values))  # type: ignore[attr-defined]
-        evaluate(self, cand)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Search, "evaluate", counted)
-    decided = planner.plan(cfg, budget, device="cpu")
-    assert decided.chosen.values["memory.loss"] == "chunked"
-    assert not any(v["memory.loss"] == "standard" for v in traced), traced
-    floored = [c for c in decided.rejected if c.values["memory.loss"] == "standard"]
-    assert floored and all("`memory.loss: standard`" in c.reason and "keeps at least" in c.reason
-                           for c in floored)
+    decided, traced = _plan_tracing(cfg, budget, monkeypatch)
+    assert all("`memory.loss: standard`" in c.reason and "keeps at least" in c.reason
+               for c in _floored_standard(decided, traced))
     floor = space.floor
     monkeypatch.setattr(space, "floor", lambda *args: (0, ""))  # no floors: every candidate traced
     assert planner.plan(cfg, budget, device="cpu").chosen.values == decided.chosen.values
@@ -161,19 +174,9 @@ def test_what_the_step_holds_rejects_the_standard_loss_where_its_floor_alone_wou
     held = probe.held(standard)
     assert held
     budget = int((knob + held // 2) / 0.9)  # the planner's usable share of a CPU budget: 90%
-    traced: list[dict] = []
-    evaluate = Search.evaluate
-
-    def counted(self: Search, cand: object) -> None:
-        traced.append(dict(cand.values))  # type: ignore[attr-defined]
-        evaluate(self, cand)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Search, "evaluate", counted)
-    decided = planner.plan(cfg, budget, device="cpu")
-    assert decided.chosen.values["memory.loss"] == "chunked"
-    assert not any(v["memory.loss"] == "standard" for v in traced), traced
-    floored = [c for c in decided.rejected if c.values["memory.loss"] == "standard"]
-    assert floored and all("of weights and optimizer state every step holds" in c.reason for c in floored)
+    decided, traced = _plan_tracing(cfg, budget, monkeypatch)
+    assert all("of weights and optimizer state every step holds" in c.reason
+               for c in _floored_standard(decided, traced))
     traced.clear()
     monkeypatch.setattr(Search, "held", lambda self, cand: 0)
     assert planner.plan(cfg, budget, device="cpu").chosen.values == decided.chosen.values
