@@ -149,8 +149,7 @@ class Search:
         self.pruned: list[Candidate] = []
         self._patch_errors: dict[str, str | None] = {}  # applicability of one technique value
         self._tables: dict[str, derive.Table | None] = {}  # what an embedding offload moves
-        self._floors: dict[str, tuple[int, str]] = {}
-        self._held: dict[str, int] = {}  # of a floor: what the step holds throughout (see held)
+        self._floors: dict[str, tuple[int, str, int]] = {}  # bytes, the knob's field, held of them
         self._cfgs: dict[str, RunConfig] = {}
         self.floored: list[Candidate] = []  # rejected by their floor, untraced (in `pruned` too)
         # the plan's traces (a trace depends only on the settings in its key, never on the budget)
@@ -283,9 +282,8 @@ class Search:
             cand.reason = "not applicable to this model: " + why
         elif self.floored_out(cand):
             cand.micro, cand.accumulation = (self.batches_for(cand) or self.batches)[0]
-            cand.min_peak, path = self._floor(cand)
+            cand.min_peak, path, held = self._floor(cand)
             value = cand.values.get(path, recipe_value(self.cfg, path))
-            held = self._held.get(_key(cand.values), 0)
             kept = (f"keeps at least {format_bytes(cand.min_peak - held)} beside the "
                     f"{format_bytes(held)} of weights and optimizer state every step holds, "
                     f"{format_bytes(cand.min_peak)}" if held else
@@ -484,18 +482,18 @@ class Search:
         hand (``rows``: its rows may be shorter than ``data.max_length``)."""
         return self._floor(cand)[0]
 
-    def _floor(self, cand: Candidate) -> tuple[int, str]:
+    def _floor(self, cand: Candidate) -> tuple[int, str, int]:
+        """:meth:`floor`, the field whose knob gives it, and the held bytes in it."""
         key = _key(cand.values)
         if key not in self._floors:
             micro = (self.batches_for(cand) or self.batches)[0][0]
             if self.rows is not None:
-                return 0, ""
+                return 0, "", 0
             found, path = space.floor(self._cfg(cand), self.shape, micro)
             held = self.held(cand) if found else 0
             if held is None:
-                return found, path  # its plain trace is not made yet: kept until it is
-            self._floors[key] = (found + held, path)
-            self._held[key] = held
+                return found, path, 0  # its plain trace is not made yet: kept until it is
+            self._floors[key] = (found + held, path, held)
         return self._floors[key]
 
     def held(self, cand: Candidate) -> int | None:
@@ -566,7 +564,7 @@ class Search:
         base = {f: v for f, v in cand.values.items() if f in BOUND_FIELDS}
         values = {**self._plain(cand), **base}
         accumulation = 2 if any(a > 1 for _, a in self.batches) else 1
-        return with_values(self.cfg, values), accumulation, values
+        return self._with(values), accumulation, values
 
     @functools.cached_property
     def cost_model(self) -> torch.nn.Module | None:
@@ -780,9 +778,13 @@ class Search:
 
     def _cfg(self, cand: Candidate) -> RunConfig:
         """The recipe with ``cand``'s values (cached per candidate: a pydantic validation each)."""
-        key = _key(cand.values)
+        return self._with(cand.values)
+
+    def _with(self, values: dict[str, Any]) -> RunConfig:
+        """The recipe with ``values`` of the searched fields (cached: a pydantic validation each)."""
+        key = _key(values)
         if key not in self._cfgs:
-            self._cfgs[key] = with_values(self.cfg, cand.values)
+            self._cfgs[key] = with_values(self.cfg, values)
         return self._cfgs[key]
 
     def _trace_key(self, cfg: RunConfig, accumulation: int) -> str:
