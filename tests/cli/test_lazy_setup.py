@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -152,7 +153,9 @@ def test_the_heavy_commands_import_their_libraries_in_the_block():
     assert found["seen"] == [[False, True]]  # torch and the rest were first imported inside it
 
 
-def test_transformers_reads_its_model_folders_once_with_the_same_structure():
+def test_transformers_scans_its_model_folders_once_per_installation_with_the_same_structure(tmp_path) -> None:
+    """Plain, transformers scans its ~570 model folders twice per process (its cache keeps 128);
+    set up, once, and a later process reads the scan from the store (no folder scanned)."""
     code = """
         import json, sys
         from memtrain import lazy_setup
@@ -164,7 +167,41 @@ def test_transformers_reads_its_model_folders_once_with_the_same_structure():
         info = iu.create_import_structure_from_path.cache_info()
         models = sys.modules["transformers.models"]
         print(json.dumps({"misses": info.misses, "hits": info.hits, "maxsize": info.maxsize,
+                          "stored": getattr(info, "stored", None),
                           "top": sorted(dir(transformers)), "models": sorted(dir(models))}))
+    """
+    env = {**os.environ, "MEMTRAIN_CACHE_DIR": str(tmp_path)}
+
+    def run(how: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), how], capture_output=True,
+                              text=True, timeout=300, check=True, env=env)
+        return json.loads(done.stdout.splitlines()[-1])
+
+    plain, first, later = run("plain"), run("installed"), run("installed")
+    assert plain["maxsize"] == 128 and first["maxsize"] is None
+    assert first["misses"] > 400 and plain["misses"] > 1.8 * first["misses"]  # each folder once
+    assert first["hits"] >= 1 and first["stored"] == 0  # the second scan: the first's, whole
+    assert later["misses"] == 0 and later["stored"] == first["misses"]  # every folder from the store
+    assert len(list(tmp_path.glob("transformers-imports-*.marshal"))) == 1
+    for run_ in (first, later):
+        assert run_["top"] == plain["top"] and run_["models"] == plain["models"]
+    assert len(plain["top"]) > 1000
+
+
+def test_scipy_optimizers_are_imported_when_a_detection_loss_first_calls_one() -> None:
+    code = """
+        import json, sys
+        from memtrain import lazy_setup
+        if sys.argv[1] == "installed":
+            lazy_setup.install()
+        import transformers.modeling_utils  # its loss functions, the detection losses among them
+        from transformers.loss import loss_for_object_detection as detr, loss_rt_detr as rt
+        from transformers.utils import is_scipy_available
+        imported = "scipy.optimize" in sys.modules
+        matched = detr.linear_sum_assignment([[4.0, 1.0, 3.0], [2.0, 0.0, 5.0], [3.0, 2.0, 2.0]])
+        print(json.dumps({"imported": imported, "after": "scipy.optimize" in sys.modules,
+                          "same": detr.linear_sum_assignment is rt.linear_sum_assignment,
+                          "available": is_scipy_available(), "cols": [int(c) for c in matched[1]]}))
     """
     def run(how: str) -> dict:
         done = subprocess.run([sys.executable, "-c", textwrap.dedent(code), how], capture_output=True,
@@ -172,9 +209,6 @@ def test_transformers_reads_its_model_folders_once_with_the_same_structure():
         return json.loads(done.stdout.splitlines()[-1])
 
     plain, installed = run("plain"), run("installed")
-    assert plain["maxsize"] == 128 and installed["maxsize"] is None
-    # the plain import reads each folder twice (its cache keeps 128 of ~570); once installed, once
-    assert installed["misses"] > 400 and plain["misses"] > 1.8 * installed["misses"]
-    assert installed["hits"] > 400  # the second scan's folders, from the first
-    assert installed["top"] == plain["top"] and installed["models"] == plain["models"]
-    assert len(installed["top"]) > 1000
+    assert plain["imported"] and not installed["imported"]  # 0.26 s of every command, not spent
+    assert installed["after"] and installed["available"] and installed["same"]
+    assert installed["cols"] == plain["cols"] == [1, 0, 2]
