@@ -160,3 +160,97 @@ def test_an_estimate_is_the_same_traced_side_by_side(monkeypatch: pytest.MonkeyP
     assert pooled.method == alone.method == "traced 2 and 3 of 8 layers, extrapolated"
     assert (pooled.peak_bytes, pooled.by_category, pooled.by_phase, pooled.parameters) == (
         alone.peak_bytes, alone.by_category, alone.by_phase, alone.parameters)
+
+
+# ------------------------------------------------------------------- kept workers (a planner's search)
+
+
+def test_kept_workers_take_the_next_calls_and_end_with_the_block(two_processes: None) -> None:
+    """Inside the block the worker a call forked runs the next calls' shares (its fake-tensor cache
+    and copied pages kept); it ends, by itself, with the block. Outside, each call forks anew."""
+    with trace_pool.kept_workers():
+        first, second = trace_pool.run_all([_pid] * 4), trace_pool.run_all([_pid] * 4)
+        with trace_pool.kept_workers():  # a nested block shares the outer one's
+            third = trace_pool.run_all([_pid] * 2)
+        kept = list(trace_pool._KEPT or ())
+    assert first[:2] == second[:2] == [PARENT] * 2
+    assert first[2] == second[2] == third[1] != PARENT and len(kept) == 1
+    assert trace_pool._KEPT is None and [w.process.exitcode for w in kept] == [0]  # asked to stop
+    outside = [trace_pool.run_all([_pid] * 2)[1] for _ in range(2)]
+    assert outside[0] != outside[1]
+
+
+@pytest.mark.timeout(60)
+def test_kept_workers_end_at_once_when_one_was_forked_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three processes: the second worker is forked while the first is kept, and inherits the end
+    of the first one's job pipe. Each worker closes what it inherited, so closing this process's
+    end stops every worker (planted: either closing left out -> a worker waits for jobs until
+    killed, exit code -9, after 5 s)."""
+    monkeypatch.setenv(trace_pool.ENV_VAR, "3")
+    if trace_pool.processes(3) < 3:
+        pytest.skip("forked trace workers need Linux")
+    with trace_pool.kept_workers():
+        pids = trace_pool.run_all([_pid] * 3)
+        assert trace_pool.run_all([_pid] * 3) == pids and len(set(pids)) == 3
+        kept = list(trace_pool._KEPT or ())
+        start = time.perf_counter()
+    assert [w.process.exitcode for w in kept] == [0, 0]
+    assert time.perf_counter() - start < 4
+
+
+def test_a_kept_worker_that_dies_is_dropped_and_its_jobs_run_here(two_processes: None) -> None:
+    with trace_pool.kept_workers():
+        worker = trace_pool.run_all([_pid, _pid])[1]
+        assert trace_pool.run_all([_pid, _fails_in_a_worker])[1] == "ran here"  # a job's error
+        assert trace_pool.run_all([_pid, _pid])[1] == worker  # ... leaves its worker kept
+        assert trace_pool.run_all([_pid, _dies_in_a_worker]) == [PARENT, "ran here"]
+        assert trace_pool._KEPT == []
+        again = trace_pool.run_all([_pid, _pid])[1]
+    assert again not in (PARENT, worker)
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_worker_that_hangs_is_killed_and_dropped(two_processes: None,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_pool, "PATIENCE", (1.0, 2.0))
+    with trace_pool.kept_workers():
+        worker = trace_pool.run_all([_pid, _pid])[1]
+        assert trace_pool.run_all([_pid, _hangs_in_a_worker]) == [PARENT, "ran here"]
+        assert trace_pool._KEPT == [] and trace_pool.run_all([_pid, _pid])[1] not in (PARENT, worker)
+
+
+def test_jobs_that_do_not_pickle_get_fresh_workers_inside_the_block(two_processes: None) -> None:
+    def local() -> int:  # a closure: inherited by a fork, never pickled
+        return os.getpid()
+
+    with trace_pool.kept_workers():
+        kept = trace_pool.run_all([_pid, _pid])[1]
+        fresh = trace_pool.run_all([_pid, local])[1]
+        again = trace_pool.run_all([_pid, _pid])[1]
+    assert fresh not in (PARENT, kept) and again == kept
+
+
+def test_a_plan_is_the_same_with_kept_workers(monkeypatch: pytest.MonkeyPatch, two_processes: None) -> None:
+    """The planner's groups of traces, run by kept workers (their jobs pickled), plan as one process
+    does; and they were kept (a later group's shares were handed over, not forked)."""
+    from memtrain.config import load_recipe
+    from memtrain.plan.planner import plan
+
+    handed: list[bool] = []
+    real = trace_pool._handed
+
+    def spied(jobs: list, shares: list) -> list:
+        found = real(jobs, shares)
+        handed.append(any(payload is not None for payload in found))
+        return found
+
+    monkeypatch.setattr(trace_pool, "_handed", spied)
+    cfg = load_recipe("recipes/tiny-llama-shakespeare.yaml", [
+        "model.from_config.num_hidden_layers=6", "data.max_length=64", "training.micro_batch_size=auto",
+        "memory.checkpointing=auto"])
+    pooled = plan(cfg, "160MiB", device="cpu")
+    monkeypatch.setenv(trace_pool.ENV_VAR, "1")
+    alone = plan(cfg, "160MiB", device="cpu")
+    assert True in handed  # a group after the first went to the kept worker
+    assert [(c.label(), c.peak, c.seconds) for c in (pooled.chosen, *pooled.alternatives)] == [
+        (c.label(), c.peak, c.seconds) for c in (alone.chosen, *alone.alternatives)]
