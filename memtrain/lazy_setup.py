@@ -107,41 +107,33 @@ class _Finder(importlib.abc.MetaPathFinder):
         if name in LAZY:
             spec.loader = importlib.util.LazyLoader(spec.loader)
         elif name in AFTER:
-            spec.loader = _ThenLoader(spec.loader, _set_up)
+            spec.loader = _AroundLoader(spec.loader, then=_set_up)
         elif name in WITHIN:
-            spec.loader = _WithinLoader(spec.loader, _within(name))
+            spec.loader = _AroundLoader(spec.loader, within=functools.partial(_within, name))
         else:
             spec.loader = _CompileDeferringLoader(spec.loader)
         return spec
 
 
-class _ThenLoader(importlib.abc.Loader):
-    """Runs a module, then ``then(module)``."""
+class _AroundLoader(importlib.abc.Loader):
+    """Runs a module inside the context ``within()`` makes, then ``then(module)``."""
 
-    def __init__(self, loader: Any, then: Callable[[ModuleType], object]) -> None:
-        self.loader, self.then = loader, then
+    def __init__(self, loader: Any, then: Callable[[ModuleType], object] | None = None,
+                 within: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+                 ) -> None:
+        self.loader, self.then, self.within = loader, then, within
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        self.then(module)
+        with self.within():
+            self.loader.exec_module(module)
+        if self.then is not None:
+            self.then(module)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
-
-
-class _WithinLoader(_ThenLoader):
-    """Runs a module inside a context."""
-
-    def __init__(self, loader: Any, context: contextlib.AbstractContextManager[object]) -> None:
-        super().__init__(loader, lambda module: None)
-        self.context = context
-
-    def exec_module(self, module: ModuleType) -> None:
-        with self.context:
-            self.loader.exec_module(module)
 
 
 def _within(name: str) -> contextlib.AbstractContextManager[object]:
