@@ -62,8 +62,8 @@ WITHIN = ("transformers.loss.loss_utils",)
 
 
 def install() -> None:
-    """Defer the set-up of :data:`COMPILE_DEFERRED` and :data:`LAZY` packages not yet imported, and
-    set up the :data:`AFTER` modules when they are."""
+    """Defer the set-up of :data:`COMPILE_DEFERRED` and :data:`LAZY` packages not yet imported, set
+    up the :data:`AFTER` modules when they are, and run the :data:`WITHIN` ones in their context."""
     wanted = [name for name in (*COMPILE_DEFERRED, *LAZY, *AFTER, *WITHIN) if name not in sys.modules]
     if wanted and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder(wanted))

@@ -146,9 +146,21 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
     host = HostBudget.of(cfg.memory)
     auto = auto_fields(cfg)
     cache = TraceCache() if cache is None else cache
+    length = None
     with kept_workers():  # one set of trace workers for every group the searches trace
-        length, cfg, rows, search, chosen = _search(cfg, target, usable, host, rows, alternatives or tune > 0,
-                                                    cache)
+        if cfg.data.max_length == "auto":  # the length first, then the fastest settings at that length
+            # rows read uncut (not packed: packed rows fill any length) bound the search: no length
+            # past the data's longest row; the search at the chosen length then traces the data's rows
+            # where nothing is cut, the worst case where the length cuts them
+            data_longest = rows.longest if rows is not None and not rows.packed else None
+            length = longest_length(cfg, target, usable, host=host.usable, cache=cache,
+                                    data_longest=data_longest)
+            cfg = with_values(cfg, {"data.max_length": length.chosen})
+            if data_longest is None or length.chosen < data_longest:
+                rows = None
+        search = Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives or tune > 0,
+                        cache=cache)
+        chosen = search.run()
     fits = sorted((c for c in search.done if c.seconds < math.inf and c is not chosen),
                   key=lambda c: c.seconds)
     rejected = [c for c in search.done + search.pruned if c.seconds == math.inf]
@@ -175,24 +187,6 @@ def plan(cfg: RunConfig, budget: str | int | None = None, *, device: str | None 
         chosen, fits = tune_choice(cfg, search, [chosen, *fits], tune)
     return Plan(total, usable, target, auto, chosen, fits, rejected, search.rates.source,
                 time.perf_counter() - start, host, length, batch_notes(cfg, chosen))
-
-
-def _search(cfg: RunConfig, target: str, usable: int, host: HostBudget, rows: Rows | None,
-            alternatives: bool, cache: TraceCache
-            ) -> tuple[LengthSearch | None, RunConfig, Rows | None, Search, Candidate | None]:
-    """:func:`plan`'s searches: the length (``data.max_length: auto``), then the settings at it."""
-    length = None
-    if cfg.data.max_length == "auto":  # the length first, then the fastest settings at that length
-        # rows read uncut (not packed: packed rows fill any length) bound the search: no length
-        # past the data's longest row; the search at the chosen length then traces the data's rows
-        # where nothing is cut, the worst case where the length cuts them
-        data_longest = rows.longest if rows is not None and not rows.packed else None
-        length = longest_length(cfg, target, usable, host=host.usable, cache=cache, data_longest=data_longest)
-        cfg = with_values(cfg, {"data.max_length": length.chosen})
-        if data_longest is None or length.chosen < data_longest:
-            rows = None
-    search = Search(cfg, target, usable, rows=rows, host=host, alternatives=alternatives, cache=cache)
-    return length, cfg, rows, search, search.run()
 
 
 def batch_notes(cfg: RunConfig, chosen: Candidate) -> list[str]:
