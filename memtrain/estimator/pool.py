@@ -87,11 +87,12 @@ class _Worker:
     results: Connection
     jobs: Connection | None = None
 
-    def end(self) -> None:
-        """Stop it: asked to (its job pipe closed), else killed."""
+    def end(self, ask: bool = True) -> None:
+        """Stop it: a kept worker is asked to (its job pipe closed) where ``ask``, else killed."""
         if self.jobs is not None:
             self.jobs.close()  # the worker reads the end of its jobs and returns
-            self.process.join(timeout=5.0)
+            if ask:
+                self.process.join(timeout=5.0)
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
@@ -195,10 +196,7 @@ def run_all(jobs: Sequence[Callable[[], T]], cuda: bool = False) -> list[T]:
                 continue  # kept for the next call
             if _KEPT is not None:  # dead, hung or left unread: not to be trusted again
                 _KEPT[:] = [w for w in _KEPT if w is not worker]
-            if worker.jobs is not None:
-                worker.jobs.close()
-                worker.jobs = None  # killed, not asked to stop
-            worker.end()
+            worker.end(ask=False)
     return [results[i] for i in range(len(jobs))]
 
 
